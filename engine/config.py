@@ -1,0 +1,87 @@
+"""The engine's configuration: one validated pydantic model.
+
+The service's settings hold this as a nested model; the CLI builds it from
+flags. Geometry that depends on the model (layers, heads, tokens per latent
+frame) is *not* here: it is derived from the model config (see KVSpec).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from engine.models.presets import get_preset
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+# Wan's VAE compresses 8x in space and the DiT patches 2x2 on top: 16-pixel alignment.
+PIXEL_ALIGNMENT = 16
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to build its model, pools and scheduler."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    preset: Literal["tiny", "wan2.1-1.3b"] = "tiny"
+    model_dir: Path | None = Field(default=None, description="local diffusers-layout model directory")
+    device: str = "cpu"
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
+    width: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048)
+    fps: int = Field(default=16, ge=1, le=60)
+    frames_per_block: int = Field(default=3, ge=1, le=16, description="latent frames per AR block")
+    timesteps: list[float] = Field(default_factory=lambda: [1000.0, 750.0, 500.0, 250.0], min_length=1, max_length=50)
+    shift: float = Field(default=5.0, gt=0)
+    sink_frames: int = Field(default=3, ge=0, le=64, description="first committed latent frames kept forever")
+    window_frames: int = Field(default=15, ge=1, le=256, description="most recent committed frames kept besides the sink")
+    guidance_scale: float = Field(default=1.0, ge=1.0, le=20.0, description="CFG scale; > 1 runs a cond and an uncond KV branch")
+    max_sessions: int = Field(default=4, ge=1, le=256)
+    kv_memory_budget_bytes: int | None = Field(
+        default=None, ge=1, description="bytes for per-session state; None: max_sessions decides"
+    )
+    seed: int = Field(default=0, ge=0, description="weight seed for random-weight presets")
+    output_queue_chunks: int = Field(default=4, ge=1, le=64, description="per-session decoded chunks held for a slow consumer")
+    step_mode: Literal["grouped", "stepwise"] = "grouped"
+
+    @field_validator("timesteps")
+    @classmethod
+    def _timesteps_descending(cls, value: list[float]) -> list[float]:
+        if any(not 0 < t <= 1000 for t in value):
+            raise ValueError("timesteps must lie in (0, 1000]")
+        if any(a <= b for a, b in zip(value, value[1:])):
+            raise ValueError("timesteps must be strictly descending")
+        return value
+
+    @model_validator(mode="after")
+    def _check_size(self) -> "EngineConfig":
+        for name in ("height", "width"):
+            value = getattr(self, name)
+            if value is not None and value % PIXEL_ALIGNMENT:
+                raise ValueError(f"{name}={value} must be a multiple of {PIXEL_ALIGNMENT}")
+        if self.dtype != "float32" and not self.device.startswith("cuda"):
+            raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
+        return self
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def resolved_height(self) -> int:
+        return self.height or get_preset(self.preset).height
+
+    @property
+    def resolved_width(self) -> int:
+        return self.width or get_preset(self.preset).width
+
+    @property
+    def kv_branch_names(self) -> tuple[str, ...]:
+        return ("cond", "uncond") if self.guidance_scale > 1.0 else ("cond",)

@@ -1,0 +1,145 @@
+"""One session's KV handle: the only view of the cache a model call gets."""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.kv_cache.block_table import BranchBlockTable
+
+if TYPE_CHECKING:
+    from engine.kv_cache.manager import KVCacheManager
+
+
+class SessionKVState:
+    """Self-attention blocks per KV branch plus named cross-attention caches.
+
+    Contracts:
+    * lengths are frame-aligned: a forward covers whole latent frames;
+    * a forward stages the current block's K/V; :meth:`commit` copies it into
+      blocks only after the forward succeeded, so a failure leaves nothing half
+      written;
+    * :meth:`clear_cross_attention` drops text K/V but keeps self-KV (prompt change);
+    * :meth:`reset` can keep named cross caches; :meth:`close` releases everything
+      and is idempotent.
+    """
+
+    def __init__(self, manager: "KVCacheManager", session_id: str, tables: dict[str, BranchBlockTable]) -> None:
+        self.manager = manager
+        self.session_id = session_id
+        self.tables = tables
+        self.closed = False
+
+    @property
+    def spec(self):
+        return self.manager.spec
+
+    @property
+    def branch_names(self) -> tuple[str, ...]:
+        return tuple(self.tables)
+
+    def table(self, branch: str) -> BranchBlockTable:
+        if self.closed:
+            raise RuntimeError(f"KV state of session {self.session_id!r} is closed")
+        try:
+            return self.tables[branch]
+        except KeyError:
+            raise KeyError(f"unknown KV branch {branch!r}; expected one of {self.branch_names}") from None
+
+    # --- self-attention -------------------------------------------------
+    def history(self, branch: str) -> tuple[torch.Tensor | None, int]:
+        """(block ids on the device or None, number of history frames) for one branch."""
+        table = self.table(branch)
+        if table.num_resident == 0:
+            return None, 0
+        return table.history_ids_tensor(), table.num_resident
+
+    def resident_block_ids(self, branch: str) -> list[int]:
+        return self.table(branch).history_block_ids()
+
+    def num_resident_blocks(self, branch: str) -> int:
+        return self.table(branch).num_resident
+
+    def committed_frames(self, branch: str) -> int:
+        return self.table(branch).committed_frames
+
+    def staging(self, branch: str) -> torch.Tensor:
+        """``[layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]`` written by a commit forward."""
+        self.table(branch)
+        return self.manager.staging_for(branch)
+
+    def commit(self, branch: str, num_frames: int) -> None:
+        """Move ``num_frames`` staged frames into blocks (evicting old window frames)."""
+        table = self.table(branch)
+        if not 0 < num_frames <= self.spec.frames_per_block:
+            raise ValueError(f"commit of {num_frames} frames; a block has {self.spec.frames_per_block}")
+        block_ids = [table.append_frame() for _ in range(num_frames)]
+        self._write_blocks(branch, block_ids)
+
+    def overwrite(self, branch: str, block_ids: list[int]) -> None:
+        """Replace resident blocks' K/V in place from staging (prompt recache)."""
+        resident = set(self.table(branch).history_block_ids())
+        if not set(block_ids) <= resident:
+            raise ValueError("overwrite targets blocks this branch does not hold")
+        self._write_blocks(branch, block_ids)
+
+    def _write_blocks(self, branch: str, block_ids: list[int]) -> None:
+        spec = self.spec
+        staged = self.manager.staging_for(branch)[:, :, : len(block_ids) * spec.tokens_per_frame]
+        staged = staged.unflatten(2, (len(block_ids), spec.tokens_per_frame))
+        index = torch.tensor(block_ids, dtype=torch.long, device=staged.device)
+        self.manager.block_pool.storage.index_copy_(2, index, staged)
+
+    # --- cross-attention ------------------------------------------------
+    def is_cross_populated(self, branch: str, name: str) -> bool:
+        self.table(branch)
+        return self.manager.cross_cache.is_populated(self.session_id, branch, name)
+
+    def populate_cross(self, branch: str, name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.table(branch)
+        self.manager.cross_cache.populate(self.session_id, branch, name, layer_kv)
+
+    def read_cross(self, branch: str, name: str) -> torch.Tensor:
+        self.table(branch)
+        return self.manager.cross_cache.read(self.session_id, branch, name)
+
+    def clear_cross_attention(self) -> None:
+        """Invalidate text K/V, keeping every self-attention block (soft prompt switch)."""
+        if self.closed:
+            raise RuntimeError(f"KV state of session {self.session_id!r} is closed")
+        self.manager.cross_cache.release(self.session_id)
+
+    # --- lifetime -------------------------------------------------------
+    def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
+        """Release every block (and cross caches not kept); the session starts over."""
+        if self.closed:
+            raise RuntimeError(f"KV state of session {self.session_id!r} is closed")
+        unknown = set(keep_cross_attention) - set(self.spec.cross_attention_lengths)
+        if unknown:
+            raise KeyError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
+        for table in self.tables.values():
+            table.release()
+        self.manager.cross_cache.release(self.session_id, keep=keep_cross_attention)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        for table in self.tables.values():
+            table.release()
+        self.manager.cross_cache.release(self.session_id)
+        self.manager._forget(self.session_id)
+        self.closed = True
+
+    def nbytes(self) -> int:
+        """Bytes this session holds now: its resident blocks and published cross caches."""
+        spec = self.spec
+        blocks = sum(t.num_resident for t in self.tables.values()) * spec.block_bytes
+        cross = sum(
+            spec.cross_cache_bytes(name)
+            for branch in self.tables
+            for name in spec.cross_attention_lengths
+            if self.manager.cross_cache.is_populated(self.session_id, branch, name)
+        )
+        return blocks + cross

@@ -1,0 +1,117 @@
+"""Attention processors for diffusers' WanAttention modules.
+
+Self-attention reads the session's history K/V from paged blocks and attends
+over ``history | current block``; the keys are stored *unrotated* and rotated at
+attention time with their position in that context, which is what keeps every
+position inside the trained rotary range for sessions of any length. Cross
+attention reads text K/V projected once per prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.rope import apply_rotary
+
+
+@dataclass
+class SelfAttentionContext:
+    """What every self-attention layer of one forward reads and writes.
+
+    ::
+
+        keys:    | history frames (from pool blocks) | current frames |
+        rotary:  0 ........................................... S_k - 1
+        queries:                                    | current frames |
+    """
+
+    cos: torch.Tensor  # [S_k, 1, head_dim // 2] for key positions 0..S_k-1
+    sin: torch.Tensor
+    pool: torch.Tensor | None = None  # [layers, 2, blocks, tokens_per_frame, heads, head_dim]
+    history_ids: torch.Tensor | None = None  # [history frames] block ids, oldest first
+    stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]: current K/V goes here
+    attn_mask: torch.Tensor | None = None  # dense reference path only: [S_q, S_k] bool
+
+
+def _heads(attn, x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(2, (attn.heads, -1))
+
+
+def _attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask=None) -> torch.Tensor:
+    out = F.scaled_dot_product_attention(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask
+    )
+    out = out.transpose(1, 2).flatten(2, 3).type_as(query)
+    return attn.to_out[1](attn.to_out[0](out))
+
+
+class PagedSelfAttentionProcessor:
+    """Self-attention over paged history plus the current block."""
+
+    def __init__(self, layer_index: int) -> None:
+        self.layer_index = layer_index
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        rotary_emb=None,
+        *,
+        context: SelfAttentionContext,
+    ) -> torch.Tensor:
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
+        value = _heads(attn, attn.to_v(hidden_states))
+        layer = self.layer_index
+        if context.stage is not None:
+            # Unrotated, as stored: positions are assigned when the block is read back.
+            context.stage[layer, 0, : key.shape[1]].copy_(key[0])
+            context.stage[layer, 1, : value.shape[1]].copy_(value[0])
+        if context.history_ids is not None:
+            history = context.pool[layer].index_select(1, context.history_ids)  # [2, n, T, H, D]
+            key = torch.cat([history[0].flatten(0, 1).unsqueeze(0).expand(key.shape[0], -1, -1, -1), key], dim=1)
+            value = torch.cat([history[1].flatten(0, 1).unsqueeze(0).expand(value.shape[0], -1, -1, -1), value], dim=1)
+        num_keys, num_queries = key.shape[1], query.shape[1]
+        if context.cos.shape[0] != num_keys:
+            raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {num_keys}")
+        offset = num_keys - num_queries
+        query = apply_rotary(query, context.cos[offset:], context.sin[offset:])
+        key = apply_rotary(key, context.cos, context.sin)
+        return _attend(attn, query, key, value, context.attn_mask)
+
+
+class CachedCrossAttentionProcessor:
+    """Cross-attention to text K/V that were projected once per prompt."""
+
+    def __init__(self, layer_index: int) -> None:
+        self.layer_index = layer_index
+
+    def __call__(
+        self,
+        attn,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states=None,
+        attention_mask=None,
+        rotary_emb=None,
+        *,
+        cross_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """``cross_kv``: ``[layers, 2, text_len, heads, head_dim]`` (batch 1) or ``[B, layers, 2, ...]``."""
+        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        layer_kv = cross_kv[self.layer_index] if cross_kv.ndim == 5 else cross_kv[:, self.layer_index]
+        if layer_kv.ndim == 4:
+            layer_kv = layer_kv.unsqueeze(0)
+        key, value = layer_kv[:, 0], layer_kv[:, 1]
+        return _attend(attn, query, key.expand(query.shape[0], -1, -1, -1), value.expand(query.shape[0], -1, -1, -1))
+
+
+def project_cross_kv(attn, context_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text K/V of one layer as diffusers' Wan processor computes them: ``[B, text_len, heads, head_dim]``."""
+    key = _heads(attn, attn.norm_k(attn.to_k(context_states)))
+    value = _heads(attn, attn.to_v(context_states))
+    return key, value

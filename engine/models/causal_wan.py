@@ -1,0 +1,134 @@
+"""A diffusers ``WanTransformer3DModel`` run block-causally over paged KV.
+
+The modules (patch embedding, condition embedder, transformer blocks, output
+norm and projection) are diffusers' own; what this file owns is the forward:
+per-frame timesteps, rotary positions that start where the history ends, and
+attention processors that read the session's cache. Model code never sees
+sessions, sockets or queues: it gets tensors and a :class:`SelfAttentionContext`.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers import WanTransformer3DModel
+
+from engine.models.attention import (
+    CachedCrossAttentionProcessor,
+    PagedSelfAttentionProcessor,
+    SelfAttentionContext,
+    project_cross_kv,
+)
+from engine.models.rope import FrameRotaryEmbedding
+
+
+class CausalWanTransformer(torch.nn.Module):
+    """Block-causal forward of a Wan2.1-family DiT at one frame size."""
+
+    def __init__(self, transformer: WanTransformer3DModel, *, latent_height: int, latent_width: int) -> None:
+        super().__init__()
+        config = transformer.config
+        p_t, p_h, p_w = config.patch_size
+        if p_t != 1:
+            raise ValueError("causal streaming needs a temporal patch size of 1 (one latent frame per KV block)")
+        if latent_height % p_h or latent_width % p_w:
+            raise ValueError(f"latent {latent_height}x{latent_width} is not divisible by the patch {p_h}x{p_w}")
+        if config.image_dim is not None or config.added_kv_proj_dim is not None:
+            raise ValueError("image-conditioned Wan variants are not supported by the causal pipeline")
+        self.transformer = transformer
+        self.patch_rows = latent_height // p_h
+        self.patch_cols = latent_width // p_w
+        self.num_layers = len(transformer.blocks)
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.attention_head_dim
+        self.inner_dim = self.num_heads * self.head_dim
+        self.rope = FrameRotaryEmbedding(self.head_dim, self.patch_rows, self.patch_cols, config.rope_max_seq_len)
+        for index, block in enumerate(transformer.blocks):
+            block.attn1.set_processor(PagedSelfAttentionProcessor(index))
+            block.attn2.set_processor(CachedCrossAttentionProcessor(index))
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.patch_rows * self.patch_cols
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.patch_embedding.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.patch_embedding.weight.device
+
+    @torch.no_grad()
+    def project_text(self, text_embeddings: torch.Tensor) -> torch.Tensor:
+        """Per-layer text K/V: ``[B, layers, 2, text_len, heads, head_dim]`` from ``[B, text_len, text_dim]``."""
+        states = self.transformer.condition_embedder.text_embedder(text_embeddings.to(self.device, self.dtype))
+        layers = [torch.stack(project_cross_kv(block.attn2, states), dim=1) for block in self.transformer.blocks]
+        return torch.stack(layers, dim=1)
+
+    def rotary(self, num_key_frames: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rope.for_frames(num_key_frames, self.device)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        latents: torch.Tensor,
+        frame_timesteps: torch.Tensor,
+        context: SelfAttentionContext,
+        cross_kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """Predict the flow for ``latents [B, C, F, h, w]`` at one timestep per frame ``[B, F]``.
+
+        Every token of a frame gets that frame's timestep (the per-token
+        timestep of diffusers' Wan2.2 path, computed once per frame).
+        """
+        model = self.transformer
+        batch, _, frames, height, width = latents.shape
+        p_t, p_h, p_w = model.config.patch_size
+        rows, cols = height // p_h, width // p_w
+        if (rows, cols) != (self.patch_rows, self.patch_cols):
+            raise ValueError(f"latent size {height}x{width} does not match the model's {self.patch_rows * p_h}x{self.patch_cols * p_w}")
+        tokens = rows * cols
+        hidden = model.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
+
+        embedder = model.condition_embedder
+        t_freq = embedder.timesteps_proj(frame_timesteps.reshape(-1).float())
+        time_dtype = next(iter(embedder.time_embedder.parameters())).dtype
+        temb = embedder.time_embedder(t_freq.to(time_dtype)).to(hidden.dtype)  # [B*F, dim]
+        modulation = embedder.time_proj(embedder.act_fn(temb)).view(batch, frames, 1, 6, self.inner_dim)
+        temb = temb.view(batch, frames, 1, self.inner_dim)
+
+        for block in model.blocks:
+            hidden = _run_block(block, hidden, modulation, frames, tokens, context, cross_kv)
+
+        shift, scale = (model.scale_shift_table.view(1, 1, 2, -1) + temb).chunk(2, dim=2)  # [B, F, 1, dim]
+        normed = model.norm_out(hidden.float()).view(batch, frames, tokens, -1)
+        hidden = (normed * (1 + scale) + shift).flatten(1, 2).type_as(hidden)
+        hidden = model.proj_out(hidden)
+        hidden = hidden.reshape(batch, frames, rows, cols, p_t, p_h, p_w, -1)
+        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+
+
+def _run_block(block, hidden, modulation, frames, tokens, context, cross_kv):
+    """diffusers' ``WanTransformerBlock.forward`` with modulation broadcast per frame, not per token.
+
+    Same arithmetic as the per-token path (each token gets its frame's values),
+    without materialising ``[tokens, 6, dim]`` per layer.
+    """
+    batch, seq, dim = hidden.shape
+    mod = (block.scale_shift_table.view(1, 1, 6, dim) + modulation.float()).squeeze(2)  # [B, F, 6, dim]
+    shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m.unsqueeze(2) for m in mod.unbind(2))
+
+    def per_frame(x):
+        return x.view(batch, frames, tokens, dim)
+
+    normed = (per_frame(block.norm1(hidden.float())) * (1 + scale_msa) + shift_msa).view(batch, seq, dim)
+    attn_out = block.attn1(normed.type_as(hidden), context=context)
+    hidden = (per_frame(hidden.float()) + per_frame(attn_out) * gate_msa).view(batch, seq, dim).type_as(hidden)
+
+    normed = block.norm2(hidden.float()).type_as(hidden)
+    hidden = hidden + block.attn2(normed, cross_kv=cross_kv)
+
+    normed = (per_frame(block.norm3(hidden.float())) * (1 + c_scale) + c_shift).view(batch, seq, dim)
+    ff_out = block.ffn(normed.type_as(hidden))
+    return (per_frame(hidden.float()) + per_frame(ff_out.float()) * c_gate).view(batch, seq, dim).type_as(hidden)

@@ -1,0 +1,271 @@
+"""The AR block loop (Self-Forcing / CausVid semantics) over a session's paged KV.
+
+One block of ``frames_per_block`` latent frames::
+
+    x ← ε₀                                   (σ₀ = 1)
+    for i, σ in enumerate(σs):               (4 forwards)
+        v  ← model(x, t = 1000·σ)
+        x0 ← x − σ·v
+        x  ← (1 − σᵢ₊₁)·x0 + σᵢ₊₁·εᵢ₊₁       (not after the last step; fresh ε)
+    model(x0, t = 0) → stage K/V → commit   (1 forward: the block's clean K/V)
+
+The pipeline holds no session table: the runner passes a session's KV state
+and progress to every call, which is the binding.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from engine.kv_cache import KVSpec, SessionKVState
+from engine.models.attention import SelfAttentionContext
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.text_encoder import TextEncoder
+
+PromptPolicy = Literal["soft", "recache", "reset"]
+TEXT_CACHE = "text"
+PROMPT_EMBEDDING_CACHE_SIZE = 64
+
+
+@dataclass
+class SessionProgress:
+    """Model-owned state of one session: RNG, conditioning, the block in flight, resident clean latents."""
+
+    seed: int
+    generator: torch.Generator
+    prompt: str
+    negative_prompt: str
+    text: dict[str, torch.Tensor]  # branch -> [1, text_len, text_dim]
+    block_index: int = 0
+    step_index: int = 0  # 0..num_steps-1: denoise steps; num_steps: the commit pass
+    latents: torch.Tensor | None = None  # x_t of the block in flight, float32
+    clean: torch.Tensor | None = None  # x0 of the block in flight, float32
+    # Clean latents of the frames whose K/V are resident, in history order (for recache).
+    sink_latents: list[torch.Tensor] = field(default_factory=list)
+    window_latents: deque = field(default_factory=deque)
+
+    def resident_latents(self) -> list[torch.Tensor]:
+        return self.sink_latents + list(self.window_latents)
+
+
+class CausalWanPipeline:
+    """Runs AR blocks of a :class:`CausalWanTransformer` with paged sink + window KV."""
+
+    def __init__(
+        self,
+        transformer: CausalWanTransformer,
+        text_encoder: TextEncoder,
+        *,
+        sigmas: list[float],
+        frames_per_block: int,
+        sink_frames: int,
+        window_frames: int,
+        guidance_scale: float = 1.0,
+    ) -> None:
+        if not sigmas or sigmas[0] != 1.0:
+            raise ValueError("the first σ must be 1 (a block starts from pure noise)")
+        self.transformer = transformer
+        self.text_encoder = text_encoder
+        self.sigmas = list(sigmas)
+        self.frames_per_block = frames_per_block
+        self.sink_frames = sink_frames
+        self.window_frames = window_frames
+        self.guidance_scale = guidance_scale
+        self.branch_names: tuple[str, ...] = ("cond", "uncond") if guidance_scale > 1.0 else ("cond",)
+        config = transformer.transformer.config
+        p_t, p_h, p_w = config.patch_size
+        self.latent_shape = (
+            1,
+            config.in_channels,
+            frames_per_block,
+            transformer.patch_rows * p_h,
+            transformer.patch_cols * p_w,
+        )
+        self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()
+
+    # --- what the runner needs to build pools ---------------------------
+    @property
+    def num_steps(self) -> int:
+        return len(self.sigmas)
+
+    def kv_spec(self) -> KVSpec:
+        t = self.transformer
+        _, channels, frames, height, width = self.latent_shape
+        frame_bytes = channels * height * width * 4
+        # resident clean latents + x, x0 and one noise draw of the block in flight
+        model_state = (self.sink_frames + self.window_frames + 3 * frames) * frame_bytes
+        return KVSpec(
+            num_layers=t.num_layers,
+            num_kv_heads=t.num_heads,
+            head_dim=t.head_dim,
+            tokens_per_frame=t.tokens_per_frame,
+            frames_per_block=self.frames_per_block,
+            sink_frames=self.sink_frames,
+            window_frames=self.window_frames,
+            branch_names=self.branch_names,
+            cross_attention_lengths={TEXT_CACHE: self.text_encoder.text_len},
+            model_state_bytes=model_state,
+            dtype=t.dtype,
+        )
+
+    # --- conditioning -----------------------------------------------------
+    def embed(self, prompt: str) -> torch.Tensor:
+        """Text embeddings of one prompt, cached (bounded LRU)."""
+        cached = self._embeddings.get(prompt)
+        if cached is None:
+            cached = self.text_encoder.encode([prompt])
+            self._embeddings[prompt] = cached
+            if len(self._embeddings) > PROMPT_EMBEDDING_CACHE_SIZE:
+                self._embeddings.popitem(last=False)
+        else:
+            self._embeddings.move_to_end(prompt)
+        return cached
+
+    def _texts(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
+        texts = {"cond": self.embed(prompt)}
+        if "uncond" in self.branch_names:
+            texts["uncond"] = self.embed(negative_prompt)
+        return texts
+
+    def new_progress(self, seed: int, prompt: str, negative_prompt: str = "") -> SessionProgress:
+        return SessionProgress(
+            seed=seed,
+            generator=torch.Generator().manual_seed(seed),
+            prompt=prompt,
+            negative_prompt=negative_prompt,
+            text=self._texts(prompt, negative_prompt),
+        )
+
+    def set_prompt(
+        self, kv: SessionKVState, progress: SessionProgress, prompt: str, negative_prompt: str, policy: PromptPolicy
+    ) -> None:
+        """Switch conditioning for the next block; self-KV is kept (``soft``) or recomputed (``recache``).
+
+        ``reset`` is not handled here: it restarts the whole session, which is
+        the runner's release path.
+        """
+        if policy not in ("soft", "recache"):
+            raise ValueError(f"set_prompt handles 'soft' and 'recache', not {policy!r}")
+        old = progress.text
+        progress.prompt, progress.negative_prompt = prompt, negative_prompt
+        progress.text = self._texts(prompt, negative_prompt)
+        kv.clear_cross_attention()
+        if policy == "recache":
+            changed = [b for b in self.branch_names if not torch.equal(old[b], progress.text[b])]
+            self.recache(kv, progress, changed)
+
+    def _cross_kv(self, kv: SessionKVState, progress: SessionProgress, branch: str) -> torch.Tensor:
+        if not kv.is_cross_populated(branch, TEXT_CACHE):
+            projected = self.transformer.project_text(progress.text[branch])[0]  # [layers, 2, len, H, D]
+            kv.populate_cross(branch, TEXT_CACHE, ((layer[0], layer[1]) for layer in projected))
+        return kv.read_cross(branch, TEXT_CACHE)
+
+    # --- the block loop ---------------------------------------------------
+    def _forward(
+        self,
+        kv: SessionKVState,
+        progress: SessionProgress,
+        branch: str,
+        latents: torch.Tensor,
+        timestep: float,
+        *,
+        stage: bool,
+    ) -> torch.Tensor:
+        history_ids, history_frames = kv.history(branch)
+        frames = latents.shape[2]
+        cos, sin = self.transformer.rotary(history_frames + frames)
+        context = SelfAttentionContext(
+            cos=cos,
+            sin=sin,
+            pool=kv.manager.block_pool.storage,
+            history_ids=history_ids,
+            stage=kv.staging(branch) if stage else None,
+        )
+        frame_timesteps = torch.full((1, frames), float(timestep), device=self.transformer.device)
+        cross_kv = self._cross_kv(kv, progress, branch)
+        return self.transformer(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
+
+    def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: torch.Tensor, timestep: float) -> torch.Tensor:
+        cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
+        if "uncond" not in self.branch_names:
+            return cond
+        uncond = self._forward(kv, progress, "uncond", latents, timestep, stage=False).float()
+        return uncond + self.guidance_scale * (cond - uncond)
+
+    def _noise(self, progress: SessionProgress) -> torch.Tensor:
+        # Drawn on the CPU from the session's generator: the same frames on any device.
+        return torch.randn(self.latent_shape, generator=progress.generator).to(self.transformer.device)
+
+    def step(self, kv: SessionKVState, progress: SessionProgress) -> torch.Tensor | None:
+        """Advance the session's block by one forward; return the block's clean latents after its commit."""
+        index = progress.step_index
+        if index < self.num_steps:
+            if index == 0:
+                progress.latents = self._noise(progress)
+            sigma = self.sigmas[index]
+            flow = self._flow(kv, progress, progress.latents, 1000.0 * sigma)
+            progress.clean = progress.latents - sigma * flow
+            if index + 1 < self.num_steps:
+                next_sigma = self.sigmas[index + 1]
+                progress.latents = (1.0 - next_sigma) * progress.clean + next_sigma * self._noise(progress)
+            progress.step_index += 1
+            return None
+        clean = progress.clean
+        for branch in self.branch_names:
+            self._forward(kv, progress, branch, clean, 0.0, stage=True)
+        # Every branch's forward succeeded: only now does anything enter the cache.
+        for branch in self.branch_names:
+            kv.commit(branch, clean.shape[2])
+        self._remember_clean(progress, clean)
+        progress.block_index += 1
+        progress.step_index = 0
+        progress.latents = None
+        progress.clean = None
+        return clean
+
+    def run_block(self, kv: SessionKVState, progress: SessionProgress) -> torch.Tensor:
+        """All remaining steps of the current block (grouped execution); same result as stepping."""
+        while True:
+            clean = self.step(kv, progress)
+            if clean is not None:
+                return clean
+
+    def _remember_clean(self, progress: SessionProgress, clean: torch.Tensor) -> None:
+        for frame in clean.split(1, dim=2):
+            if len(progress.sink_latents) < self.sink_frames:
+                progress.sink_latents.append(frame)
+            else:
+                if len(progress.window_latents) == self.window_frames:
+                    progress.window_latents.popleft()
+                progress.window_latents.append(frame)
+
+    def recache(self, kv: SessionKVState, progress: SessionProgress, branches: list[str] | None = None) -> None:
+        """Recompute resident K/V under the current prompt (LongLive's recache), in place.
+
+        The resident frames are re-run block-causally in groups of
+        ``frames_per_block`` at t = 0, at the same context positions they hold
+        now, each group attending to the already recomputed groups before it.
+        """
+        frames = progress.resident_latents()
+        group = self.frames_per_block
+        for branch in branches if branches is not None else self.branch_names:
+            block_ids = kv.resident_block_ids(branch)
+            if len(block_ids) != len(frames):
+                raise RuntimeError("resident latents and KV blocks disagree; session state is corrupt")
+            for start in range(0, len(block_ids), group):
+                targets = block_ids[start : start + group]
+                latents = torch.cat(frames[start : start + group], dim=2).to(self.transformer.device)
+                history = None
+                if start:
+                    history = torch.tensor(block_ids[:start], dtype=torch.long, device=self.transformer.device)
+                cos, sin = self.transformer.rotary(start + len(targets))
+                context = SelfAttentionContext(
+                    cos=cos, sin=sin, pool=kv.manager.block_pool.storage, history_ids=history, stage=kv.staging(branch)
+                )
+                timesteps = torch.zeros((1, len(targets)), device=self.transformer.device)
+                self.transformer(latents, timesteps, context, self._cross_kv(kv, progress, branch))
+                kv.overwrite(branch, targets)

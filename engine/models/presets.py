@@ -1,0 +1,100 @@
+"""Model presets: the module configs each preset builds, and its default frame size.
+
+Geometry (layers, heads, tokens per latent frame) is derived from these configs
+everywhere else; nothing downstream writes those numbers as literals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# The embedded default: the same architecture class as Wan2.1 at toy size, so it
+# runs live on a 2-core CPU. Random weights from a seed: it produces abstract
+# video, not content.
+TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 2,
+    "attention_head_dim": 32,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 32,
+    "freq_dim": 32,
+    "ffn_dim": 128,
+    "num_layers": 2,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+
+# diffusers AutoencoderKLWan at toy size: 8x spatial, 4x temporal compression.
+TINY_VAE_CONFIG: dict[str, Any] = {
+    "base_dim": 8,
+    "z_dim": 16,
+    "dim_mult": [1, 2, 4, 4],
+    "num_res_blocks": 1,
+    "attn_scales": [],
+    "temperal_downsample": [False, True, True],
+}
+
+# Wan2.1-T2V-1.3B geometry (random weights unless a model directory is given).
+WAN_1_3B_TRANSFORMER_CONFIG: dict[str, Any] = {
+    "patch_size": (1, 2, 2),
+    "num_attention_heads": 12,
+    "attention_head_dim": 128,
+    "in_channels": 16,
+    "out_channels": 16,
+    "text_dim": 4096,
+    "freq_dim": 256,
+    "ffn_dim": 8960,
+    "num_layers": 30,
+    "cross_attn_norm": True,
+    "qk_norm": "rms_norm_across_heads",
+    "eps": 1e-6,
+    "rope_max_seq_len": 1024,
+}
+
+# diffusers' AutoencoderKLWan defaults are the Wan2.1 VAE.
+WAN_2_1_VAE_CONFIG: dict[str, Any] = {}
+
+
+@dataclass(frozen=True)
+class ModelPreset:
+    """What a preset builds and the frame size it runs at unless told otherwise."""
+
+    name: str
+    transformer_config: dict[str, Any]
+    vae_config: dict[str, Any]
+    height: int
+    width: int
+    text_len: int = 512
+    notes: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+PRESETS: dict[str, ModelPreset] = {
+    "tiny": ModelPreset(
+        name="tiny",
+        transformer_config=TINY_TRANSFORMER_CONFIG,
+        vae_config=TINY_VAE_CONFIG,
+        height=144,
+        width=256,
+        notes="toy-size Wan2.1-class model with seeded random weights: abstract video, not content",
+    ),
+    "wan2.1-1.3b": ModelPreset(
+        name="wan2.1-1.3b",
+        transformer_config=WAN_1_3B_TRANSFORMER_CONFIG,
+        vae_config=WAN_2_1_VAE_CONFIG,
+        height=480,
+        width=832,
+        notes="Wan2.1-T2V-1.3B geometry; real weights only from a local model directory",
+    ),
+}
+
+
+def get_preset(name: str) -> ModelPreset:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown model preset {name!r}; known presets: {sorted(PRESETS)}") from None
