@@ -50,6 +50,12 @@ class EngineConfig(BaseModel):
     seed: int = Field(default=0, ge=0, description="weight seed for random-weight presets")
     output_queue_chunks: int = Field(default=4, ge=1, le=64, description="per-session decoded chunks held for a slow consumer")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
+    lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
+    detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")
+    idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
+    max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
+    cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: torch's default")
+    warmup_blocks: int = Field(default=1, ge=0, le=16)
 
     @field_validator("timesteps")
     @classmethod

@@ -1,0 +1,49 @@
+"""Typed results and errors of the engine API; codes are the wire protocol's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineError(Exception):
+    """A request the engine refuses; ``code`` is the protocol error code."""
+
+    code = "internal"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class UnknownSession(EngineError):
+    code = "unknown_session"
+
+
+class SessionClosed(EngineError):
+    code = "session_closed"
+
+
+class AlreadyStarted(EngineError):
+    code = "already_started"
+
+
+class NotStarted(EngineError):
+    code = "not_started"
+
+
+class InvalidRequest(EngineError):
+    code = "invalid_field"
+
+
+class EngineUnavailable(EngineError):
+    """The engine is not ready, is draining, or is dead."""
+
+    code = "internal"
+
+
+@dataclass(frozen=True)
+class CapacityFull:
+    """Admission refused: every slot holds a session that may not be evicted."""
+
+    retry_after_s: float
+    message: str = "all session slots are in use; try again later"

@@ -1,0 +1,59 @@
+"""Build a preset's modules (seeded random weights, or a local directory later) into a pipeline + decoder."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+
+from decoders.video import WanStreamingDecoder
+from engine.config import EngineConfig
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.pipeline import CausalWanPipeline
+from engine.models.presets import ModelPreset, get_preset
+from engine.models.schedule import shifted_sigmas
+from engine.models.text_encoder import TinyTextEncoder
+
+VAE_SPATIAL_COMPRESSION = 8
+
+
+@dataclass
+class ModelBundle:
+    preset: ModelPreset
+    pipeline: CausalWanPipeline
+    decoder: WanStreamingDecoder
+    height: int
+    width: int
+
+
+def build_models(config: EngineConfig) -> ModelBundle:
+    """Everything the runner drives, on ``config.device`` in ``config.dtype``; nothing is downloaded."""
+    if config.model_dir is not None:
+        raise NotImplementedError("loading a model directory is not supported yet; use a preset with random weights")
+    preset = get_preset(config.preset)
+    device = torch.device(config.device)
+    height, width = config.resolved_height, config.resolved_width
+    with torch.device(device):
+        torch.manual_seed(config.seed)
+        transformer = WanTransformer3DModel(**preset.transformer_config)
+        torch.manual_seed(config.seed + 1)
+        vae = AutoencoderKLWan(**preset.vae_config)
+    transformer = transformer.to(dtype=config.torch_dtype).eval()
+    vae = vae.to(dtype=config.torch_dtype).eval()
+    causal = CausalWanTransformer(
+        transformer,
+        latent_height=height // VAE_SPATIAL_COMPRESSION,
+        latent_width=width // VAE_SPATIAL_COMPRESSION,
+    )
+    text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
+    pipeline = CausalWanPipeline(
+        causal,
+        text_encoder,
+        sigmas=shifted_sigmas(config.timesteps, config.shift),
+        frames_per_block=config.frames_per_block,
+        sink_frames=config.sink_frames,
+        window_frames=config.window_frames,
+        guidance_scale=config.guidance_scale,
+    )
+    return ModelBundle(preset=preset, pipeline=pipeline, decoder=WanStreamingDecoder(vae), height=height, width=width)

@@ -1,0 +1,267 @@
+"""The runner: the one place that binds a session's device state to model calls.
+
+It owns, per session, the KV handle, the pipeline's progress (RNG, block in
+flight) and the streaming decoder state, and runs a :class:`StepPlan` on the
+engine's single device thread. Every way a session ends — close, reset,
+eviction, idle timeout, failed forward, shutdown — goes through
+:meth:`Runner.release`, which frees all of them together.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from decoders.video import StreamingDecodeState, WanStreamingDecoder
+from engine.kv_cache import KVCacheManager, SessionKVState
+from engine.models.pipeline import CausalWanPipeline, SessionProgress
+from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.session import now_ms
+
+log = logging.getLogger("arstream.runner")
+
+
+@dataclass
+class DeviceSession:
+    """Everything one session holds on the device."""
+
+    kv: SessionKVState
+    progress: SessionProgress
+    decode_state: StreamingDecodeState
+    open_request: OpenSession
+    block_started_at: float | None = None  # epoch ms of the current block's first forward
+    queued_ms: float = 0.0
+    denoise_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class BlockOutput:
+    session_id: str
+    block_index: int
+    frames: np.ndarray  # uint8 [F, H, W, 3]
+    audio: np.ndarray | None
+    started_at: float  # epoch ms
+    queued_ms: float
+    denoise_ms: float
+    decode_ms: float
+
+
+@dataclass(frozen=True)
+class SessionFailure:
+    session_id: str
+    message: str
+
+
+@dataclass
+class StepResult:
+    outputs: list[BlockOutput] = field(default_factory=list)
+    failures: list[SessionFailure] = field(default_factory=list)
+    fatal: str | None = None  # a device-fatal error: the engine is dead
+
+
+def is_device_fatal(error: BaseException) -> bool:
+    """Errors after which the device cannot be trusted for any session."""
+    if isinstance(error, torch.cuda.OutOfMemoryError):
+        return False  # one session's allocation failed; the device itself is fine
+    text = str(error)
+    return any(marker in text for marker in ("CUDA error", "device-side assert", "illegal memory access"))
+
+
+class Runner:
+    """Runs step plans; lives on (and is only called from) the engine's device thread."""
+
+    def __init__(
+        self,
+        pipeline: CausalWanPipeline,
+        decoder: WanStreamingDecoder,
+        kv_manager: KVCacheManager,
+        *,
+        stepwise: bool = False,
+    ) -> None:
+        self.pipeline = pipeline
+        self.decoder = decoder
+        self.kv_manager = kv_manager
+        self.stepwise = stepwise
+        self.sessions: dict[str, DeviceSession] = {}
+
+    # --- lifetime ---------------------------------------------------------
+    def open(self, session_id: str, request: OpenSession) -> DeviceSession:
+        kv = self.kv_manager.open_session(session_id)
+        if kv is None:
+            # Admission on the event loop counts the same slots; reaching this is a bug.
+            raise RuntimeError("no KV capacity for an admitted session")
+        try:
+            device_session = DeviceSession(
+                kv=kv,
+                progress=self.pipeline.new_progress(request.seed, request.prompt, request.negative_prompt),
+                decode_state=self.decoder.new_state(session_id),
+                open_request=request,
+            )
+        except Exception:
+            kv.close()
+            raise
+        self.sessions[session_id] = device_session
+        return device_session
+
+    def release(self, session_id: str, reason: str) -> None:
+        """The one release path: KV blocks, cross caches, decoder state and model state, together."""
+        device_session = self.sessions.pop(session_id, None)
+        if device_session is None:
+            return
+        errors = []
+        for action in (device_session.kv.close, lambda: self.decoder.release(device_session.decode_state)):
+            try:
+                action()
+            except Exception as error:  # release everything even if one part fails
+                errors.append(error)
+        device_session.progress.latents = device_session.progress.clean = None
+        device_session.progress.sink_latents.clear()
+        device_session.progress.window_latents.clear()
+        log.info("session released", extra={"session_id": session_id, "reason": reason})
+        if errors:
+            raise errors[0]
+
+    def reset(self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None) -> None:
+        """Restart content as a new session with the same seed (and the given or current prompt)."""
+        old = self.sessions[session_id].open_request
+        request = OpenSession(
+            seed=old.seed,
+            prompt=old.prompt if prompt is None else prompt,
+            negative_prompt=old.negative_prompt if negative_prompt is None else negative_prompt,
+        )
+        self.release(session_id, "reset")
+        self.open(session_id, request)
+
+    def close_all(self, reason: str) -> None:
+        for session_id in list(self.sessions):
+            try:
+                self.release(session_id, reason)
+            except Exception:
+                log.exception("release failed during close_all")
+
+    @contextmanager
+    def bound(self, session_id: str) -> Iterator[DeviceSession]:
+        """Bind one session for a model call and fail closed: on any error it is released first."""
+        device_session = self.sessions[session_id]
+        try:
+            yield device_session
+        except Exception:
+            try:
+                self.release(session_id, "failed")
+            except Exception:
+                log.exception("release after a failed forward also failed")
+            raise
+
+    # --- execution ----------------------------------------------------------
+    def execute(self, plan: StepPlan) -> StepResult:
+        result = StepResult()
+        for finished in plan.finished:
+            try:
+                self.release(finished.session_id, finished.reason)
+            except Exception as error:
+                result.failures.append(SessionFailure(finished.session_id, f"release failed: {error}"))
+        for work in plan.work:
+            try:
+                output = self._do(work, plan.planned_at)
+            except Exception as error:
+                log.warning("session step failed", extra={"session_id": work.session_id, "error": repr(error)})
+                try:
+                    self.release(work.session_id, "failed")  # no-op when bound() already released it
+                except Exception:
+                    log.exception("release after a failed step also failed")
+                result.failures.append(SessionFailure(work.session_id, f"{type(error).__name__}: {error}"))
+                if is_device_fatal(error):
+                    result.fatal = str(error)
+                    self.close_all("failed")
+                    return result
+                continue
+            if output is not None:
+                result.outputs.append(output)
+        return result
+
+    def _do(self, work: SessionWork, planned_at: float) -> BlockOutput | None:
+        if work.open is not None:
+            self.open(work.session_id, work.open)
+        if work.session_id not in self.sessions:
+            return None
+        if work.reset:
+            self.reset(work.session_id)
+        if work.prompt is not None:
+            self._change_prompt(work)
+        if not work.run:
+            return None
+        with self.bound(work.session_id) as device_session:
+            return self._advance(work.session_id, device_session, planned_at)
+
+    def _change_prompt(self, work: SessionWork) -> None:
+        update = work.prompt
+        if update.policy == "reset":
+            self.reset(work.session_id, update.prompt, update.negative_prompt)
+            return
+        with self.bound(work.session_id) as device_session:
+            self.pipeline.set_prompt(
+                device_session.kv, device_session.progress, update.prompt, update.negative_prompt, update.policy
+            )
+            request = device_session.open_request
+            device_session.open_request = OpenSession(request.seed, update.prompt, update.negative_prompt)
+
+    def _advance(self, session_id: str, device_session: DeviceSession, planned_at: float) -> BlockOutput | None:
+        progress = device_session.progress
+        if device_session.block_started_at is None:
+            device_session.block_started_at = now_ms()
+            device_session.denoise_s = 0.0
+            device_session.queued_ms = max(0.0, device_session.block_started_at - planned_at)
+        started = time.perf_counter()
+        if self.stepwise:
+            clean = self.pipeline.step(device_session.kv, progress)
+        else:
+            clean = self.pipeline.run_block(device_session.kv, progress)
+        _synchronize(clean)
+        device_session.denoise_s += time.perf_counter() - started
+        if clean is None:
+            return None
+        decode_started = time.perf_counter()
+        pixels = self.decoder.decode_chunk(self.decoder.denormalize(clean), device_session.decode_state)
+        frames = self.decoder.to_uint8(pixels)
+        decode_s = time.perf_counter() - decode_started
+        output = BlockOutput(
+            session_id=session_id,
+            block_index=progress.block_index - 1,
+            frames=frames,
+            audio=None,
+            started_at=device_session.block_started_at,
+            queued_ms=device_session.queued_ms,
+            denoise_ms=device_session.denoise_s * 1000.0,
+            decode_ms=decode_s * 1000.0,
+        )
+        device_session.block_started_at = None
+        return output
+
+    # --- warmup -----------------------------------------------------------
+    def warmup(self, blocks: int = 2) -> None:
+        """Run a throwaway session so kernels, allocators and caches are warm; the pool must come back whole."""
+        session_id = "__warmup__"
+        free_before = self.kv_manager.block_pool.num_free_blocks
+        try:
+            self.open(session_id, OpenSession(seed=0, prompt="warmup", negative_prompt=""))
+            for _ in range(blocks):
+                with self.bound(session_id) as device_session:
+                    while self._advance(session_id, device_session, now_ms()) is None:
+                        pass
+        finally:
+            self.release(session_id, "warmup_complete")
+        free_after = self.kv_manager.block_pool.num_free_blocks
+        if free_after != free_before:
+            raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
+
+
+def _synchronize(tensor: torch.Tensor | None) -> None:
+    # The block boundary is where asynchronous device errors surface; keep it inside the fail-closed scope.
+    if tensor is not None and tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
