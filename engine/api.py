@@ -210,7 +210,7 @@ class Engine:
             session_id=new_session_id(),
             seed=seed,
             pace=pace,
-            queue=ChunkQueue(self.config.output_queue_chunks),
+            queue=ChunkQueue(),
             negative_prompt=negative_prompt,
         )
         self.sessions[session.session_id] = session
@@ -355,8 +355,9 @@ class Engine:
         """Chunks of the session as they are decoded; ends when the session closes."""
         session = self.get(session_id)
         while True:
+            session.queue.release()  # asking for the next chunk releases the previous one
+            self._wake()  # ... so the session may be scheduled again
             chunk = await session.queue.get()
-            self._wake()  # a slot freed up: the session may be schedulable again
             if chunk is None:
                 return
             yield chunk
@@ -365,7 +366,7 @@ class Engine:
     def status(self, session_id: str) -> SessionStatus:
         session = self.get(session_id)
         state = session.state.value
-        if session.is_open and not session.attached and session.state is not SessionState.CREATED:
+        if session.is_open and session.detached_at is not None:
             state = "detached"
         if self.draining and session.is_open:
             state = "draining"

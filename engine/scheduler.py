@@ -14,8 +14,8 @@ class Scheduler:
     """Builds a :class:`StepPlan` from the session table; never touches device state.
 
     A session runs at most one block per tick. It is skipped while paused,
-    while its output queue is full (a slow client pauses itself, not the
-    engine), and, with pacing on, while its media runs ``lead_chunks`` blocks
+    until its consumer has taken its previous chunk and asked for the next (a
+    slow client pauses itself, not the engine; see ``ChunkQueue``), and, with pacing on, while its media runs ``lead_chunks`` blocks
     ahead of its playback clock. The starting point of each tick rotates so no
     session is always served last.
     """
@@ -33,7 +33,7 @@ class Scheduler:
         waits = [
             session.media_seconds_ahead(now, self.fps) - self.lead_seconds
             for session in sessions
-            if session.state is SessionState.ACTIVE and session.pace and not session.queue.full
+            if session.state is SessionState.ACTIVE and session.pace and session.queue.accepts_next
         ]
         positive = [w for w in waits if w >= 0]
         return max(min(positive), 0.001) if positive else math.inf
@@ -71,7 +71,7 @@ class Scheduler:
             session.pending_prompt = None
         run = (
             session.state is SessionState.ACTIVE
-            and not session.queue.full
+            and session.queue.accepts_next
             and self.pacing_allows(session, now)
         )
         if open_request is None and not reset and prompt is None and not run:

@@ -64,25 +64,32 @@ class PromptChange:
 
 
 class ChunkQueue:
-    """A bounded queue of chunks that can be ended; the consumer sees ``None`` once ended and drained."""
+    """The hand-over of one session's chunks from the engine to its consumer.
 
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._items: deque[Chunk] = deque()
+    A session's next block may start only once its consumer has taken the
+    previous chunk *and come back for the next one* (:attr:`accepts_next`):
+    that is what puts block N's media on the wire before block N+1 is
+    generated, and what makes a slow or absent consumer pause its own session
+    instead of the engine. At most one chunk ever waits here.
+    """
+
+    def __init__(self) -> None:
+        self._item: Chunk | None = None
         self._changed = asyncio.Event()
+        self.in_hand = False  # the consumer holds a chunk and has not asked for the next
         self.ended = False
 
     def __len__(self) -> int:
-        return len(self._items)
+        return 0 if self._item is None else 1
 
     @property
-    def full(self) -> bool:
-        return len(self._items) >= self.maxsize
+    def accepts_next(self) -> bool:
+        return self._item is None and not self.in_hand
 
     def put_nowait(self, chunk: Chunk) -> None:
-        if self.full:
-            raise RuntimeError("chunk queue full; the scheduler must not run a session without room")
-        self._items.append(chunk)
+        if self._item is not None:
+            raise RuntimeError("a chunk is already waiting; the scheduler must not run this session")
+        self._item = chunk
         self._changed.set()
 
     def end(self) -> None:
@@ -90,16 +97,24 @@ class ChunkQueue:
         self._changed.set()
 
     def clear(self) -> None:
-        self._items.clear()
+        """Forget a waiting chunk and any chunk in hand (a new consumer attaches)."""
+        self._item = None
+        self.in_hand = False
+
+    def release(self) -> None:
+        """The consumer is done with the chunk in hand (its media is on the wire)."""
+        self.in_hand = False
 
     async def get(self) -> Chunk | None:
-        while not self._items:
+        """The next chunk (now in hand), or ``None`` once ended."""
+        self.release()
+        while self._item is None:
             if self.ended:
                 return None
             self._changed.clear()
             await self._changed.wait()
-        chunk = self._items.popleft()
-        self._changed.set()
+        chunk, self._item = self._item, None
+        self.in_hand = True
         return chunk
 
 
