@@ -96,8 +96,8 @@ class CausalWanPipeline:
         t = self.transformer
         _, channels, frames, height, width = self.latent_shape
         frame_bytes = channels * height * width * 4
-        # resident clean latents + x, x0 and one noise draw of the block in flight
-        model_state = (self.sink_frames + self.window_frames + 3 * frames) * frame_bytes
+        # resident clean latents (for recache) + x_t and x0 of the block in flight
+        model_state = (self.sink_frames + self.window_frames + 2 * frames) * frame_bytes
         return KVSpec(
             num_layers=t.num_layers,
             num_kv_heads=t.num_heads,

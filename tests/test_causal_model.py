@@ -1,0 +1,154 @@
+"""The causal DiT against independent references: diffusers' own forward, whole-sequence attention, dense attention."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from diffusers import WanTransformer3DModel
+from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
+
+from engine.kv_cache import KVCacheManager
+from engine.models.attention import SelfAttentionContext
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.presets import TINY_TRANSFORMER_CONFIG
+from engine.models.reference import reference_generate
+from engine.models.schedule import model_timesteps, shifted_sigmas
+from engine.models.text_encoder import TinyTextEncoder
+from tests.engine_helpers import build_small
+
+LATENT_H, LATENT_W = 6, 8  # 48x64 pixels
+
+
+def test_schedule_is_the_shift_5_warp_of_the_design():
+    sigmas = shifted_sigmas([1000.0, 750.0, 500.0, 250.0], 5.0)
+    assert sigmas == pytest.approx([1.0, 0.9375, 0.8333333333, 0.625], abs=1e-9)
+    assert model_timesteps(sigmas) == pytest.approx([1000.0, 937.5, 833.3333333, 625.0], abs=1e-6)
+
+
+def test_causal_forward_matches_diffusers_forward_with_per_token_timesteps():
+    torch.manual_seed(0)
+    plain = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    causal = CausalWanTransformer(copy.deepcopy(plain), latent_height=LATENT_H, latent_width=LATENT_W)
+    latents = torch.randn(1, 16, 3, LATENT_H, LATENT_W)
+    text = TinyTextEncoder(TINY_TRANSFORMER_CONFIG["text_dim"]).encode(["a cat on a wall"])
+    frame_timesteps = torch.tensor([[0.0, 500.0, 937.5]])
+    per_token = frame_timesteps.repeat_interleave(causal.tokens_per_frame, dim=1)
+
+    with torch.no_grad():
+        expected = plain(latents, timestep=per_token, encoder_hidden_states=text).sample
+        cos, sin = causal.rotary(3)
+        # diffusers attends bidirectionally within the clip: no mask, no history.
+        ours = causal(latents, frame_timesteps, SelfAttentionContext(cos=cos, sin=sin), causal.project_text(text)[0])
+    assert (ours - expected).abs().max() < 1e-5
+
+
+def test_streamed_generation_matches_full_sequence_block_causal_forward():
+    """Paged KV, commit passes and all, equals re-running the whole clean history every forward."""
+    config, bundle = build_small(sink_frames=3, window_frames=15)
+    pipeline = bundle.pipeline
+    num_blocks = 5  # 15 frames: the window has not evicted anything yet
+    manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
+    kv = manager.open_session("s")
+    progress = pipeline.new_progress(seed=11, prompt="a lighthouse at night")
+    streamed = [pipeline.run_block(kv, progress) for _ in range(num_blocks)]
+
+    reference = reference_generate(
+        pipeline.transformer,
+        pipeline.embed("a lighthouse at night"),
+        num_blocks=num_blocks,
+        seed=11,
+        sigmas=pipeline.sigmas,
+        latent_shape=pipeline.latent_shape,
+    )
+    for ours, expected in zip(streamed, reference):
+        assert (ours - expected).abs().max() < 1e-5
+    assert streamed[0].std() > 0.1 and not torch.allclose(streamed[1], streamed[2])
+
+
+def _diffusers_rotate(x, cos, sin):
+    """diffusers' Wan rotary formula, written out here so the test does not share the engine's."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    out = torch.empty_like(x)
+    out[..., 0::2] = (x1 * cos[..., 0::2] - x2 * sin[..., 1::2]).to(x.dtype)
+    out[..., 1::2] = (x1 * sin[..., 1::2] + x2 * cos[..., 0::2]).to(x.dtype)
+    return out
+
+
+def test_attention_after_eviction_equals_dense_attention_over_expected_frames():
+    sink, window, blocks = 3, 6, 6  # 18 frames committed: frames 3..11 were evicted
+    config, bundle = build_small(sink_frames=sink, window_frames=window)
+    pipeline = bundle.pipeline
+    manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
+    kv = manager.open_session("s")
+    progress = pipeline.new_progress(seed=3, prompt="rain")
+    frame_kv = {}  # absolute frame index -> [layers, 2, T, H, D] as committed
+    tokens = pipeline.transformer.tokens_per_frame
+    for block in range(blocks):
+        pipeline.run_block(kv, progress)
+        staged = kv.staging("cond")  # still holds the block just committed
+        for offset in range(3):
+            frame_kv[block * 3 + offset] = staged[:, :, offset * tokens : (offset + 1) * tokens].clone()
+
+    expected_frames = list(range(sink)) + list(range(blocks * 3 - window, blocks * 3))
+    resident = kv.resident_block_ids("cond")
+    assert len(resident) == sink + window == kv.num_resident_blocks("cond")
+    storage = manager.block_pool.storage
+    for block_id, frame in zip(resident, expected_frames):
+        assert torch.equal(storage[:, :, block_id], frame_kv[frame]), f"block {block_id} does not hold frame {frame}"
+
+    transformer = pipeline.transformer
+    context_frames = len(expected_frames) + 3
+    history_ids, history_frames = kv.history("cond")
+    cos, sin = transformer.rotary(context_frames)
+    rope = WanRotaryPosEmbed(transformer.head_dim, (1, 2, 2), 1024)
+    d_cos, d_sin = rope(torch.zeros(1, 16, context_frames, LATENT_H, LATENT_W))
+    torch.manual_seed(5)
+    hidden = torch.randn(1, 3 * tokens, transformer.inner_dim)
+    for layer in (0, transformer.num_layers - 1):
+        attn = transformer.transformer.blocks[layer].attn1
+        with torch.no_grad():
+            paged = attn(hidden, context=SelfAttentionContext(cos=cos, sin=sin, pool=storage, history_ids=history_ids))
+            query = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))
+            key = attn.norm_k(attn.to_k(hidden)).unflatten(2, (attn.heads, -1))
+            value = attn.to_v(hidden).unflatten(2, (attn.heads, -1))
+            keys = torch.cat([frame_kv[f][layer, 0] for f in expected_frames] + [key[0]]).unsqueeze(0)
+            values = torch.cat([frame_kv[f][layer, 1] for f in expected_frames] + [value[0]]).unsqueeze(0)
+            query = _diffusers_rotate(query, d_cos[:, -3 * tokens :], d_sin[:, -3 * tokens :])
+            keys = _diffusers_rotate(keys, d_cos, d_sin)
+            dense = F.scaled_dot_product_attention(query.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+            dense = attn.to_out[0](dense.transpose(1, 2).flatten(2, 3))
+        assert history_frames == sink + window
+        assert (paged - dense).abs().max() < 1e-5
+
+
+def test_session_of_2000_frames_keeps_pool_usage_and_positions_bounded():
+    """Hours-long sessions: resident KV stays sink + window and positions stay in the rotary range."""
+    config, bundle = build_small(height=16, width=16, sink_frames=3, window_frames=6)
+    pipeline = bundle.pipeline
+    spec = pipeline.kv_spec()
+    manager = KVCacheManager(spec, 1, "cpu")
+    kv = manager.open_session("long")
+    progress = pipeline.new_progress(seed=0, prompt="forever")
+    rope = pipeline.transformer.rope
+    widest = []
+    original = rope.for_frames
+
+    def recording_for_frames(num_frames, device):
+        widest.append(num_frames)
+        return original(num_frames, device)
+
+    rope.for_frames = recording_for_frames
+    blocks = 2001 // 3 + 1
+    free_after = []
+    for _ in range(blocks):
+        clean = pipeline.run_block(kv, progress)
+        free_after.append(manager.block_pool.num_free_blocks)
+    assert kv.committed_frames("cond") >= 2000
+    steady = free_after[spec.resident_frames // 3 :]
+    assert set(steady) == {manager.block_pool.num_blocks - spec.resident_frames}
+    assert kv.num_resident_blocks("cond") == spec.resident_frames
+    assert max(widest) == spec.context_frames <= rope.max_frames
+    assert torch.isfinite(clean).all() and clean.std() > 0.1
