@@ -1,0 +1,383 @@
+// arstream demo page: one WebSocket session (protocol v1, docs/PROTOCOL.md) played through
+// Media Source Extensions. Plain ES module, no dependencies, no build step.
+
+const KEEP_BEHIND_S = 30;     // media kept behind the playhead; older ranges are removed
+const TRIM_STEP_S = 5;        // remove in steps, not after every segment
+const MAX_LAG_S = 3;          // further than this behind the live edge: jump forward
+const FPS_WINDOW_MS = 4000;   // sliding window of the fps readout
+const STALL_MS = 3000;        // no chunk for this long: fps reads 0
+const LATENCY_KEEP = 30;      // chunks in the latency median
+const LOG_MAX = 80;
+
+const $ = (id) => document.getElementById(id);
+const ui = {
+  video: $("video"), prompt: $("prompt"), seed: $("seed"), policy: $("policy"),
+  start: $("start"), stop: $("stop"), apply: $("apply"), reset: $("reset"), close: $("close"), mute: $("mute"),
+  state: $("state"), mediaInfo: $("media-info"), log: $("log"),
+  fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
+  buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"),
+};
+
+let current = null;  // the Session shown on the page
+let errorCount = 0;
+
+function log(kind, text) {
+  const li = document.createElement("li");
+  li.className = kind;
+  li.dataset.kind = kind;
+  const time = new Date().toLocaleTimeString([], { hour12: false });
+  li.textContent = `${time}  ${text}`;
+  ui.log.prepend(li);
+  while (ui.log.children.length > LOG_MAX) ui.log.lastChild.remove();
+  if (kind === "error") ui.errors.textContent = String(++errorCount);
+}
+
+const short = (text, n = 40) => (text.length > n ? `${text.slice(0, n - 1)}…` : text);
+const median = (xs) => { const s = [...xs].sort((a, b) => a - b); return s[Math.floor(s.length / 2)]; };
+
+function streamUrl() {
+  const scheme = location.protocol === "https:" ? "wss" : "ws";
+  return `${scheme}://${location.host}/v1/stream`;
+}
+
+function subprotocols() {
+  // With a token configured, open the page as /#token=...: browsers cannot set headers on a
+  // WebSocket, so the token travels as the subprotocol bearer.<token> (it stays out of URLs in logs).
+  const token = new URLSearchParams(location.hash.slice(1)).get("token");
+  return token ? ["arstream.v1", `bearer.${token}`] : ["arstream.v1"];
+}
+
+class Session {
+  constructor(startFields) {
+    this.startFields = startFields;  // sent as `start` once the session is announced
+    this.state = "connecting";
+    this.sessionId = null;
+    this.mime = null;
+    this.ms = null;                  // MediaSource
+    this.sb = null;                  // SourceBuffer
+    this.queue = [];                 // ArrayBuffers waiting for the SourceBuffer
+    this.ending = false;             // end the MediaSource once the queue is drained
+    this.expect = null;              // what the next binary message is: "init" | "media"
+    this.pendingChunk = null;        // the `chunk` message whose segment comes next
+    this.sent = new Map();           // message id -> description, for the ack log
+    this.seq = 0;
+    this.startClick = performance.now();
+    this.firstChunkMs = null;
+    this.chunks = 0;
+    this.arrivals = [];              // {t, frames} of recent chunks, for fps
+    this.latencies = [];
+    this.timings = null;
+
+    this.ws = new WebSocket(streamUrl(), subprotocols());
+    this.ws.binaryType = "arraybuffer";
+    this.ws.onmessage = (ev) => this.onMessage(ev.data);
+    this.ws.onclose = (ev) => this.onSocketClose(ev);
+    this.ws.onerror = () => log("error", "WebSocket error");
+  }
+
+  get open() { return this.ws.readyState === WebSocket.OPEN; }
+
+  send(type, fields = {}, description = type) {
+    if (!this.open) { log("error", `cannot send ${type}: not connected`); return; }
+    const id = `m${++this.seq}`;
+    this.sent.set(id, description);
+    this.ws.send(JSON.stringify({ type, id, ...fields }));
+  }
+
+  // --- messages from the server ---
+
+  onMessage(data) {
+    if (typeof data !== "string") { this.onBinary(data); return; }
+    let msg;
+    try { msg = JSON.parse(data); } catch { log("error", "unreadable message from the server"); return; }
+    switch (msg.type) {
+      case "session": this.onSession(msg); break;
+      case "chunk": this.pendingChunk = msg; this.expect = "media"; break;
+      case "ack": this.onAck(msg); break;
+      case "state":
+        this.setState(msg.state);
+        log("state", `state ${msg.state}${msg.reason ? ` (${msg.reason})` : ""}`);
+        break;
+      case "error":
+        log("error", `${msg.code}: ${msg.message}${msg.id && this.sent.has(msg.id) ? ` [${this.sent.get(msg.id)}]` : ""}`);
+        break;
+      case "closed":
+        log("state", `closed (${msg.reason})`);
+        this.setState("closed");
+        break;
+      default:
+        log("info", `ignored message type ${msg.type}`);
+    }
+  }
+
+  onSession(msg) {
+    this.sessionId = msg.session_id;
+    const v = msg.video || {};
+    const audio = msg.audio ? `${msg.audio.codec} ${msg.audio.sample_rate / 1000} kHz` : "no audio";
+    ui.mediaInfo.textContent = `${v.width}×${v.height} @ ${v.fps} fps · ${v.codec} · ${audio}`;
+    ui.mute.title = msg.audio ? "Toggle sound" : "This stream has no audio track";
+    log("info", `session ${msg.session_id.slice(0, 6)}… ${msg.mime}`);
+    if (!this.setupMedia(msg.mime)) { this.ws.close(1000); return; }
+    this.expect = "init";
+    this.setState(msg.state);
+    if (msg.state === "created" && this.startFields) {
+      const { prompt } = this.startFields;
+      this.send("start", this.startFields, `start “${short(prompt)}”`);
+      this.startFields = null;
+    }
+  }
+
+  onAck(msg) {
+    const what = (msg.id && this.sent.get(msg.id)) || msg.of;
+    this.sent.delete(msg.id);
+    log("ack", `ack ${msg.of}: ${what}`);
+    // The server also sends `state`; this keeps the buttons right if it comes later.
+    const after = { start: "active", resume: "active", pause: "paused" }[msg.of];
+    if (after) this.setState(after);
+  }
+
+  onBinary(buf) {
+    const kind = this.expect;
+    this.expect = null;
+    if (kind === "init") { this.enqueue(buf); return; }
+    if (kind !== "media") { log("error", "unexpected binary message"); return; }
+    const chunk = this.pendingChunk;
+    this.pendingChunk = null;
+    this.enqueue(buf);
+    this.onChunk(chunk);
+  }
+
+  onChunk(chunk) {
+    const now = performance.now();
+    this.chunks += 1;
+    if (this.firstChunkMs === null) this.firstChunkMs = now - this.startClick;
+    this.arrivals.push({ t: now, frames: chunk.frames });
+    while (this.arrivals.length > 2 && now - this.arrivals[0].t > FPS_WINDOW_MS) this.arrivals.shift();
+    const t = chunk.timings || {};
+    if (typeof t.started_at === "number") {
+      // Server clock → this clock: exact on one host, off by the clock skew on a remote one.
+      this.latencies.push(Date.now() - t.started_at);
+      if (this.latencies.length > LATENCY_KEEP) this.latencies.shift();
+    }
+    this.timings = t;
+    render();
+  }
+
+  onSocketClose(ev) {
+    if (this.state !== "closed") {
+      log("error", `connection closed (${ev.code}${ev.reason ? ` ${ev.reason}` : ""})`);
+    }
+    this.setState("closed");
+    this.ending = true;
+    this.pump();
+  }
+
+  setState(state) {
+    this.state = state;
+    if (this === current) render();
+  }
+
+  // --- Media Source Extensions ---
+
+  setupMedia(mime) {
+    if (this.sb && mime === this.mime) return true;  // re-announced: keep the SourceBuffer
+    if (!("MediaSource" in window) || !MediaSource.isTypeSupported(mime)) {
+      log("error", `this browser cannot play ${mime}`);
+      return false;
+    }
+    this.mime = mime;
+    const ms = new MediaSource();
+    this.ms = ms;
+    ms.addEventListener("sourceopen", () => {
+      URL.revokeObjectURL(ui.video.src);
+      const sb = ms.addSourceBuffer(mime);
+      sb.mode = "segments";
+      sb.addEventListener("updateend", () => { this.afterAppend(); this.pump(); });
+      sb.addEventListener("error", () => log("error", "SourceBuffer error"));
+      this.sb = sb;
+      this.pump();
+    }, { once: true });
+    ui.video.src = URL.createObjectURL(ms);
+    return true;
+  }
+
+  enqueue(buf) {
+    this.queue.push(buf);
+    this.pump();
+  }
+
+  pump() {
+    const { ms, sb } = this;
+    if (!sb || sb.updating || ms.readyState !== "open") return;
+    if (this.trim(false)) return;  // a remove() is running; its updateend pumps again
+    const buf = this.queue.shift();
+    if (!buf) {
+      if (this.ending) ms.endOfStream();
+      return;
+    }
+    try {
+      sb.appendBuffer(buf);
+    } catch (err) {
+      if (err.name === "QuotaExceededError" && this.trim(true)) {
+        this.queue.unshift(buf);  // retried after the removal
+      } else {
+        log("error", `append failed: ${err.name}`);
+      }
+    }
+  }
+
+  // Keep the buffer bounded: drop what lies more than KEEP_BEHIND_S behind the playhead.
+  trim(urgent) {
+    const b = this.sb.buffered;
+    if (!b.length) return false;
+    const keepFrom = ui.video.currentTime - (urgent ? 2 : KEEP_BEHIND_S);
+    if (keepFrom - b.start(0) < (urgent ? 0.5 : TRIM_STEP_S)) return false;
+    this.sb.remove(b.start(0), keepFrom);
+    return true;
+  }
+
+  afterAppend() {
+    const v = ui.video;
+    const b = v.buffered;
+    if (!b.length) return;
+    // A stream attached mid-session starts at pts / fps, not 0.
+    if (v.currentTime < b.start(0)) v.currentTime = b.start(0);
+    if (v.paused && this.state !== "closed") v.play().catch(() => {});
+  }
+
+  close() {
+    this.ws.onmessage = this.ws.onclose = this.ws.onerror = null;
+    if (this.open) this.ws.close(1000);
+  }
+}
+
+// --- playback upkeep: gaps, live edge, readouts ---
+
+function tick() {
+  const v = ui.video;
+  const b = v.buffered;
+  if (current && b.length && !v.seeking) {
+    const t = v.currentTime;
+    const end = b.end(b.length - 1);
+    let inside = false;
+    for (let i = 0; i < b.length; i++) inside ||= b.start(i) <= t && t < b.end(i);
+    if (!inside) {
+      for (let i = 0; i < b.length; i++) {
+        if (b.start(i) > t) { v.currentTime = b.start(i); break; }  // jump a gap
+      }
+    } else if (end - t > MAX_LAG_S) {
+      v.currentTime = end - 1;  // fell behind (background tab, slow decode): back to the live edge
+    }
+  }
+  render();
+}
+
+function fps(s) {
+  const a = s.arrivals;
+  const now = performance.now();
+  if (!a.length) return null;
+  if (now - a[a.length - 1].t > STALL_MS) return 0;
+  if (a.length < 2) return null;
+  const frames = a.slice(1).reduce((n, x) => n + x.frames, 0);
+  return (1000 * frames) / (a[a.length - 1].t - a[0].t);
+}
+
+const ms = (x) => `${Math.round(x)} ms`;
+
+function render() {
+  const s = current;
+  const state = s ? s.state : "idle";
+  ui.state.textContent = state;
+  ui.state.dataset.state = state;
+
+  const live = s && s.open && state !== "closed";
+  ui.start.disabled = live && !["created", "paused"].includes(state);
+  ui.start.textContent = live && state === "paused" ? "Resume" : "Start";
+  ui.stop.disabled = !(live && state === "active");
+  ui.apply.disabled = !(live && ["active", "paused"].includes(state));
+  ui.reset.disabled = ui.apply.disabled;
+  ui.close.disabled = !live;
+  ui.mute.textContent = ui.video.muted ? "Unmute" : "Mute";
+  if (!s) return;
+
+  const f = fps(s);
+  ui.fps.textContent = f === null ? "–" : f.toFixed(1);
+  ui.ttfc.textContent = s.firstChunkMs === null ? "–" : ms(s.firstChunkMs);
+  ui.chunks.textContent = String(s.chunks);
+  if (s.latencies.length) {
+    ui.latency.textContent = `${ms(s.latencies[s.latencies.length - 1])} (median ${ms(median(s.latencies))})`;
+  }
+  const t = s.timings;
+  if (t) {
+    ui.server.textContent =
+      `queue ${Math.round(t.queued_ms)} · denoise ${Math.round(t.denoise_ms)} · ` +
+      `decode ${Math.round(t.decode_ms)} · encode ${Math.round(t.encode_ms)} ms`;
+  }
+  const v = ui.video;
+  const b = v.buffered;
+  if (b.length) ui.buffer.textContent = `${Math.max(0, b.end(b.length - 1) - v.currentTime).toFixed(2)} s`;
+  const q = v.getVideoPlaybackQuality ? v.getVideoPlaybackQuality() : null;
+  if (q) ui.decoded.textContent = `${q.totalVideoFrames} / ${q.droppedVideoFrames} dropped`;
+}
+
+// --- controls ---
+
+function promptText() {
+  const prompt = ui.prompt.value.trim();
+  if (!prompt) { log("error", "type a prompt first"); ui.prompt.focus(); return null; }
+  return prompt;
+}
+
+function start() {
+  if (current && current.open && current.state === "paused") {
+    current.send("resume");
+    return;
+  }
+  const prompt = promptText();
+  if (prompt === null) return;
+  const fields = { prompt };
+  if (ui.seed.value !== "") {
+    const seed = Number(ui.seed.value);
+    if (!Number.isInteger(seed) || seed < 0) { log("error", "seed must be an integer ≥ 0"); return; }
+    fields.seed = seed;
+  }
+  if (current && current.open && current.state === "created") {
+    current.startClick = performance.now();
+    current.send("start", fields, `start “${short(prompt)}”`);
+    return;
+  }
+  if (current) current.close();
+  current = new Session(fields);
+  render();
+}
+
+function changePrompt() {
+  const prompt = promptText();
+  if (prompt === null || !current) return;
+  const policy = ui.policy.value;
+  current.send("prompt", { prompt, policy }, `prompt (${policy}) “${short(prompt)}”`);
+}
+
+ui.start.addEventListener("click", start);
+ui.stop.addEventListener("click", () => current && current.send("pause", {}, "pause (stop generating)"));
+ui.apply.addEventListener("click", changePrompt);
+ui.reset.addEventListener("click", () => current && current.send("reset"));
+ui.close.addEventListener("click", () => current && current.send("close"));
+ui.mute.addEventListener("click", () => {
+  const v = ui.video;
+  v.muted = !v.muted;
+  if (!v.muted) v.play().catch(() => {});  // a click is the user gesture that allows sound
+  render();
+});
+ui.prompt.addEventListener("keydown", (ev) => {
+  if (ev.key !== "Enter" || !(ev.ctrlKey || ev.metaKey)) return;
+  ev.preventDefault();
+  if (!ui.apply.disabled) changePrompt(); else if (!ui.start.disabled) start();
+});
+window.addEventListener("pagehide", () => {
+  if (current && current.open) current.ws.send(JSON.stringify({ type: "close" }));  // free the session now
+});
+
+ui.video.muted = true;  // muted autoplay is allowed everywhere; sound comes on with a click
+setInterval(tick, 250);
+render();
