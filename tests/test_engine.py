@@ -1,0 +1,241 @@
+"""The engine API end to end on the event loop: admission, controls, isolation, death, pacing, timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+import pytest
+
+from engine.api import Engine
+from engine.errors import AlreadyStarted, CapacityFull, EngineUnavailable, NotStarted, UnknownSession
+from engine.kv_cache import KVCacheManager
+from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.runner import Runner
+from tests.engine_helpers import build_small, small_config
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
+
+
+async def take(engine: Engine, session_id: str, count: int) -> list:
+    chunks = []
+    async for chunk in engine.chunks(session_id):
+        chunks.append(chunk)
+        if len(chunks) == count:
+            break
+    return chunks
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        await asyncio.sleep(0.02)
+
+
+def _measured_session_bytes(runner: Runner, session_id: str) -> int:
+    """Bytes one session holds, summed over the tensors it actually owns (not the admission formula)."""
+    device_session = runner.sessions[session_id]
+    kv, progress = device_session.kv, device_session.progress
+    storage = runner.kv_manager.block_pool.storage
+    kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
+    cross_bytes = sum(kv.read_cross(b, "text").nbytes for b in kv.branch_names)
+    decoder_bytes = device_session.decode_state.nbytes()
+    resident = progress.sink_latents + list(progress.window_latents)
+    model_bytes = sum(t.nbytes for t in resident + [progress.latents, progress.clean])
+    return kv_bytes + cross_bytes + decoder_bytes + model_bytes
+
+
+def test_admission_admits_exactly_what_the_budget_holds():
+    config, bundle = build_small(sink_frames=3, window_frames=3, guidance_scale=2.0)
+    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), stepwise=True)
+    runner.execute(StepPlan(work=[SessionWork("probe", open=OpenSession(1, "probe", ""))]))
+    steps = 3 * (bundle.pipeline.num_steps + 1) + 1  # resident frames full, then one step into the next block
+    for _ in range(steps):
+        assert not runner.execute(StepPlan(work=[SessionWork("probe", run=True)])).failures
+    per_session = _measured_session_bytes(runner, "probe")
+
+    async def scenario():
+        engine = Engine(
+            small_config(sink_frames=3, window_frames=3, guidance_scale=2.0, max_sessions=64,
+                         kv_memory_budget_bytes=3 * per_session + per_session // 2),
+            bundle=bundle,
+        )
+        await engine.start()
+        try:
+            admitted = []
+            while True:
+                result = engine.create_session(seed=len(admitted))
+                if isinstance(result, CapacityFull):
+                    break
+                admitted.append(result)
+                assert len(admitted) < 10
+            assert len(admitted) == 3 == engine.capacity
+            assert result.retry_after_s > 0
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_chunks_flow_pause_resume_reset_close():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3))
+        await engine.start()
+        try:
+            with pytest.raises(UnknownSession):
+                engine.start_session("nope", "x")
+            session = engine.create_session(seed=5, pace=False)
+            sid = session.session_id
+            with pytest.raises(NotStarted):
+                engine.pause(sid)
+            engine.start_session(sid, "a canyon")
+            with pytest.raises(AlreadyStarted):
+                engine.start_session(sid, "again")
+            first = await take(engine, sid, 3)
+            assert [c.index for c in first] == [0, 1, 2]
+            assert [c.pts for c in first] == [0, 9, 21]
+            assert [c.frames.shape[0] for c in first] == [9, 12, 12]
+            assert all(c.timings.denoise_ms > 0 and c.timings.decode_ms > 0 for c in first)
+
+            engine.pause(sid)
+            await asyncio.sleep(0.3)
+            produced = engine.status(sid).chunks
+            await asyncio.sleep(0.5)
+            assert engine.status(sid).chunks == produced  # nothing generated while paused
+            assert engine.status(sid).state == "paused"
+
+            engine.resume(sid)
+            engine.reset(sid)
+            after = await take(engine, sid, 2)
+            assert after[0].index == first[-1].index + 1  # the timeline continues across reset...
+            assert after[0].pts == first[-1].pts + 12
+            assert after[0].block_index == 0  # ...while the content restarts as a new session's
+            np.testing.assert_array_equal(after[0].frames, first[0].frames)
+            np.testing.assert_array_equal(after[1].frames, first[1].frames)
+
+            engine.close(sid)
+            assert await take(engine, sid, 1) == []  # the iterator ends
+            await wait_for(lambda: engine.counters().kv_blocks_in_use == 0)
+            assert engine.status(sid).close_reason == "client"
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_a_failing_session_costs_no_other_session_anything():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3))
+        await engine.start()
+        try:
+            good = engine.create_session(seed=1, prompt="good", pace=False).session_id
+            bad = engine.create_session(seed=2, prompt="bad", pace=False).session_id
+            pipeline = engine.runner.pipeline
+            original = pipeline._forward
+
+            def failing(kv, progress, branch, latents, timestep, *, stage):
+                if kv.session_id == bad:
+                    raise ValueError("injected forward failure")
+                return original(kv, progress, branch, latents, timestep, stage=stage)
+
+            pipeline._forward = failing
+            good_chunks, bad_chunks = await asyncio.gather(take(engine, good, 3), take(engine, bad, 1))
+            assert len(good_chunks) == 3 and bad_chunks == []
+            status = engine.status(bad)
+            assert status.close_reason == "failed"
+            assert "injected forward failure" in engine.get(bad).error
+            assert engine.alive
+            assert bad not in engine.runner.sessions
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_device_fatal_error_marks_the_engine_dead():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3))
+        await engine.start()
+        a = engine.create_session(seed=1, prompt="a", pace=False).session_id
+        b = engine.create_session(seed=2, prompt="b", pace=False).session_id
+        pipeline = engine.runner.pipeline
+
+        def fatal(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+        pipeline._forward = fatal
+        await asyncio.gather(take(engine, a, 1), take(engine, b, 1))
+        assert not engine.alive and not engine.ready
+        assert {engine.status(a).close_reason, engine.status(b).close_reason} == {"failed"}
+        with pytest.raises(EngineUnavailable):
+            engine.create_session()
+        assert engine.runner.sessions == {}
+        await engine.shutdown()
+
+    run(scenario())
+
+
+def test_eviction_takes_only_sessions_without_a_live_client():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3, max_sessions=2))
+        await engine.start()
+        try:
+            watched = engine.create_session(seed=1, prompt="a", pace=False).session_id
+            engine.attach(watched)
+            paused = engine.create_session(seed=2, prompt="b", pace=False).session_id
+            engine.attach(paused)
+            await take(engine, paused, 1)
+            engine.pause(paused)
+            assert isinstance(engine.create_session(), CapacityFull)  # both have live clients
+            engine.detach(paused)
+            newcomer = engine.create_session(seed=3)
+            assert not isinstance(newcomer, CapacityFull)
+            assert engine.status(paused).close_reason == "evicted"
+            assert engine.status(watched).state == "active"
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_detached_session_closes_after_its_grace_period():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3, detach_grace_s=0.2))
+        await engine.start()
+        try:
+            sid = engine.create_session(seed=1, prompt="a").session_id
+            engine.attach(sid)
+            engine.detach(sid)
+            assert engine.status(sid).state == "detached"
+            await wait_for(lambda: engine.status(sid).close_reason == "idle_timeout", timeout=3.0)
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_paced_session_stays_within_lead_chunks_of_its_playback_clock():
+    async def scenario():
+        config = small_config(window_frames=3, lead_chunks=2)
+        engine = Engine(config)
+        await engine.start()
+        try:
+            sid = engine.create_session(seed=1, prompt="paced", pace=True).session_id
+            chunks = await take(engine, sid, 6)
+            first_ready = chunks[0].ready_at
+            block_seconds = 4 * config.frames_per_block / config.fps
+            for chunk in chunks[1:]:
+                playback = (chunk.timings.started_at - first_ready) / 1000.0
+                ahead = chunk.pts / config.fps - playback
+                assert ahead <= config.lead_chunks * block_seconds + 0.05
+            # and pacing actually held it back: 6 chunks take about (6 - lead) block durations
+            assert (chunks[-1].timings.started_at - first_ready) / 1000.0 >= 2 * block_seconds
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
