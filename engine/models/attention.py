@@ -33,6 +33,7 @@ class SelfAttentionContext:
     pool: torch.Tensor | None = None  # [layers, 2, blocks, tokens_per_frame, heads, head_dim]
     history_ids: torch.Tensor | None = None  # [history frames] block ids, oldest first
     stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]: current K/V goes here
+    history_kv: torch.Tensor | None = None  # naive path: [layers, 2, S_h, heads, head_dim], already concatenated
     attn_mask: torch.Tensor | None = None  # dense reference path only: [S_q, S_k] bool
 
 
@@ -72,10 +73,14 @@ class PagedSelfAttentionProcessor:
             # Unrotated, as stored: positions are assigned when the block is read back.
             context.stage[layer, 0, : key.shape[1]].copy_(key[0])
             context.stage[layer, 1, : value.shape[1]].copy_(value[0])
+        history = None
         if context.history_ids is not None:
-            history = context.pool[layer].index_select(1, context.history_ids)  # [2, n, T, H, D]
-            key = torch.cat([history[0].flatten(0, 1).unsqueeze(0).expand(key.shape[0], -1, -1, -1), key], dim=1)
-            value = torch.cat([history[1].flatten(0, 1).unsqueeze(0).expand(value.shape[0], -1, -1, -1), value], dim=1)
+            history = context.pool[layer].index_select(1, context.history_ids).flatten(1, 2)  # [2, n*T, H, D]
+        elif context.history_kv is not None:
+            history = context.history_kv[layer]
+        if history is not None:
+            key = torch.cat([history[0].unsqueeze(0).expand(key.shape[0], -1, -1, -1), key], dim=1)
+            value = torch.cat([history[1].unsqueeze(0).expand(value.shape[0], -1, -1, -1), value], dim=1)
         num_keys, num_queries = key.shape[1], query.shape[1]
         if context.cos.shape[0] != num_keys:
             raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {num_keys}")

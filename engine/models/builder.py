@@ -27,6 +27,20 @@ class ModelBundle:
     width: int
 
 
+def cast_keeping_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(dtype)`` except the submodules diffusers keeps in float32 (time embedder, norms, tables)."""
+    if dtype == torch.float32:
+        return model
+    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
+    for name, parameter in model.named_parameters():
+        if not any(part in keep for part in name.split(".")):
+            parameter.data = parameter.data.to(dtype)
+    for name, buffer in model.named_buffers():
+        if buffer.is_floating_point() and not any(part in keep for part in name.split(".")):
+            buffer.data = buffer.data.to(dtype)
+    return model
+
+
 def build_models(config: EngineConfig) -> ModelBundle:
     """Everything the runner drives, on ``config.device`` in ``config.dtype``; nothing is downloaded."""
     if config.model_dir is not None:
@@ -39,8 +53,8 @@ def build_models(config: EngineConfig) -> ModelBundle:
         transformer = WanTransformer3DModel(**preset.transformer_config)
         torch.manual_seed(config.seed + 1)
         vae = AutoencoderKLWan(**preset.vae_config)
-    transformer = transformer.to(dtype=config.torch_dtype).eval()
-    vae = vae.to(dtype=config.torch_dtype).eval()
+    transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
+    vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
     causal = CausalWanTransformer(
         transformer,
         latent_height=height // VAE_SPATIAL_COMPRESSION,
