@@ -60,6 +60,8 @@ log = logging.getLogger("arstream.engine")
 PROMPT_POLICIES = ("soft", "recache", "reset")
 MAX_PROMPT_CHARS = 2000
 MAX_SEED = 2**63 - 1
+ACTIVATION_MARGIN = 1.25  # headroom over the measured activation peak (allocator fragmentation)
+DEVICE_RESERVE_BYTES = 2 * 2**30  # CUDA context, cuBLAS/cuDNN workspaces, encoder buffers
 
 
 @dataclass(frozen=True)
@@ -153,13 +155,16 @@ class Engine:
         spec = bundle.pipeline.kv_spec()
         decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
         self.per_session_bytes = spec.session_bytes + decoder_bytes
+        budget = config.kv_memory_budget_bytes
+        if budget is None and torch.device(config.device).type == "cuda":
+            budget = self._cuda_budget(bundle, spec)
         capacity = config.max_sessions
-        if config.kv_memory_budget_bytes is not None:
-            capacity = min(capacity, config.kv_memory_budget_bytes // self.per_session_bytes)
+        if budget is not None:
+            capacity = min(capacity, budget // self.per_session_bytes)
         if capacity < 1:
             raise ValueError(
                 f"the memory budget holds no session: one needs {self.per_session_bytes} bytes "
-                f"(KV {spec.session_bytes}, decoder {decoder_bytes}), budget {config.kv_memory_budget_bytes}"
+                f"(KV {spec.session_bytes}, decoder {decoder_bytes}), budget {budget}"
             )
         self.capacity = int(capacity)
         manager = KVCacheManager(spec, self.capacity, config.device)
@@ -174,6 +179,29 @@ class Engine:
         )
         if config.warmup_blocks:
             self.runner.warmup(config.warmup_blocks)
+
+    def _cuda_budget(self, bundle: ModelBundle, spec) -> int:
+        """Free device memory left for sessions after a warm-up measured peak activation memory.
+
+        One probe session runs a block with its own pool; what the step
+        allocated beyond the resident tensors is the activation peak, kept free
+        (with a margin) for every later step.
+        """
+        device = torch.device(self.config.device)
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+        probe = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(spec, 1, device))
+        resident = torch.cuda.memory_allocated(device)
+        probe.warmup(1)
+        activation_peak = torch.cuda.max_memory_allocated(device) - resident
+        del probe
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
+        budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
+        log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget})
+        return max(budget, 0)
 
     async def shutdown(self, reason: str = "draining") -> None:
         """Drain: refuse new work, close every session with ``reason``, release, stop the device thread."""
