@@ -5,7 +5,7 @@ const KEEP_BEHIND_S = 30;     // media kept behind the playhead; older ranges ar
 const TRIM_STEP_S = 5;        // remove in steps, not after every segment
 const MAX_LAG_S = 3;          // further than this behind the live edge: jump forward
 const FPS_WINDOW_MS = 4000;   // sliding window of the fps readout
-const STALL_MS = 3000;        // no chunk for this long: fps reads 0
+const STALL_MS = 3000;        // no chunk for this long (or 2 usual gaps): fps reads 0
 const LATENCY_KEEP = 30;      // chunks in the latency median
 const LOG_MAX = 80;
 
@@ -276,10 +276,12 @@ function fps(s) {
   const a = s.arrivals;
   const now = performance.now();
   if (!a.length) return null;
-  if (now - a[a.length - 1].t > STALL_MS) return 0;
+  const span = a[a.length - 1].t - a[0].t;
+  const interval = a.length > 1 ? span / (a.length - 1) : 0;
+  if (now - a[a.length - 1].t > Math.max(STALL_MS, 2 * interval)) return 0;  // stalled or stopped
   if (a.length < 2) return null;
   const frames = a.slice(1).reduce((n, x) => n + x.frames, 0);
-  return (1000 * frames) / (a[a.length - 1].t - a[0].t);
+  return (1000 * frames) / span;
 }
 
 const ms = (x) => `${Math.round(x)} ms`;

@@ -1,0 +1,203 @@
+"""The browser demo page, end to end: the real server (`arstream serve`, tiny preset) and headless
+Debian chromium driven by Playwright.
+
+A missing browser fails this test; it never skips. Install it with `apt-get install -y chromium`
+(Debian's build plays H.264 in Media Source Extensions); never `playwright install`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from playwright.sync_api import Page, sync_playwright
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+]
+READY_TIMEOUT_S = 45
+HEIGHT, WIDTH = 96, 160
+H264_BASELINE = 'video/mp4; codecs="avc1.42c00b"'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _arstream() -> str:
+    script = Path(sys.executable).parent / "arstream"
+    assert script.exists(), f"the arstream console script is not installed next to {sys.executable}"
+    return str(script)
+
+
+@pytest.fixture()
+def server(tmp_path):
+    """`arstream serve` on a free port, ready (GET /readyz answers 200); yields its base URL."""
+    port = _free_port()
+    log_path = tmp_path / "server.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            # The tiny preset at a small size: the page does not care, and the CPU is shared.
+            [_arstream(), "serve", "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny",
+             "--height", str(HEIGHT), "--width", str(WIDTH)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"arstream serve exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(f"{base}/readyz", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(0.25)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture()
+def browser():
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (this test never skips)")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
+def _player(page: Page) -> dict:
+    """What the video element and the readouts say right now."""
+    return page.evaluate(
+        """() => {
+            const v = document.querySelector("video");
+            const text = (id) => document.getElementById(id).textContent.trim();
+            return {
+                currentTime: v.currentTime,
+                decoded: v.getVideoPlaybackQuality().totalVideoFrames,
+                chunks: Number(text("chunks")),
+                fps: text("fps"), ttfc: text("ttfc"), latency: text("latency"), server: text("server"),
+                state: text("state"), errors: text("errors"),
+            };
+        }"""
+    )
+
+
+def _wait_for_more(page: Page, before: dict, chunks: int, timeout_s: float) -> dict:
+    """Wait until `chunks` more chunks arrived and the video played and decoded further."""
+    page.wait_for_function(
+        """([chunks, time, decoded]) => {
+            const v = document.querySelector("video");
+            return Number(document.getElementById("chunks").textContent) >= chunks
+                && v.currentTime > time && v.getVideoPlaybackQuality().totalVideoFrames > decoded;
+        }""",
+        arg=[before["chunks"] + chunks, before["currentTime"], before["decoded"]],
+        timeout=timeout_s * 1000,
+    )
+    return _player(page)
+
+
+def _wait_for_log(page: Page, kind: str, text: str, timeout_s: float) -> None:
+    page.wait_for_function(
+        """([kind, text]) => [...document.querySelectorAll("#log li")]
+            .some((li) => li.dataset.kind === kind && li.textContent.includes(text))""",
+        arg=[kind, text],
+        timeout=timeout_s * 1000,
+    )
+
+
+def _number(text: str) -> float:
+    return float(text.split()[0])
+
+
+def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    problems: list[str] = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    page.on("console", lambda msg: problems.append(f"console {msg.text}") if msg.type == "error" else None)
+    try:
+        page.goto(f"{server}/", wait_until="load")
+        assert page.evaluate("(t) => MediaSource.isTypeSupported(t)", H264_BASELINE), (
+            f"{CHROMIUM} ({browser.version}) cannot play H.264 through MSE"
+        )
+        assert page.inner_text("#state") == "idle"
+
+        # Start: the page connects, sends `start`, and plays what arrives.
+        page.fill("#prompt", "a red fox running through fresh snow")
+        page.fill("#seed", "7")
+        page.click("#start")
+        page.wait_for_function(
+            """() => {
+                const v = document.querySelector("video");
+                return v.currentTime > 0.3 && v.getVideoPlaybackQuality().totalVideoFrames > 4
+                    && Number(document.getElementById("chunks").textContent) >= 2;
+            }""",
+            timeout=30_000,
+        )
+        _wait_for_log(page, "ack", "ack start", 5)
+        first = _player(page)
+        assert first["state"] == "active", first
+        assert _number(first["ttfc"]) > 0, first  # "345 ms"
+        assert first["latency"] != "–" and first["server"] != "–", first
+        mime = page.evaluate("() => document.getElementById('media-info').textContent")
+        # fps is a rate over the last chunks' arrivals: a positive number once two chunks are in.
+        page.wait_for_function("() => parseFloat(document.getElementById('fps').textContent) > 0", timeout=10_000)
+
+        # A prompt change from the UI is acked and the stream keeps going.
+        page.fill("#prompt", "a blue whale gliding through deep water")
+        page.select_option("#policy", "recache")
+        page.click("#apply")
+        _wait_for_log(page, "ack", "ack prompt: prompt (recache)", 10)
+        after_prompt = _wait_for_more(page, _player(page), chunks=2, timeout_s=20)
+
+        # Reset from the UI: acked, chunks keep arriving, playback continues on the same timeline.
+        page.click("#reset")
+        _wait_for_log(page, "ack", "ack reset", 10)
+        after_reset = _wait_for_more(page, _player(page), chunks=2, timeout_s=20)
+        assert after_reset["currentTime"] > after_prompt["currentTime"] > first["currentTime"]
+        assert after_reset["errors"] == "0", page.inner_text("#log")
+        assert _number(after_reset["fps"]) >= 0, after_reset  # 0 while the CPU is slower than a block's gap
+
+        page.screenshot(path=str(tmp_path / "demo_page.png"))
+
+        # Close ends the session; the page says so.
+        page.click("#close")
+        page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
+        _wait_for_log(page, "state", "closed (client)", 5)
+        assert page.inner_text("#errors") == "0", page.inner_text("#log")
+        assert not problems, problems
+        print(json.dumps({"chromium": browser.version, "media": mime, "first": first, "after_reset": after_reset}))
+    finally:
+        page.close()
