@@ -27,10 +27,10 @@ def check(dtype: str, blocks: int = 5) -> dict:
         pipeline.transformer, pipeline.embed("a check"), num_blocks=blocks, seed=7,
         sigmas=pipeline.sigmas, latent_shape=pipeline.latent_shape,
     )
-    diffs = [(a - b).abs().max().item() for a, b in zip(streamed, reference)]
-    rel = [((a - b).norm() / b.norm()).item() for a, b in zip(streamed, reference)]
+    diffs = [a.max_abs_diff(b) for a, b in zip(streamed, reference)]
+    rel = [((a.video - b.video).norm() / b.video.norm()).item() for a, b in zip(streamed, reference)]
     state = bundle.decoder.new_state("check")
-    pixels = bundle.decoder.decode_chunk(bundle.decoder.denormalize(streamed[0]), state)
+    pixels = bundle.decoder.decode_chunk(bundle.decoder.denormalize(streamed[0].video), state)
     return {"dtype": dtype, "max_abs_diff_per_block": diffs, "rel_diff_per_block": rel,
             "decoded_finite": bool(torch.isfinite(pixels).all()), "decoded_std": pixels.float().std().item()}
 

@@ -222,12 +222,12 @@ class Runner:
             clean = self.pipeline.step(device_session.kv, progress)
         else:
             clean = self.pipeline.run_block(device_session.kv, progress)
-        _synchronize(clean)
+        _synchronize(None if clean is None else clean.video)
         device_session.denoise_s += time.perf_counter() - started
         if clean is None:
             return None
         decode_started = time.perf_counter()
-        pixels = self.decoder.decode_chunk(self.decoder.denormalize(clean), device_session.decode_state)
+        pixels = self.decoder.decode_chunk(self.decoder.denormalize(clean.video), device_session.decode_state)
         frames = self.decoder.to_uint8(pixels)
         decode_s = time.perf_counter() - decode_started
         output = BlockOutput(

@@ -45,8 +45,7 @@ def _measured_session_bytes(runner: Runner, session_id: str) -> int:
     kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
     cross_bytes = sum(kv.read_cross(b, "text").nbytes for b in kv.branch_names)
     decoder_bytes = device_session.decode_state.nbytes()
-    resident = progress.sink_latents + list(progress.window_latents)
-    model_bytes = sum(t.nbytes for t in resident + [progress.latents, progress.clean])
+    model_bytes = sum(x.nbytes for x in progress.resident_latents() + [progress.latents, progress.clean])
     return kv_bytes + cross_bytes + decoder_bytes + model_bytes
 
 

@@ -8,6 +8,7 @@ import torch
 
 from engine.kv_cache import KVCacheManager
 from engine.models.attention import SelfAttentionContext
+from engine.models.latents import BlockLatents
 from engine.models.reference import block_causal_mask
 from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
 from engine.runner import Runner
@@ -229,8 +230,8 @@ def test_recache_recomputes_resident_kv_under_the_new_prompt(runner):
     # Independent recomputation: one dense block-causal forward over the resident clean frames.
     pipeline = runner.pipeline
     transformer = pipeline.transformer
-    frames = torch.cat(progress.resident_latents(), dim=2)
-    count, tokens = frames.shape[2], transformer.tokens_per_frame
+    frames = BlockLatents.cat(progress.resident_latents())
+    count, tokens = frames.frames, transformer.tokens_per_frame
     spec = pipeline.kv_spec()
     stage = torch.empty(spec.num_layers, 2, count * tokens, spec.num_kv_heads, spec.head_dim)
     cos, sin = transformer.rotary(count)

@@ -12,19 +12,28 @@ from __future__ import annotations
 import torch
 from diffusers import WanTransformer3DModel
 
+from engine.models.audio_tokens import AudioTokenProjections
 from engine.models.attention import (
     CachedCrossAttentionProcessor,
     PagedSelfAttentionProcessor,
     SelfAttentionContext,
     project_cross_kv,
 )
+from engine.models.latents import BlockLatents
 from engine.models.rope import FrameRotaryEmbedding
 
 
 class CausalWanTransformer(torch.nn.Module):
     """Block-causal forward of a Wan2.1-family DiT at one frame size."""
 
-    def __init__(self, transformer: WanTransformer3DModel, *, latent_height: int, latent_width: int) -> None:
+    def __init__(
+        self,
+        transformer: WanTransformer3DModel,
+        *,
+        latent_height: int,
+        latent_width: int,
+        audio: AudioTokenProjections | None = None,
+    ) -> None:
         super().__init__()
         config = transformer.config
         p_t, p_h, p_w = config.patch_size
@@ -41,14 +50,27 @@ class CausalWanTransformer(torch.nn.Module):
         self.num_heads = config.num_attention_heads
         self.head_dim = config.attention_head_dim
         self.inner_dim = self.num_heads * self.head_dim
-        self.rope = FrameRotaryEmbedding(self.head_dim, self.patch_rows, self.patch_cols, config.rope_max_seq_len)
+        self.audio = audio
+        self.audio_tokens_per_frame = audio.tokens_per_frame if audio is not None else 0
+        self.rope = FrameRotaryEmbedding(
+            self.head_dim,
+            self.patch_rows,
+            self.patch_cols,
+            config.rope_max_seq_len,
+            audio_tokens=self.audio_tokens_per_frame,
+        )
         for index, block in enumerate(transformer.blocks):
             block.attn1.set_processor(PagedSelfAttentionProcessor(index))
             block.attn2.set_processor(CachedCrossAttentionProcessor(index))
 
     @property
-    def tokens_per_frame(self) -> int:
+    def video_tokens_per_frame(self) -> int:
         return self.patch_rows * self.patch_cols
+
+    @property
+    def tokens_per_frame(self) -> int:
+        """Tokens of one latent frame: its image patches, then its audio latent frames."""
+        return self.video_tokens_per_frame + self.audio_tokens_per_frame
 
     @property
     def dtype(self) -> torch.dtype:
@@ -71,24 +93,32 @@ class CausalWanTransformer(torch.nn.Module):
     @torch.no_grad()
     def forward(
         self,
-        latents: torch.Tensor,
+        latents: BlockLatents,
         frame_timesteps: torch.Tensor,
         context: SelfAttentionContext,
         cross_kv: torch.Tensor,
-    ) -> torch.Tensor:
-        """Predict the flow for ``latents [B, C, F, h, w]`` at one timestep per frame ``[B, F]``.
+    ) -> BlockLatents:
+        """Predict the flow for ``latents`` (video ``[B, C, F, h, w]``, audio ``[B, D, F*A]``) at one timestep per frame.
 
         Every token of a frame gets that frame's timestep (the per-token
         timestep of diffusers' Wan2.2 path, computed once per frame).
         """
         model = self.transformer
-        batch, _, frames, height, width = latents.shape
+        video = latents.video
+        batch, _, frames, height, width = video.shape
         p_t, p_h, p_w = model.config.patch_size
         rows, cols = height // p_h, width // p_w
         if (rows, cols) != (self.patch_rows, self.patch_cols):
             raise ValueError(f"latent size {height}x{width} does not match the model's {self.patch_rows * p_h}x{self.patch_cols * p_w}")
-        tokens = rows * cols
-        hidden = model.patch_embedding(latents.to(self.dtype)).flatten(2).transpose(1, 2).contiguous()
+        if (latents.audio is None) != (self.audio is None):
+            raise ValueError("audio latents must be given exactly when the model has audio tokens")
+        video_tokens = rows * cols
+        hidden = model.patch_embedding(video.to(self.dtype)).flatten(2).transpose(1, 2)
+        if self.audio is not None:
+            audio_tokens = self.audio.tokens(latents.audio.to(self.dtype), frames)
+            hidden = torch.cat([hidden.view(batch, frames, video_tokens, -1), audio_tokens], dim=2).flatten(1, 2)
+        hidden = hidden.contiguous()
+        tokens = self.tokens_per_frame
 
         embedder = model.condition_embedder
         t_freq = embedder.timesteps_proj(frame_timesteps.reshape(-1).float())
@@ -102,11 +132,14 @@ class CausalWanTransformer(torch.nn.Module):
 
         shift, scale = (model.scale_shift_table.view(1, 1, 2, -1) + temb).chunk(2, dim=2)  # [B, F, 1, dim]
         normed = model.norm_out(hidden.float()).view(batch, frames, tokens, -1)
-        hidden = (normed * (1 + scale) + shift).flatten(1, 2).type_as(hidden)
-        hidden = model.proj_out(hidden)
-        hidden = hidden.reshape(batch, frames, rows, cols, p_t, p_h, p_w, -1)
-        hidden = hidden.permute(0, 7, 1, 4, 2, 5, 3, 6)
-        return hidden.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        hidden = (normed * (1 + scale) + shift).type_as(hidden)
+        out_video = model.proj_out(hidden[:, :, :video_tokens].flatten(1, 2))
+        out_video = out_video.reshape(batch, frames, rows, cols, p_t, p_h, p_w, -1)
+        out_video = out_video.permute(0, 7, 1, 4, 2, 5, 3, 6).flatten(6, 7).flatten(4, 5).flatten(2, 3)
+        out_audio = None
+        if self.audio is not None:
+            out_audio = self.audio.latents(hidden[:, :, video_tokens:])
+        return BlockLatents(out_video, out_audio)
 
 
 def _run_block(block, hidden, modulation, frames, tokens, context, cross_kv):

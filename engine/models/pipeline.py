@@ -24,6 +24,7 @@ import torch
 from engine.kv_cache import KVSpec, SessionKVState
 from engine.models.attention import SelfAttentionContext
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.latents import BlockLatents
 from engine.models.text_encoder import TextEncoder
 
 PromptPolicy = Literal["soft", "recache", "reset"]
@@ -42,14 +43,31 @@ class SessionProgress:
     text: dict[str, torch.Tensor]  # branch -> [1, text_len, text_dim]
     block_index: int = 0
     step_index: int = 0  # 0..num_steps-1: denoise steps; num_steps: the commit pass
-    latents: torch.Tensor | None = None  # x_t of the block in flight, float32
-    clean: torch.Tensor | None = None  # x0 of the block in flight, float32
+    latents: BlockLatents | None = None  # x_t of the block in flight, float32
+    clean: BlockLatents | None = None  # x0 of the block in flight, float32
     # Clean latents of the frames whose K/V are resident, in history order (for recache).
-    sink_latents: list[torch.Tensor] = field(default_factory=list)
+    sink_latents: list[BlockLatents] = field(default_factory=list)
     window_latents: deque = field(default_factory=deque)
 
-    def resident_latents(self) -> list[torch.Tensor]:
+    def resident_latents(self) -> list[BlockLatents]:
         return self.sink_latents + list(self.window_latents)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors this state holds now."""
+        held = self.resident_latents() + [x for x in (self.latents, self.clean) if x is not None]
+        return sum(x.nbytes for x in held)
+
+
+def draw_noise(
+    generator: torch.Generator, video_shape: tuple[int, ...], audio_shape: tuple[int, ...] | None, device
+) -> BlockLatents:
+    """Fresh ε for one block: video first, then audio, on the CPU from the session's generator.
+
+    Drawn on the CPU so a seed gives the same frames on any device.
+    """
+    video = torch.randn(video_shape, generator=generator).to(device)
+    audio = None if audio_shape is None else torch.randn(audio_shape, generator=generator).to(device)
+    return BlockLatents(video, audio)
 
 
 class CausalWanPipeline:
@@ -85,6 +103,9 @@ class CausalWanPipeline:
             transformer.patch_rows * p_h,
             transformer.patch_cols * p_w,
         )
+        self.audio_shape = None
+        if transformer.audio is not None:
+            self.audio_shape = (1, transformer.audio.audio_dim, frames_per_block * transformer.audio.tokens_per_frame)
         self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()
 
     # --- what the runner needs to build pools ---------------------------
@@ -96,6 +117,8 @@ class CausalWanPipeline:
         t = self.transformer
         _, channels, frames, height, width = self.latent_shape
         frame_bytes = channels * height * width * 4
+        if self.audio_shape is not None:
+            frame_bytes += self.audio_shape[1] * self.audio_shape[2] // frames * 4
         # resident clean latents (for recache) + x_t and x0 of the block in flight
         model_state = (self.sink_frames + self.window_frames + 2 * frames) * frame_bytes
         return KVSpec(
@@ -170,13 +193,13 @@ class CausalWanPipeline:
         kv: SessionKVState,
         progress: SessionProgress,
         branch: str,
-        latents: torch.Tensor,
+        latents: BlockLatents,
         timestep: float,
         *,
         stage: bool,
-    ) -> torch.Tensor:
+    ) -> BlockLatents:
         history_ids, history_frames = kv.history(branch)
-        frames = latents.shape[2]
+        frames = latents.frames
         cos, sin = self.transformer.rotary(history_frames + frames)
         context = SelfAttentionContext(
             cos=cos,
@@ -189,18 +212,17 @@ class CausalWanPipeline:
         cross_kv = self._cross_kv(kv, progress, branch)
         return self.transformer(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
 
-    def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: torch.Tensor, timestep: float) -> torch.Tensor:
+    def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: BlockLatents, timestep: float) -> BlockLatents:
         cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
         if "uncond" not in self.branch_names:
             return cond
         uncond = self._forward(kv, progress, "uncond", latents, timestep, stage=False).float()
-        return uncond + self.guidance_scale * (cond - uncond)
+        return uncond.combine(cond, 1.0 - self.guidance_scale, self.guidance_scale)
 
-    def _noise(self, progress: SessionProgress) -> torch.Tensor:
-        # Drawn on the CPU from the session's generator: the same frames on any device.
-        return torch.randn(self.latent_shape, generator=progress.generator).to(self.transformer.device)
+    def _noise(self, progress: SessionProgress) -> BlockLatents:
+        return draw_noise(progress.generator, self.latent_shape, self.audio_shape, self.transformer.device)
 
-    def step(self, kv: SessionKVState, progress: SessionProgress) -> torch.Tensor | None:
+    def step(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents | None:
         """Advance the session's block by one forward; return the block's clean latents after its commit."""
         index = progress.step_index
         if index < self.num_steps:
@@ -208,10 +230,10 @@ class CausalWanPipeline:
                 progress.latents = self._noise(progress)
             sigma = self.sigmas[index]
             flow = self._flow(kv, progress, progress.latents, 1000.0 * sigma)
-            progress.clean = progress.latents - sigma * flow
+            progress.clean = progress.latents.combine(flow, 1.0, -sigma)
             if index + 1 < self.num_steps:
                 next_sigma = self.sigmas[index + 1]
-                progress.latents = (1.0 - next_sigma) * progress.clean + next_sigma * self._noise(progress)
+                progress.latents = progress.clean.combine(self._noise(progress), 1.0 - next_sigma, next_sigma)
             progress.step_index += 1
             return None
         clean = progress.clean
@@ -219,7 +241,7 @@ class CausalWanPipeline:
             self._forward(kv, progress, branch, clean, 0.0, stage=True)
         # Every branch's forward succeeded: only now does anything enter the cache.
         for branch in self.branch_names:
-            kv.commit(branch, clean.shape[2])
+            kv.commit(branch, clean.frames)
         self._remember_clean(progress, clean)
         progress.block_index += 1
         progress.step_index = 0
@@ -227,15 +249,15 @@ class CausalWanPipeline:
         progress.clean = None
         return clean
 
-    def run_block(self, kv: SessionKVState, progress: SessionProgress) -> torch.Tensor:
+    def run_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
         """All remaining steps of the current block (grouped execution); same result as stepping."""
         while True:
             clean = self.step(kv, progress)
             if clean is not None:
                 return clean
 
-    def _remember_clean(self, progress: SessionProgress, clean: torch.Tensor) -> None:
-        for frame in clean.split(1, dim=2):
+    def _remember_clean(self, progress: SessionProgress, clean: BlockLatents) -> None:
+        for frame in clean.split_frames():
             if len(progress.sink_latents) < self.sink_frames:
                 progress.sink_latents.append(frame)
             else:
@@ -258,7 +280,7 @@ class CausalWanPipeline:
                 raise RuntimeError("resident latents and KV blocks disagree; session state is corrupt")
             for start in range(0, len(block_ids), group):
                 targets = block_ids[start : start + group]
-                latents = torch.cat(frames[start : start + group], dim=2).to(self.transformer.device)
+                latents = BlockLatents.cat(frames[start : start + group])
                 history = None
                 if start:
                     history = torch.tensor(block_ids[:start], dtype=torch.long, device=self.transformer.device)

@@ -11,6 +11,8 @@ import torch
 
 from engine.models.attention import SelfAttentionContext
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.latents import BlockLatents
+from engine.models.pipeline import draw_noise
 
 
 def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: int, device) -> torch.Tensor:
@@ -22,13 +24,13 @@ def block_causal_mask(num_frames: int, frames_per_block: int, tokens_per_frame: 
 @torch.no_grad()
 def full_sequence_flow(
     transformer: CausalWanTransformer,
-    latents: torch.Tensor,
+    latents: BlockLatents,
     frame_timesteps: torch.Tensor,
     frames_per_block: int,
     text_embeddings: torch.Tensor,
-) -> torch.Tensor:
+) -> BlockLatents:
     """One forward over every frame, absolute positions 0..N-1, block-causal attention."""
-    num_frames = latents.shape[2]
+    num_frames = latents.frames
     cos, sin = transformer.rotary(num_frames)
     mask = block_causal_mask(num_frames, frames_per_block, transformer.tokens_per_frame, transformer.device)
     context = SelfAttentionContext(cos=cos, sin=sin, attn_mask=mask)
@@ -45,22 +47,24 @@ def reference_generate(
     seed: int,
     sigmas: list[float],
     latent_shape: tuple[int, ...],
-) -> list[torch.Tensor]:
+    audio_shape: tuple[int, ...] | None = None,
+) -> list[BlockLatents]:
     """Clean latents of ``num_blocks`` blocks, drawing noise in the same order as the pipeline."""
     generator = torch.Generator().manual_seed(seed)
     frames = latent_shape[2]
     device = transformer.device
-    clean_blocks: list[torch.Tensor] = []
+    clean_blocks: list[BlockLatents] = []
     for _ in range(num_blocks):
-        x = torch.randn(latent_shape, generator=generator).to(device)
+        x = draw_noise(generator, latent_shape, audio_shape, device)
         history = len(clean_blocks) * frames
         for index, sigma in enumerate(sigmas):
-            sequence = torch.cat(clean_blocks + [x], dim=2)
+            sequence = BlockLatents.cat(clean_blocks + [x])
             timesteps = torch.cat([torch.zeros(history), torch.full((frames,), 1000.0 * sigma)]).unsqueeze(0)
-            flow = full_sequence_flow(transformer, sequence, timesteps, frames, text_embeddings)[:, :, -frames:]
-            clean = x - sigma * flow.float()
+            flow = full_sequence_flow(transformer, sequence, timesteps, frames, text_embeddings).float()
+            flow = BlockLatents.cat(flow.split_frames()[-frames:])
+            clean = x.combine(flow, 1.0, -sigma)
             if index + 1 < len(sigmas):
                 next_sigma = sigmas[index + 1]
-                x = (1.0 - next_sigma) * clean + next_sigma * torch.randn(latent_shape, generator=generator).to(device)
+                x = clean.combine(draw_noise(generator, latent_shape, audio_shape, device), 1.0 - next_sigma, next_sigma)
         clean_blocks.append(clean)
     return clean_blocks

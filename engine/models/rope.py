@@ -14,30 +14,45 @@ from diffusers.models.embeddings import get_1d_rotary_pos_embed
 
 
 class FrameRotaryEmbedding:
-    """cos/sin tables for tokens laid out frame-major: ``[frame, row, col]``."""
+    """cos/sin tables for tokens laid out frame-major: each frame's image tokens ``[row, col]``, then its audio tokens.
 
-    def __init__(self, head_dim: int, rows: int, cols: int, max_frames: int, theta: float = 10000.0) -> None:
+    Audio tokens (if any) sit on a virtual row just below the image, one column each.
+    """
+
+    def __init__(
+        self, head_dim: int, rows: int, cols: int, max_frames: int, theta: float = 10000.0, audio_tokens: int = 0
+    ) -> None:
         self.head_dim = head_dim
         self.rows = rows
         self.cols = cols
+        self.audio_tokens = audio_tokens
         self.max_frames = max_frames
         h_dim = w_dim = 2 * (head_dim // 6)
         t_dim = head_dim - h_dim - w_dim
+        row_index = torch.arange(rows).repeat_interleave(cols)
+        col_index = torch.arange(cols).repeat(rows)
+        if audio_tokens:
+            row_index = torch.cat([row_index, torch.full((audio_tokens,), rows)])
+            col_index = torch.cat([col_index, torch.arange(audio_tokens)])
         # Half-width tables: one angle per rotated pair of channels.
-        self._tables = []
-        for dim, length in ((t_dim, max_frames), (h_dim, rows), (w_dim, cols)):
+        halves = []
+        for dim, length in ((t_dim, max_frames), (h_dim, rows + 1), (w_dim, max(cols, audio_tokens))):
             cos, sin = get_1d_rotary_pos_embed(
                 dim, length, theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
             )
-            self._tables.append((cos[:, 0::2].float(), sin[:, 0::2].float()))
+            halves.append((cos[:, 0::2].float(), sin[:, 0::2].float()))
+        (self._t_cos, self._t_sin), (h_cos, h_sin), (w_cos, w_sin) = halves
+        # Within a frame the (row, col) part never changes: [tokens_per_frame, (h_dim + w_dim) / 2].
+        self._hw_cos = torch.cat([h_cos[row_index], w_cos[col_index]], dim=-1)
+        self._hw_sin = torch.cat([h_sin[row_index], w_sin[col_index]], dim=-1)
         self._cache: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property
     def tokens_per_frame(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.cols + self.audio_tokens
 
     def for_frames(self, num_frames: int, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape ``[num_frames * rows * cols, 1, head_dim // 2]`` for frame positions 0..num_frames-1.
+        """cos, sin of shape ``[num_frames * tokens_per_frame, 1, head_dim // 2]`` for frame positions 0..num_frames-1.
 
         Frames numbered from 0 cover every use: a block's context is
         ``sink | window | block`` numbered contiguously, and a suffix of the
@@ -48,20 +63,14 @@ class FrameRotaryEmbedding:
         key = (num_frames, str(device))
         cached = self._cache.get(key)
         if cached is None:
-            (tc, ts), (hc, hs), (wc, ws) = self._tables
-            f, r, c = num_frames, self.rows, self.cols
+            tokens = self.tokens_per_frame
 
-            def grid(t, h, w):
-                return torch.cat(
-                    [
-                        t[:f].view(f, 1, 1, -1).expand(f, r, c, -1),
-                        h[:r].view(1, r, 1, -1).expand(f, r, c, -1),
-                        w[:c].view(1, 1, c, -1).expand(f, r, c, -1),
-                    ],
-                    dim=-1,
-                ).reshape(f * r * c, 1, -1)
+            def grid(t_table, hw_table):
+                t_part = t_table[:num_frames].unsqueeze(1).expand(num_frames, tokens, -1)
+                hw_part = hw_table.unsqueeze(0).expand(num_frames, tokens, -1)
+                return torch.cat([t_part, hw_part], dim=-1).reshape(num_frames * tokens, 1, -1).to(device)
 
-            cached = (grid(tc, hc, wc).to(device), grid(ts, hs, ws).to(device))
+            cached = (grid(self._t_cos, self._hw_cos), grid(self._t_sin, self._hw_sin))
             self._cache[key] = cached
         return cached
 
