@@ -154,3 +154,43 @@ def test_session_of_2000_frames_keeps_pool_usage_and_positions_bounded():
     assert kv.num_resident_blocks("cond") == spec.resident_frames
     assert max(widest) == spec.context_frames <= rope.max_frames
     assert torch.isfinite(clean.video).all() and clean.video.std() > 0.1
+
+
+def test_audio_tokens_share_the_blocks_context_and_match_the_reference():
+    """With audio tokens in every latent frame, paged streaming still equals the whole-sequence forward."""
+    from engine.models.audio_tokens import AudioTokenProjections
+    from engine.models.pipeline import CausalWanPipeline
+    from engine.models.schedule import shifted_sigmas
+
+    torch.manual_seed(1)
+    plain = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    inner = TINY_TRANSFORMER_CONFIG["num_attention_heads"] * TINY_TRANSFORMER_CONFIG["attention_head_dim"]
+    audio = AudioTokenProjections(audio_dim=8, inner_dim=inner, tokens_per_frame=20)
+    causal = CausalWanTransformer(plain, latent_height=LATENT_H, latent_width=LATENT_W, audio=audio)
+    assert causal.tokens_per_frame == 4 * 3 + 20
+    encoder = TinyTextEncoder(TINY_TRANSFORMER_CONFIG["text_dim"])
+    pipeline = CausalWanPipeline(
+        causal, encoder, sigmas=shifted_sigmas([1000, 750, 500, 250], 5.0), frames_per_block=3,
+        sink_frames=3, window_frames=15,
+    )
+    manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
+    kv = manager.open_session("av")
+    progress = pipeline.new_progress(seed=2, prompt="thunder")
+    streamed = [pipeline.run_block(kv, progress) for _ in range(4)]
+    reference = reference_generate(
+        causal, pipeline.embed("thunder"), num_blocks=4, seed=2, sigmas=pipeline.sigmas,
+        latent_shape=pipeline.latent_shape, audio_shape=pipeline.audio_shape,
+    )
+    for ours, expected in zip(streamed, reference):
+        assert ours.audio.shape == (1, 8, 60)
+        assert ours.max_abs_diff(expected) < 1e-5
+    # audio tokens attend to the video and back: changing the audio noise changes the video
+    assert streamed[0].audio.std() > 0.1
+    with torch.no_grad():
+        cos, sin = causal.rotary(3)
+        context = SelfAttentionContext(cos=cos, sin=sin)
+        text = causal.project_text(pipeline.embed("thunder"))[0]
+        base = causal(streamed[0], torch.full((1, 3), 500.0), context, text)
+        nudged = BlockLatents(streamed[0].video, streamed[0].audio + 1.0)
+        moved = causal(nudged, torch.full((1, 3), 500.0), context, text)
+    assert not torch.allclose(base.video, moved.video)
