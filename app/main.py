@@ -1,0 +1,65 @@
+"""The app factory: ``create_app(settings)`` builds the FastAPI app; its lifespan runs the engine.
+
+Start-up builds and warms the engine before the server accepts anything (``/readyz`` is 200 from the
+first request on). Shutdown drains: readiness 503, every client gets ``closed`` (``draining``) and
+close code 1001, then the engine releases its sessions. ``arstream serve`` drains *before* uvicorn
+closes the sockets itself (see ``app.cli``); the lifespan drain covers every other host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from fastapi import FastAPI
+from fastapi.responses import FileResponse
+from fastapi.staticfiles import StaticFiles
+
+from app.routes import ApiError, health, install_error_handlers, metrics, sessions, stream
+from app.security import BodySizeLimit
+from app.service import Service
+from app.settings import Settings
+
+STATIC_DIR = Path(__file__).parent / "static"
+API_DESCRIPTION = """Realtime streaming for autoregressive video diffusion.
+
+The stream itself is a WebSocket (`/v1/stream`, `/v1/sessions/{id}/stream`): see docs/PROTOCOL.md.
+These REST routes create sessions and control them for callers that do not hold the stream."""
+
+
+@asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    service = Service(app.state.settings)
+    service.on_engine_dead = lambda: app.state.on_engine_dead and app.state.on_engine_dead()
+    app.state.service = service
+    await service.start()
+    try:
+        yield
+    finally:
+        await service.drain()
+
+
+def create_app(settings: Settings) -> FastAPI:
+    app = FastAPI(title="arstream", version="1", description=API_DESCRIPTION, lifespan=_lifespan)
+    app.state.settings = settings
+    app.state.on_engine_dead = None  # set by the server runner: how to stop the process when the engine dies
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_message_bytes)
+    install_error_handlers(app)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.include_router(sessions.router)
+    app.include_router(stream.router)
+    _add_demo_page(app)
+    return app
+
+
+def _add_demo_page(app: FastAPI) -> None:
+    app.mount("/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def demo_page() -> FileResponse:
+        index = STATIC_DIR / "index.html"
+        if not index.is_file():
+            raise ApiError(404, "not_found", "the demo page is not installed")
+        return FileResponse(index, headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,127 @@
+"""HTTP and WebSocket routes, one router per resource; REST errors share one JSON shape.
+
+Every REST error is ``{"error": {"code", "message"}}``. Protocol codes map to HTTP statuses here, so
+the socket and REST refuse the same things with the same codes.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.schemas import ErrorResponse, ProtocolError
+from engine.api import MAX_PROMPT_CHARS
+from engine.errors import CapacityFull, EngineError, EngineUnavailable
+
+log = logging.getLogger("arstream.http")
+
+STATUS_BY_CODE = {
+    "bad_json": 400,
+    "unknown_type": 400,
+    "invalid_field": 400,
+    "prompt_too_long": 413,
+    "unauthorized": 401,
+    "forbidden_origin": 403,
+    "unknown_session": 404,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "already_started": 409,
+    "not_started": 409,
+    "session_closed": 409,
+    "rate_limited": 429,
+    "internal": 500,
+    "capacity": 503,
+    "unavailable": 503,
+}
+UNAVAILABLE_RETRY_AFTER_S = 5
+
+# For OpenAPI: what the session routes may answer besides success.
+ERROR_RESPONSES = {
+    status: {"model": ErrorResponse, "description": description}
+    for status, description in {
+        400: "invalid request (bad_json, invalid_field)",
+        401: "missing or wrong bearer token",
+        403: "foreign browser origin",
+        404: "unknown session",
+        409: "already_started, not_started or session_closed",
+        413: "prompt_too_long, or body too large",
+        429: "rate_limited (+ Retry-After)",
+        503: "capacity or unavailable (+ Retry-After)",
+    }.items()
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.headers = headers or {}
+
+    @classmethod
+    def from_code(cls, code: str, message: str, retry_after_s: float | None = None) -> "ApiError":
+        headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+        return cls(STATUS_BY_CODE.get(code, 400), code, message, headers)
+
+    @classmethod
+    def from_engine(cls, error: EngineError) -> "ApiError":
+        if isinstance(error, EngineUnavailable):
+            return cls.from_code("unavailable", error.message, UNAVAILABLE_RETRY_AFTER_S)
+        if error.code == "rate_limited":
+            return cls.from_code("rate_limited", error.message, 1.0)
+        return cls.from_code(error.code, error.message)
+
+    @classmethod
+    def capacity(cls, refusal: CapacityFull) -> "ApiError":
+        return cls.from_code("capacity", refusal.message, refusal.retry_after_s)
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, error: ApiError) -> JSONResponse:
+        return error_response(error.status, error.code, error.message, error.headers)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(_: Request, error: EngineError) -> JSONResponse:
+        api = ApiError.from_engine(error)
+        return error_response(api.status, api.code, api.message, api.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+        problems = error.errors()
+        if any(problem.get("type") == "json_invalid" for problem in problems):
+            return error_response(400, "bad_json", "the body is not valid JSON")
+        protocol_error = _first_protocol_error(problems)
+        return error_response(STATUS_BY_CODE[protocol_error.code], protocol_error.code, protocol_error.message)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
+        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_field")
+        message = error.detail if isinstance(error.detail, str) else "request refused"
+        return error_response(error.status_code, code, message, getattr(error, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> JSONResponse:
+        log.error("unhandled error", extra={"path": request.url.path, "error": type(error).__name__}, exc_info=error)
+        return error_response(500, "internal", "internal error")
+
+
+def _first_protocol_error(problems: list[dict]) -> ProtocolError:
+    """FastAPI's validation problems, read like the socket's (prompt_too_long wins), input never echoed."""
+    for problem in problems:
+        loc = tuple(problem.get("loc", ()))
+        if problem.get("type") == "string_too_long" and loc[-1:] == ("prompt",):
+            return ProtocolError("prompt_too_long", f"prompt longer than {MAX_PROMPT_CHARS} characters")
+    first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or "body"
+    return ProtocolError("invalid_field", f"{where}: {first.get('msg', 'invalid')}")

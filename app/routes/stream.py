@@ -1,0 +1,113 @@
+"""The stream sockets: ``WS /v1/stream`` (create + attach) and ``WS /v1/sessions/{id}/stream`` (attach).
+
+Order of checks, so a refused client learns why:
+1. origin and token, *before* accept: a failure closes 1008 without ever accepting;
+2. after accept: draining (``closed`` draining, 1001), dead engine (``closed`` failed, 1011),
+   capacity (``closed`` capacity, 1013), unknown session (4404) — accepted first so that browsers,
+   which hide the close code of a refused handshake, can see these codes.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import APIRouter, WebSocket
+
+from app.deps import ServiceDep
+from app.schemas import MAX_ID_CHARS, ClosedMessage, ErrorMessage, to_text
+from app.security import (
+    PROTOCOL_SUBPROTOCOL,
+    Caller,
+    Unauthorized,
+    authenticate,
+    bearer_from_header,
+    bearer_from_subprotocols,
+    client_address,
+    origin_allowed,
+)
+from app.service import Service
+from app.streaming import (
+    CLOSE_CODE_BY_REASON,
+    CLOSE_POLICY,
+    CLOSE_UNKNOWN_SESSION,
+    StreamConnection,
+)
+from engine.errors import CapacityFull, EngineError, EngineUnavailable
+
+log = logging.getLogger("arstream.stream")
+
+router = APIRouter()
+
+
+@router.websocket("/v1/stream")
+async def create_stream(websocket: WebSocket, service: ServiceDep) -> None:
+    caller = await _admit(websocket, service)
+    if caller is None or not await _serving(websocket, service):
+        return
+    try:
+        record = service.registry.create(caller, via="websocket")
+    except EngineUnavailable:
+        await _refuse(websocket, service, "draining" if service.engine.draining else "failed")
+        return
+    except EngineError as error:  # too many sessions for this client
+        await _refuse(websocket, service, "capacity", error=(error.code, error.message))
+        return
+    if isinstance(record, CapacityFull):
+        await _refuse(websocket, service, "capacity")
+        return
+    await StreamConnection(websocket, service, record.session_id, caller).run()
+
+
+@router.websocket("/v1/sessions/{session_id}/stream", name="attach_stream")
+async def attach_stream(websocket: WebSocket, session_id: str, service: ServiceDep) -> None:
+    caller = await _admit(websocket, service)
+    if caller is None or not await _serving(websocket, service):
+        return
+    if len(session_id) > MAX_ID_CHARS or session_id not in service.registry.records:
+        service.metrics.count(service.metrics.refused, "unknown_session")
+        await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+        return
+    await StreamConnection(websocket, service, session_id, caller).run()
+
+
+async def _admit(websocket: WebSocket, service: Service) -> Caller | None:
+    """Origin and token checks before accept; on success the socket is accepted (``arstream.v1``)."""
+    settings = service.settings
+    address = client_address(websocket.scope)
+    if not origin_allowed(websocket.headers.get("origin"), websocket.headers.get("host"), settings):
+        return await _deny(websocket, service, "origin", address)
+    offered = list(websocket.scope.get("subprotocols") or [])
+    presented = bearer_from_header(websocket.headers) or bearer_from_subprotocols(offered)
+    try:
+        principal = authenticate(presented, settings)
+    except Unauthorized:
+        return await _deny(websocket, service, "token", address)
+    # Answer only a subprotocol the client offered: browsers fail the handshake otherwise.
+    await websocket.accept(subprotocol=PROTOCOL_SUBPROTOCOL if PROTOCOL_SUBPROTOCOL in offered else None)
+    return Caller(principal=principal, address=address)
+
+
+async def _deny(websocket: WebSocket, service: Service, reason: str, address: str) -> None:
+    service.metrics.count(service.metrics.refused, reason)
+    log.info("socket refused", extra={"reason": reason, "client": address})
+    await websocket.close(CLOSE_POLICY, f"{reason} not allowed")
+    return None
+
+
+async def _serving(websocket: WebSocket, service: Service) -> bool:
+    if service.draining or service.engine.draining:
+        await _refuse(websocket, service, "draining")
+        return False
+    if not service.engine.alive:
+        await _refuse(websocket, service, "failed", error=("internal", "the engine is not available"))
+        return False
+    return True
+
+
+async def _refuse(websocket: WebSocket, service: Service, reason: str, error: tuple[str, str] | None = None) -> None:
+    """An accepted socket that gets no session: optional ``error``, then ``closed`` and the close code."""
+    service.metrics.count(service.metrics.refused, reason)
+    if error is not None:
+        await websocket.send_text(to_text(ErrorMessage(code=error[0], message=error[1])))
+    await websocket.send_text(to_text(ClosedMessage(reason=reason)))
+    await websocket.close(CLOSE_CODE_BY_REASON[reason], reason)

@@ -1,0 +1,302 @@
+"""Wire schemas of protocol v1 (docs/PROTOCOL.md): socket messages both ways and REST bodies.
+
+Every inbound model forbids unknown fields and bounds every length, so a client message is either
+one of these or an ``error`` with a protocol code — never an exception that reaches the socket.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.api import MAX_PROMPT_CHARS, MAX_SEED
+
+PROTOCOL_VERSION = 1
+MAX_ID_CHARS = 64
+MAX_MESSAGE_CHARS = 200  # human-readable error messages we send
+
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
+NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
+MessageId = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+PromptPolicy = Literal["soft", "recache", "reset"]
+SessionState = Literal["created", "active", "paused", "detached", "closed", "draining"]
+CloseReason = Literal["client", "replaced", "idle_timeout", "max_duration", "draining", "capacity", "failed", "evicted"]
+ErrorCode = Literal[
+    "bad_json",
+    "unknown_type",
+    "invalid_field",
+    "prompt_too_long",
+    "already_started",
+    "not_started",
+    "rate_limited",
+    "session_closed",
+    "internal",
+]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# --- client -> server ----------------------------------------------------------------------------
+
+
+class SessionOptions(Strict):
+    """Per-session generation options (``start.options`` and the REST create body)."""
+
+    pace: bool = Field(default=True, description="false: generate as fast as the engine allows (batch, bench)")
+    negative_prompt: NegativePrompt | None = None
+    guidance: float | None = Field(
+        default=None, ge=1.0, le=20.0, description="must equal the server's configured guidance scale"
+    )
+
+
+class ClientMessage(Strict):
+    id: MessageId | None = Field(default=None, description="echoed in the ack or error that answers it")
+
+
+class StartMessage(ClientMessage):
+    type: Literal["start"]
+    prompt: Prompt
+    seed: Seed | None = None
+    options: SessionOptions | None = None
+
+
+class PromptMessage(ClientMessage):
+    type: Literal["prompt"]
+    prompt: Prompt
+    policy: PromptPolicy = "soft"
+
+
+class PauseMessage(ClientMessage):
+    type: Literal["pause"]
+
+
+class ResumeMessage(ClientMessage):
+    type: Literal["resume"]
+
+
+class ResetMessage(ClientMessage):
+    type: Literal["reset"]
+
+
+class CloseMessage(ClientMessage):
+    type: Literal["close"]
+
+
+CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
+    "start": StartMessage,
+    "prompt": PromptMessage,
+    "pause": PauseMessage,
+    "resume": ResumeMessage,
+    "reset": ResetMessage,
+    "close": CloseMessage,
+}
+AnyClientMessage = StartMessage | PromptMessage | PauseMessage | ResumeMessage | ResetMessage | CloseMessage
+
+
+class ProtocolError(Exception):
+    """A message the server answers with ``error``; ``message_id`` is echoed when it was readable."""
+
+    def __init__(self, code: str, message: str, message_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message[:MAX_MESSAGE_CHARS]
+        self.message_id = message_id
+
+
+def readable_id(payload: object) -> str | None:
+    """The message's ``id`` if it is one we may echo (a string of at most 64 characters)."""
+    if isinstance(payload, dict):
+        value = payload.get("id")
+        if isinstance(value, str) and len(value) <= MAX_ID_CHARS:
+            return value
+    return None
+
+
+def parse_client_message(text: str) -> AnyClientMessage:
+    """One text frame -> a validated message, or :class:`ProtocolError` with the protocol's code."""
+    try:
+        payload = json.loads(text)
+    except (ValueError, RecursionError):
+        raise ProtocolError("bad_json", "the message is not valid JSON") from None
+    if not isinstance(payload, dict):
+        raise ProtocolError("bad_json", "a message is a JSON object with a 'type'")
+    message_id = readable_id(payload)
+    kind = payload.get("type")
+    model = CLIENT_MESSAGES.get(kind) if isinstance(kind, str) else None
+    if model is None:
+        known = ", ".join(CLIENT_MESSAGES)
+        raise ProtocolError("unknown_type", f"'type' must be one of: {known}", message_id)
+    try:
+        return model.model_validate(payload)
+    except ValidationError as error:
+        raise validation_to_protocol_error(error, message_id) from None
+
+
+def validation_to_protocol_error(error: ValidationError, message_id: str | None = None) -> ProtocolError:
+    """The first problem of a validation error, without echoing the input (it may be a prompt)."""
+    problems = error.errors(include_input=False, include_url=False)
+    for problem in problems:
+        if problem["type"] == "string_too_long" and problem["loc"][-1:] == ("prompt",):
+            return ProtocolError("prompt_too_long", f"prompt longer than {MAX_PROMPT_CHARS} characters", message_id)
+    first = problems[0]
+    where = ".".join(str(part) for part in first["loc"]) or "message"
+    return ProtocolError("invalid_field", f"{where}: {first['msg']}", message_id)
+
+
+# --- server -> client ----------------------------------------------------------------------------
+
+
+class VideoInfo(BaseModel):
+    codec: str = Field(description="RFC 6381 codec string, e.g. avc1.64001f")
+    width: int
+    height: int
+    fps: int
+
+
+class AudioInfo(BaseModel):
+    codec: str
+    sample_rate: int
+    channels: int
+
+
+class SessionMessage(BaseModel):
+    type: Literal["session"] = "session"
+    session_id: str
+    state: SessionState
+    mime: str = Field(description='MSE type string, e.g. video/mp4; codecs="avc1.64001f"')
+    video: VideoInfo
+    audio: AudioInfo | None
+    protocol: int = PROTOCOL_VERSION
+
+
+class ChunkTimingsOut(BaseModel):
+    started_at: float = Field(description="server epoch ms when the block's denoising began")
+    queued_ms: float
+    denoise_ms: float
+    decode_ms: float
+    encode_ms: float
+    sent_at: float = Field(description="server epoch ms when this message was sent")
+
+
+class ChunkMessage(BaseModel):
+    type: Literal["chunk"] = "chunk"
+    index: int
+    pts: int
+    frames: int
+    audio_samples: int
+    timings: ChunkTimingsOut
+
+
+class AckMessage(BaseModel):
+    type: Literal["ack"] = "ack"
+    id: str | None
+    of: str
+
+
+class StateMessage(BaseModel):
+    type: Literal["state"] = "state"
+    state: SessionState
+    reason: str | None = None
+
+
+class ErrorMessage(BaseModel):
+    type: Literal["error"] = "error"
+    code: ErrorCode
+    message: str
+    id: str | None = None
+
+
+class ClosedMessage(BaseModel):
+    type: Literal["closed"] = "closed"
+    reason: CloseReason
+
+
+def to_text(message: BaseModel) -> str:
+    """Serialize a server message; optional fields that are unset are left out (``audio`` stays)."""
+    exclude_none = not isinstance(message, (SessionMessage, AckMessage))
+    return message.model_dump_json(exclude_none=exclude_none)
+
+
+# --- REST ------------------------------------------------------------------------------------------
+
+
+class CreateSessionRequest(Strict):
+    prompt: Prompt | None = Field(default=None, description="generation starts when a socket attaches")
+    seed: Seed | None = None
+    options: SessionOptions | None = None
+
+
+class SessionCreated(BaseModel):
+    session_id: str
+    state: SessionState
+    stream_url: str
+
+
+class SessionSummary(BaseModel):
+    session_id: str
+    state: SessionState
+
+
+class SessionList(BaseModel):
+    sessions: list[SessionSummary]
+
+
+class SessionCounters(BaseModel):
+    chunks: int
+    frames: int
+    blocks_since_reset: int
+    queue_depth: int
+
+
+class SessionTimings(BaseModel):
+    """The last delivered block's engine timings (ms; ``started_at`` is server epoch ms)."""
+
+    started_at: float
+    queued_ms: float
+    denoise_ms: float
+    decode_ms: float
+
+
+class SessionDetail(BaseModel):
+    """Everything about a session except its prompt text, which never leaves the server."""
+
+    session_id: str
+    state: SessionState
+    attached: bool
+    prompt_length: int
+    seed: int
+    pace: bool
+    created_at: float = Field(description="epoch seconds")
+    counters: SessionCounters
+    last_timings: SessionTimings | None
+    time_to_first_chunk_ms: float | None
+    close_reason: str | None
+
+
+class PromptRequest(Strict):
+    prompt: Prompt
+    policy: PromptPolicy = "soft"
+
+
+class SessionStateResponse(BaseModel):
+    session_id: str
+    state: SessionState
+
+
+class ErrorDetail(BaseModel):
+    code: str
+    message: str
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    detail: str | None = None

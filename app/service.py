@@ -1,0 +1,112 @@
+"""The running service: the engine, the session table, the encoder threads, and their lifetime.
+
+Built by the app's lifespan from the settings. ``drain`` is the one shutdown path (SIGTERM, lifespan
+exit, dead engine): readiness turns 503, every session is closed with ``draining`` so each socket
+gets ``closed`` and close code 1001, then the engine releases everything and stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
+
+from app.registry import SessionRegistry
+from app.settings import Settings
+from app.telemetry import ServiceMetrics
+from engine.api import Engine
+
+if TYPE_CHECKING:
+    from app.streaming import StreamConnection
+
+log = logging.getLogger("arstream.service")
+
+SUPERVISE_INTERVAL_S = 0.25
+
+
+class Service:
+    def __init__(self, settings: Settings, engine: Engine | None = None) -> None:
+        self.settings = settings
+        self.engine = engine or Engine(settings.engine)
+        self.registry = SessionRegistry(self.engine, settings)
+        self.metrics = ServiceMetrics()
+        # Encoding is CPU-bound and synchronous: it runs here, never on the event loop.
+        self.encoder_pool = ThreadPoolExecutor(settings.encode_threads, thread_name_prefix="arstream-encode")
+        self.connections: set[StreamConnection] = set()
+        self.draining = False
+        self.exit_code = 0
+        self.on_engine_dead: Callable[[], None] | None = None  # the CLI stops the server with it
+        self._supervisor: asyncio.Task | None = None
+        self._drain: asyncio.Task | None = None
+
+    @property
+    def ready(self) -> bool:
+        engine = self.engine
+        return engine.ready and engine.alive and not engine.draining and not self.draining
+
+    def not_ready_reason(self) -> str | None:
+        if self.draining or self.engine.draining:
+            return "draining"
+        if not self.engine.alive:
+            return "engine dead"
+        if not self.engine.ready:
+            return "engine warming up"
+        return None
+
+    async def start(self) -> None:
+        await self.engine.start()
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="arstream-supervisor")
+        geometry = self.engine.geometry
+        log.info(
+            "service ready",
+            extra={
+                "preset": self.settings.engine.preset,
+                "device": self.settings.engine.device,
+                "width": geometry.width,
+                "height": geometry.height,
+                "fps": geometry.fps,
+                "capacity": self.engine.capacity,
+                "auth": self.settings.auth_enabled,
+                "environment": self.settings.environment,
+            },
+        )
+
+    async def drain(self) -> None:
+        """Shut down once, whoever asks first; later callers wait for the same drain."""
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_once(), name="arstream-drain")
+        await asyncio.shield(self._drain)
+
+    async def _drain_once(self) -> None:
+        self.draining = True
+        log.info("draining", extra={"sessions": len(self.engine.open_sessions()), "sockets": len(self.connections)})
+        await self.engine.shutdown("draining")
+        waiting = [connection.finished.wait() for connection in list(self.connections)]
+        if waiting:
+            _, pending = await asyncio.wait(
+                [asyncio.ensure_future(w) for w in waiting], timeout=self.settings.drain_timeout_s
+            )
+            for task in pending:
+                task.cancel()
+            if pending:
+                log.warning("drain timed out", extra={"sockets_left": len(pending)})
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        self.encoder_pool.shutdown(wait=True, cancel_futures=True)
+        log.info("drained")
+
+    async def _supervise(self) -> None:
+        """Forget closed sessions after their retention; when the engine dies, ask the process to exit 1."""
+        while True:
+            await asyncio.sleep(SUPERVISE_INTERVAL_S)
+            try:
+                self.registry.sweep()
+            except Exception:
+                log.exception("session sweep failed")
+            if not self.engine.alive and self.exit_code == 0:
+                self.exit_code = 1
+                log.error("engine dead; the server exits", extra={"error": self.engine.dead_reason})
+                if self.on_engine_dead is not None:
+                    self.on_engine_dead()

@@ -1,0 +1,98 @@
+"""The service's settings: one validated tree, the engine's config nested inside.
+
+Built explicitly (``Settings()`` reads ``ARSTREAM_*`` variables; nested fields use ``__``, e.g.
+``ARSTREAM_ENGINE__PRESET=tiny``) and passed to :func:`app.main.create_app`; nothing builds settings
+at import time, so tests and the CLI choose their own.
+
+Outside development the settings refuse what would expose the service by accident: no token, a
+short token, or a wildcard origin, unless the matching ``allow_*`` flag says so explicitly.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine.config import EngineConfig
+
+WILDCARD_ORIGIN = "*"
+MIN_PRODUCTION_TOKEN_CHARS = 16
+# Tokens travel as a WebSocket subprotocol (`bearer.<token>`), which allows only RFC 7230 token
+# characters; URL-safe base64 (`secrets.token_urlsafe`) fits.
+TOKEN_CHARACTERS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="ARSTREAM_", env_nested_delimiter="__", extra="forbid", validate_default=True
+    )
+
+    environment: Literal["development", "production"] = "development"
+    host: str = Field(default="127.0.0.1", min_length=1, max_length=255)
+    port: int = Field(default=8000, ge=0, le=65535, description="0 picks a free port")
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+
+    # --- access ---
+    token: SecretStr | None = Field(default=None, description="bearer token; None turns authentication off")
+    allow_no_token: bool = Field(default=False, description="production only: run without a token on purpose")
+    allowed_origins: list[str] = Field(
+        default_factory=list,
+        max_length=64,
+        description="extra browser origins (scheme://host[:port]) besides the same host and localhost; '*' = any",
+    )
+    allow_wildcard_origin: bool = Field(default=False, description="production only: accept '*' on purpose")
+
+    # --- bounds ---
+    max_message_bytes: int = Field(default=16 * 1024, ge=1024, le=1024 * 1024, description="client message / body")
+    control_rate_per_s: float = Field(default=20.0, gt=0, le=1000, description="control messages per socket")
+    control_burst: int = Field(default=20, ge=1, le=1000)
+    max_sessions_per_client: int | None = Field(
+        default=None, ge=1, le=256, description="open sessions per client address; None: only engine capacity"
+    )
+    closed_retention_s: float = Field(
+        default=30.0, ge=0, le=3600, description="a closed session stays visible to GET this long (reason)"
+    )
+
+    # --- runtime ---
+    encode_threads: int = Field(default=2, ge=1, le=64, description="media encoder worker threads")
+    drain_timeout_s: float = Field(default=10.0, ge=0, le=600, description="how long shutdown waits for sockets")
+    log_format: Literal["json", "text"] = "json"
+
+    @field_validator("allowed_origins")
+    @classmethod
+    def _origins_are_origins(cls, origins: list[str]) -> list[str]:
+        cleaned = []
+        for origin in origins:
+            origin = origin.strip().rstrip("/")
+            if origin != WILDCARD_ORIGIN and not origin.startswith(("http://", "https://")):
+                raise ValueError(f"an origin is scheme://host[:port] or '*', got {origin!r}")
+            cleaned.append(origin.lower())
+        return cleaned
+
+    @field_validator("token")
+    @classmethod
+    def _token_is_subprotocol_safe(cls, token: SecretStr | None) -> SecretStr | None:
+        if token is None:
+            return None
+        value = token.get_secret_value()
+        if not value or not set(value) <= TOKEN_CHARACTERS or len(value) > 512:
+            raise ValueError("token must be 1-512 URL-safe characters (A-Z a-z 0-9 - _ . ~)")
+        return token
+
+    @model_validator(mode="after")
+    def _refuse_unsafe_production(self) -> "Settings":
+        if self.environment == "development":
+            return self
+        if self.token is None and not self.allow_no_token:
+            raise ValueError("production needs ARSTREAM_TOKEN (or ARSTREAM_ALLOW_NO_TOKEN=true on purpose)")
+        if self.token is not None and len(self.token.get_secret_value()) < MIN_PRODUCTION_TOKEN_CHARS:
+            raise ValueError(f"production tokens need at least {MIN_PRODUCTION_TOKEN_CHARS} characters")
+        if WILDCARD_ORIGIN in self.allowed_origins and not self.allow_wildcard_origin:
+            raise ValueError("production refuses origin '*' (set ARSTREAM_ALLOW_WILDCARD_ORIGIN=true on purpose)")
+        return self
+
+    @property
+    def auth_enabled(self) -> bool:
+        return self.token is not None

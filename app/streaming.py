@@ -1,0 +1,436 @@
+"""One attached stream socket: the media sender, the control receiver, and how the socket ends.
+
+Two tasks share the socket:
+
+    pump      engine.chunks(id) ──▶ encode (worker thread) ──▶ `chunk` JSON + ONE binary segment
+    receiver  client JSON ──▶ validate ──▶ registry control ──▶ `ack` (+ `state`) or `error`
+
+The pump asks the engine for chunk N+1 only after chunk N's segment was handed to the socket; the
+engine starts block N+1 only then, so a block's media is on the wire before the next block is made,
+and a client that reads slowly holds back only its own session. Sends are serialised by one lock,
+held across a `chunk` message and its segment so nothing comes between them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from typing import TYPE_CHECKING
+
+import numpy as np
+from fastapi import WebSocket
+from pydantic import BaseModel
+from starlette.websockets import WebSocketDisconnect
+
+from app.media import AudioSpec, FragmentedMp4Stream
+from app.registry import Attachment
+from app.schemas import (
+    AckMessage,
+    AnyClientMessage,
+    AudioInfo,
+    ChunkMessage,
+    ChunkTimingsOut,
+    CloseMessage,
+    ClosedMessage,
+    ErrorMessage,
+    PauseMessage,
+    PromptMessage,
+    ProtocolError,
+    ResetMessage,
+    ResumeMessage,
+    SessionMessage,
+    StartMessage,
+    StateMessage,
+    VideoInfo,
+    parse_client_message,
+    to_text,
+)
+from app.security import Caller, TokenBucket
+from engine.errors import EngineError, SessionClosed, UnknownSession
+from engine.session import Chunk, now_ms
+
+if TYPE_CHECKING:
+    from app.service import Service
+
+log = logging.getLogger("arstream.stream")
+
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001
+CLOSE_POLICY = 1008
+CLOSE_TOO_BIG = 1009
+CLOSE_FAILED = 1011
+CLOSE_TRY_LATER = 1013
+CLOSE_UNKNOWN_SESSION = 4404
+CLOSE_CODE_BY_REASON = {
+    "client": CLOSE_NORMAL,
+    "replaced": CLOSE_NORMAL,
+    "idle_timeout": CLOSE_NORMAL,
+    "max_duration": CLOSE_NORMAL,
+    "evicted": CLOSE_NORMAL,
+    "draining": CLOSE_GOING_AWAY,
+    "capacity": CLOSE_TRY_LATER,
+    "failed": CLOSE_FAILED,
+}
+FAREWELL_TIMEOUT_S = 2.0  # a client that stopped reading must not hold up a replacement or a drain
+
+
+class ClientGone(Exception):
+    """The socket can no longer be written to."""
+
+
+class MediaEncoder:
+    """One socket's fragmented-MP4 stream, used from the shared encoder pool one call at a time."""
+
+    def __init__(self, stream: FragmentedMp4Stream, pool: ThreadPoolExecutor) -> None:
+        self.stream = stream
+        self._pool = pool
+        self._last: Future | None = None
+
+    @classmethod
+    async def open(cls, pool: ThreadPoolExecutor, width: int, height: int, fps: int, audio: AudioSpec | None,
+                   start_pts: int) -> "MediaEncoder":
+        loop = asyncio.get_running_loop()
+        stream = await loop.run_in_executor(
+            pool, lambda: FragmentedMp4Stream(width, height, fps, audio=audio, start_pts=start_pts)
+        )
+        return cls(stream, pool)
+
+    async def encode(self, frames: np.ndarray, audio: np.ndarray | None) -> tuple[bytes, float]:
+        """The block's media segment and the seconds its encoding took."""
+
+        def run() -> tuple[bytes, float]:
+            started = time.perf_counter()
+            segment = self.stream.encode_block(frames, audio)
+            return segment, time.perf_counter() - started
+
+        self._last = self._pool.submit(run)
+        return await asyncio.wrap_future(self._last)
+
+    async def close(self) -> None:
+        """Release the encoder once no encode of ours is still running (the stream is not thread-safe)."""
+        last, stream = self._last, self.stream
+
+        def close_after_last() -> None:
+            if last is not None:
+                wait([last])
+            stream.close()
+
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._pool, close_after_last)
+        except RuntimeError:  # the pool already shut down (drain): nothing left to release
+            pass
+
+
+class StreamConnection:
+    """Serves one accepted socket attached to one session until the socket or the session ends."""
+
+    def __init__(self, websocket: WebSocket, service: Service, session_id: str, caller: Caller) -> None:
+        self.websocket = websocket
+        self.service = service
+        self.session_id = session_id
+        self.caller = caller
+        self.finished = asyncio.Event()  # set once this socket is fully done (drain waits on it)
+        self._consumer_stopped = asyncio.Event()  # set once the pump no longer takes chunks
+        self._replace_requested = asyncio.Event()
+        self._receiver_idle = asyncio.Event()  # set while waiting for a message, not while handling one
+        self._send_lock = asyncio.Lock()
+        settings = service.settings
+        self._bucket = TokenBucket(settings.control_rate_per_s, settings.control_burst)
+        self._media: MediaEncoder | None = None
+        self._attachment: Attachment | None = None
+        self._background: set[asyncio.Task] = set()
+        self._chunks_sent = 0
+
+    # --- called by others ----------------------------------------------------------------------
+    async def replace(self) -> None:
+        """Another socket attaches to this session: stop consuming, then tell our client ``replaced``."""
+        self._replace_requested.set()
+        await self._consumer_stopped.wait()
+
+    def post_state(self, state: str, reason: str | None = None) -> None:
+        """Queue a ``state`` message from outside the socket's own tasks (a REST control)."""
+        task = asyncio.get_running_loop().create_task(self._send_quietly(StateMessage(state=state, reason=reason)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # --- the socket's life -----------------------------------------------------------------------
+    async def run(self) -> None:
+        """Attach, send ``session`` + init segment, then stream and take controls until the end."""
+        service = self.service
+        service.connections.add(self)
+        service.metrics.connections_open += 1
+        service.metrics.connections_total += 1
+        tasks: list[asyncio.Task] = []
+        receiver: asyncio.Task | None = None
+        outcome = "disconnected"
+        try:
+            # Nothing else may reach the client before `session` and the init segment.
+            async with self._send_lock:
+                try:
+                    self._attachment = await service.registry.attach(self.session_id, self)
+                except SessionClosed as error:
+                    outcome = "refused"
+                    await self._tell_already_closed(error)
+                    return
+                except EngineError:
+                    outcome = "refused"
+                    await self._close_socket(CLOSE_UNKNOWN_SESSION, "unknown session")
+                    return
+                await self._hello()
+            pump = asyncio.create_task(self._pump(), name="arstream-pump")
+            receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
+            replaced = asyncio.create_task(self._replace_requested.wait())
+            tasks = [pump, replaced, receiver]
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            outcome = self._outcome(pump, receiver)
+        except ClientGone:
+            outcome = "disconnected"
+        except Exception:
+            log.exception("stream socket failed", extra={"session_id": self.session_id})
+            outcome = "failed"
+        finally:
+            # Synchronous part first: under cancellation (server force-exit, test client) it still runs.
+            for task in tasks[:2]:
+                task.cancel()
+            self._consumer_stopped.set()  # a cancelled pump takes no further chunk
+            if outcome in ("disconnected", "too_big"):
+                service.registry.detach(self.session_id, self)
+            service.metrics.connections_open -= 1
+            try:
+                if receiver is not None:
+                    # Let a control being handled finish, so its ack is not lost (e.g. `close`).
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._receiver_idle.wait(), FAREWELL_TIMEOUT_S)
+                    receiver.cancel()
+                for task in self._background:
+                    task.cancel()
+                await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+                await self._finish(outcome)
+            finally:
+                service.connections.discard(self)
+                self.finished.set()
+
+    def _outcome(self, pump: asyncio.Task, receiver: asyncio.Task) -> str:
+        if self._replace_requested.is_set():
+            return "replaced"
+        if pump.done():
+            error = pump.exception()
+            if error is None:
+                return "ended"
+            if isinstance(error, ClientGone):
+                return "disconnected"
+            log.error("media pump failed", extra={"session_id": self.session_id, "error": repr(error)})
+            return "failed"
+        error = receiver.exception()
+        if error is not None and not isinstance(error, ClientGone):
+            log.error("receiver failed", extra={"session_id": self.session_id, "error": repr(error)})
+            return "failed"
+        return receiver.result() if error is None else "disconnected"
+
+    async def _finish(self, outcome: str) -> None:
+        """Say goodbye as the protocol asks, close the socket, release the encoder."""
+        session = self._attachment.session if self._attachment is not None else None
+        if outcome == "failed" and session is not None and session.is_open:
+            self.service.engine.close(self.session_id, "failed")  # our media broke: end it cleanly
+        if session is not None and session.error is not None:
+            log.warning("session failed", extra={"session_id": self.session_id, "error": session.error})
+        if outcome in ("ended", "failed") and session is not None:
+            reason = session.close_reason or "failed"
+            if reason == "failed":
+                await self._farewell(ErrorMessage(code="internal", message="generation failed; the session was closed"))
+            await self._farewell(ClosedMessage(reason=reason))
+            await self._close_socket(CLOSE_CODE_BY_REASON.get(reason, CLOSE_NORMAL))
+        elif outcome == "replaced":
+            await self._farewell(ClosedMessage(reason="replaced"))
+            await self._close_socket(CLOSE_NORMAL)
+        elif outcome == "too_big":
+            self.service.metrics.count(self.service.metrics.refused, "message_too_big")
+            await self._close_socket(CLOSE_TOO_BIG)
+        log.info("socket finished", extra={"session_id": self.session_id, "outcome": outcome,
+                                           "reason": session.close_reason if session else None,
+                                           "chunks_sent": self._chunks_sent})
+        if self._media is not None:
+            await self._media.close()
+
+    async def _tell_already_closed(self, error: SessionClosed) -> None:
+        """Attaching to a session that has ended (still listed for a while): say so, and why it ended."""
+        record = self.service.registry.records.get(self.session_id)
+        reason = (record.session.close_reason if record is not None else None) or "client"
+        self.service.metrics.count(self.service.metrics.errors, "session_closed")
+        # The caller holds the send lock.
+        await self._send_text(to_text(ErrorMessage(code="session_closed", message=error.message)))
+        await self._send_text(to_text(ClosedMessage(reason=reason)))
+        await self._close_socket(CLOSE_CODE_BY_REASON.get(reason, CLOSE_NORMAL), "session closed")
+
+    async def _hello(self) -> None:
+        """The `session` message and the init segment (the caller holds the send lock)."""
+        engine = self.service.engine
+        geometry = engine.geometry
+        audio = AudioSpec(sample_rate=geometry.audio_sample_rate) if geometry.audio_sample_rate else None
+        self._media = await MediaEncoder.open(
+            self.service.encoder_pool, geometry.width, geometry.height, geometry.fps, audio,
+            self._attachment.start_pts,
+        )
+        stream = self._media.stream
+        audio_info = None
+        if audio is not None and stream.audio_codec is not None:
+            audio_info = AudioInfo(codec=stream.audio_codec, sample_rate=audio.sample_rate, channels=audio.channels)
+        message = SessionMessage(
+            session_id=self.session_id,
+            state=engine.status(self.session_id).state,
+            mime=stream.mime,
+            video=VideoInfo(codec=stream.video_codec, width=geometry.width, height=geometry.height, fps=geometry.fps),
+            audio=audio_info,
+        )
+        await self._send_text(to_text(message))
+        await self._send_bytes(stream.init_segment())
+
+    # --- media ---------------------------------------------------------------------------------
+    async def _pump(self) -> None:
+        """Chunks until the session ends; returns normally then (the caller reads the close reason)."""
+        engine = self.service.engine
+        try:
+            async for chunk in engine.chunks(self.session_id):
+                await self._send_chunk(chunk)
+        except UnknownSession:
+            return  # deleted before we started listening: it is closed
+
+    async def _send_chunk(self, chunk: Chunk) -> None:
+        media = self._media
+        if chunk.pts != media.stream.next_pts:
+            raise RuntimeError(f"chunk pts {chunk.pts} does not continue the socket's timeline at {media.stream.next_pts}")
+        segment, encode_s = await media.encode(chunk.frames, chunk.audio)
+        timings = chunk.timings
+        async with self._send_lock:
+            message = ChunkMessage(
+                index=chunk.index,
+                pts=chunk.pts,
+                frames=int(chunk.frames.shape[0]),
+                audio_samples=int(chunk.audio.shape[-1]) if chunk.audio is not None else 0,
+                timings=ChunkTimingsOut(
+                    started_at=timings.started_at,
+                    queued_ms=round(timings.queued_ms, 3),
+                    denoise_ms=round(timings.denoise_ms, 3),
+                    decode_ms=round(timings.decode_ms, 3),
+                    encode_ms=round(encode_s * 1000.0, 3),
+                    sent_at=now_ms(),
+                ),
+            )
+            await self._send_text(to_text(message))
+            await self._send_bytes(segment)
+        sent_at = now_ms()
+        self._chunks_sent += 1
+        metrics = self.service.metrics
+        metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
+        session = self._attachment.session
+        if chunk.index == 0 and session.started_at is not None:
+            metrics.time_to_first_chunk.observe(time.monotonic() - session.started_at)
+
+    # --- controls --------------------------------------------------------------------------------
+    async def _receive(self) -> str:
+        """Handle client messages until the client leaves ("disconnected") or oversteps ("too_big")."""
+        max_bytes = self.service.settings.max_message_bytes
+        while True:
+            self._receiver_idle.set()
+            message = await self.websocket.receive()
+            self._receiver_idle.clear()
+            if message["type"] == "websocket.disconnect":
+                return "disconnected"
+            text, data = message.get("text"), message.get("bytes")
+            if text is not None:
+                # Cheap bound first: a character is at least one byte.
+                if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:
+                    return "too_big"
+                await self._handle_text(text)
+            else:
+                if len(data or b"") > max_bytes:
+                    return "too_big"
+                await self._send_error(ProtocolError("bad_json", "binary messages are not accepted; send JSON text"))
+
+    async def _handle_text(self, text: str) -> None:
+        allowed = self._bucket.allow()
+        try:
+            message = parse_client_message(text)
+        except ProtocolError as error:
+            if not allowed:
+                error = self._rate_limited(error.message_id)
+            await self._send_error(error)
+            return
+        self.service.metrics.count(self.service.metrics.client_messages, message.type)
+        if not allowed:
+            await self._send_error(self._rate_limited(message.id))
+            return
+        try:
+            new_state = self._apply(message)
+        except EngineError as error:
+            # A session deleted over REST is gone from the table: to this socket it is closed.
+            code = "session_closed" if error.code == "unknown_session" else error.code
+            await self._send_error(ProtocolError(code, error.message, message.id))
+            return
+        async with self._send_lock:
+            await self._send_text(to_text(AckMessage(id=message.id, of=message.type)))
+            if new_state is not None:
+                await self._send_text(to_text(StateMessage(state=new_state)))
+
+    def _rate_limited(self, message_id: str | None) -> ProtocolError:
+        rate = self.service.settings.control_rate_per_s
+        return ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down", message_id)
+
+    def _apply(self, message: AnyClientMessage) -> str | None:
+        registry, session_id = self.service.registry, self.session_id
+        if isinstance(message, StartMessage):
+            return registry.start(session_id, message.prompt, message.seed, message.options)
+        if isinstance(message, PromptMessage):
+            registry.set_prompt(session_id, message.prompt, message.policy)
+            return None
+        if isinstance(message, PauseMessage):
+            return registry.pause(session_id)
+        if isinstance(message, ResumeMessage):
+            return registry.resume(session_id)
+        if isinstance(message, ResetMessage):
+            registry.reset(session_id)
+            return None
+        if isinstance(message, CloseMessage):
+            registry.close(session_id, "client")  # the pump then ends and we send `closed`
+            return None
+        raise ProtocolError("unknown_type", f"unhandled message type {message.type}", message.id)
+
+    # --- sending ---------------------------------------------------------------------------------
+    async def _send_error(self, error: ProtocolError) -> None:
+        self.service.metrics.count(self.service.metrics.errors, error.code)
+        async with self._send_lock:
+            await self._send_text(to_text(ErrorMessage(code=error.code, message=error.message, id=error.message_id)))
+
+    async def _send_quietly(self, message: BaseModel) -> None:
+        try:
+            async with self._send_lock:
+                await self._send_text(to_text(message))
+        except ClientGone:
+            pass
+
+    async def _farewell(self, message: BaseModel) -> None:
+        try:
+            await asyncio.wait_for(self._send_quietly(message), FAREWELL_TIMEOUT_S)
+        except TimeoutError:
+            pass
+
+    async def _close_socket(self, code: int, reason: str | None = None) -> None:
+        try:
+            await asyncio.wait_for(self.websocket.close(code, reason), FAREWELL_TIMEOUT_S)
+        except (TimeoutError, RuntimeError, OSError, WebSocketDisconnect):
+            pass  # already closed by the client, or the client stopped reading
+
+    async def _send_text(self, text: str) -> None:
+        try:
+            await self.websocket.send_text(text)
+        except (WebSocketDisconnect, OSError, RuntimeError) as error:
+            raise ClientGone() from error
+
+    async def _send_bytes(self, data: bytes) -> None:
+        try:
+            await self.websocket.send_bytes(data)
+        except (WebSocketDisconnect, OSError, RuntimeError) as error:
+            raise ClientGone() from error

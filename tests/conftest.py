@@ -1,0 +1,135 @@
+"""Shared test fixtures: a small engine config, the app under TestClient, a real `arstream serve`, MP4 decoding.
+
+Everything runs the real engine (tiny preset at 64x64, one torch thread) and the real encoder; nothing
+under test is mocked. Kept generic so other test modules can use them too.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import av
+import numpy as np
+import pytest
+
+SMALL_ENGINE = {
+    "preset": "tiny",
+    "height": 64,
+    "width": 64,
+    "cpu_threads": 1,
+    "warmup_blocks": 0,
+    "sink_frames": 1,
+    "window_frames": 3,
+}
+SERVER_START_TIMEOUT_S = 180  # imports torch + diffusers; slow on a busy 2-core machine
+
+
+def small_engine(**overrides) -> dict:
+    """Engine config fields for fast CPU tests (merge overrides, e.g. ``max_sessions=1``)."""
+    return {**SMALL_ENGINE, **overrides}
+
+
+@pytest.fixture
+def make_client() -> Iterator[Callable]:
+    """``with make_client(engine={...}, **settings) as client:`` — the app under TestClient, lifespan run."""
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from app.settings import Settings
+
+    @contextmanager
+    def factory(engine: dict | None = None, **settings):
+        app = create_app(Settings(engine=small_engine(**(engine or {})), **settings))
+        with TestClient(app) as client:
+            yield client
+
+    yield factory
+
+
+@dataclass
+class RunningServer:
+    """An `arstream serve` subprocess; ``base_url`` is http://127.0.0.1:PORT."""
+
+    process: subprocess.Popen
+    base_url: str
+    log_lines: list[str] = field(default_factory=list)
+
+    @property
+    def ws_url(self) -> str:
+        return "ws" + self.base_url[len("http") :]
+
+    @property
+    def port(self) -> int:
+        return int(self.base_url.rsplit(":", 1)[1])
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (drain) and wait; returns the exit status (-15 when uvicorn re-raised SIGTERM)."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        return self.process.returncode
+
+
+def _arstream_command() -> list[str]:
+    script = Path(sys.executable).parent / "arstream"
+    return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
+
+
+def start_server(*extra_args: str, env: dict | None = None) -> RunningServer:
+    """Start `arstream serve` on a free port (``--port 0``) with the small engine; wait until it serves."""
+    args = [
+        *_arstream_command(), "serve", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
+        "--preset", "tiny", "--height", str(SMALL_ENGINE["height"]), "--width", str(SMALL_ENGINE["width"]),
+        "--cpu-threads", "1", "--warmup-blocks", "0",
+        "--sink-frames", str(SMALL_ENGINE["sink_frames"]), "--window-frames", str(SMALL_ENGINE["window_frames"]),
+        *extra_args,
+    ]
+    process = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
+    server = RunningServer(process=process, base_url="")
+    found = threading.Event()
+
+    def read_output() -> None:  # keeps the pipe drained for the server's whole life
+        for line in process.stdout:
+            server.log_lines.append(line.rstrip("\n"))
+            match = re.search(r"arstream serving on (http://\S+)", line)
+            if match and not found.is_set():
+                server.base_url = match.group(1)
+                found.set()
+        found.set()
+
+    threading.Thread(target=read_output, daemon=True).start()
+    if not found.wait(SERVER_START_TIMEOUT_S) or not server.base_url:
+        server.stop(timeout=5)
+        tail = "\n".join(server.log_lines[-40:])
+        raise RuntimeError(f"arstream serve did not start (exit {process.returncode}):\n{tail}")
+    return server
+
+
+def decode_mp4(data: bytes) -> tuple[np.ndarray, list[float]]:
+    """Decode an MP4 (init + segments) with PyAV: RGB frames ``[N, H, W, 3]`` and their times in seconds."""
+    frames, times = [], []
+    with av.open(io.BytesIO(data)) as container:
+        for frame in container.decode(container.streams.video[0]):
+            frames.append(frame.to_ndarray(format="rgb24"))
+            times.append(float(frame.time))
+    return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8), times

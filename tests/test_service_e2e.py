@@ -1,0 +1,428 @@
+"""End to end: a real `arstream serve` (uvicorn, tiny preset, CPU) and real WebSocket clients.
+
+Media checks decode what the client received with PyAV; effect checks compare decoded pixels between
+runs (H.264 is lossy but deterministic: identical input through an identical encoder history gives
+identical output, and the same content at another point of a stream decodes within a small error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import struct
+import subprocess
+import sys
+import time
+import urllib.request
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from websockets.asyncio.client import connect
+from websockets.client import ClientProtocol
+from websockets.exceptions import ConnectionClosed
+from websockets.frames import Opcode
+from websockets.http11 import Response
+from websockets.uri import parse_uri
+
+from tests.conftest import decode_mp4, start_server
+
+FPS = 16
+FIRST_BLOCK_FRAMES = 9
+BLOCK_FRAMES = 12
+LEAD_CHUNKS = 2
+RECEIVE_TIMEOUT_S = 60
+# Same content encoded at a different point of a stream: x264's rate control differs a little.
+SAME_CONTENT_MAX_MEAN_ABS_ERROR = 3.0
+DIFFERENT_CONTENT_MIN_MEAN_ABS_ERROR = 10.0
+
+
+@pytest.fixture(scope="module")
+def server():
+    running = start_server("--max-sessions", "4", "--lead-chunks", str(LEAD_CHUNKS))
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, RECEIVE_TIMEOUT_S * 2))
+
+
+# --- a protocol client ------------------------------------------------------------------------------
+
+
+@dataclass
+class Received:
+    chunks: list[dict] = field(default_factory=list)
+    segments: list[bytes] = field(default_factory=list)
+    received_at: list[float] = field(default_factory=list)  # epoch ms when each segment arrived
+    others: list[dict] = field(default_factory=list)
+
+
+class StreamClient:
+    """A protocol v1 client over `websockets`: session + init, controls, chunk/segment pairs."""
+
+    def __init__(self, ws) -> None:
+        self.ws = ws
+        self.session: dict = {}
+        self.init = b""
+        self.got = Received()
+
+    @classmethod
+    async def open(cls, url: str) -> "StreamClient":
+        ws = await connect(url, subprotocols=["arstream.v1"], compression=None, max_size=2**24)
+        client = cls(ws)
+        client.session = json.loads(await client._recv())
+        assert client.session["type"] == "session"
+        client.init = await client._recv()
+        assert isinstance(client.init, bytes)
+        return client
+
+    async def _recv(self):
+        return await asyncio.wait_for(self.ws.recv(), RECEIVE_TIMEOUT_S)
+
+    async def send(self, **message) -> None:
+        await self.ws.send(json.dumps(message))
+
+    async def start(self, prompt: str, seed: int, pace: bool = False) -> None:
+        await self.send(type="start", prompt=prompt, seed=seed, options={"pace": pace}, id="start")
+        await self.control(lambda m: m["type"] == "ack" and m["id"] == "start")
+
+    async def control(self, matches) -> dict:
+        """Receive (keeping chunks) until a non-chunk message that ``matches`` arrives."""
+        while True:
+            message = await self._next()
+            if message is not None and matches(message):
+                return message
+
+    async def chunks(self, count: int) -> list[dict]:
+        """Receive until ``count`` more chunks (each with its segment) arrived."""
+        target = len(self.got.chunks) + count
+        while len(self.got.chunks) < target:
+            await self._next()
+        return self.got.chunks[target - count : target]
+
+    async def _next(self) -> dict | None:
+        message = await self._recv()
+        if isinstance(message, bytes):
+            raise AssertionError("a media segment without its chunk message")
+        parsed = json.loads(message)
+        if parsed["type"] != "chunk":
+            self.got.others.append(parsed)
+            return parsed
+        segment = await self._recv()
+        assert isinstance(segment, bytes), "a chunk message must be followed by its segment"
+        self.got.received_at.append(time.time() * 1000.0)
+        self.got.chunks.append(parsed)
+        self.got.segments.append(segment)
+        return None
+
+    async def until_closed(self) -> tuple[list[dict], int]:
+        try:
+            while True:
+                await self._next()
+        except ConnectionClosed:
+            pass
+        return self.got.others, self.ws.close_code
+
+    def media(self) -> bytes:
+        return self.init + b"".join(self.got.segments)
+
+    async def close(self) -> None:
+        await self.ws.close()
+
+
+class TimestampedClient:
+    """websockets' Sans-I/O client on a plain socket whose *kernel* receive timestamps we read.
+
+    Comparing "segment received" with "next block started" is a race of a few hundred microseconds
+    when the client stamps arrival in Python (its process may simply be scheduled later than the
+    server's device thread). The kernel stamps the bytes as they reach the socket, which on loopback
+    is the moment the server wrote them: exactly "on the wire".
+    """
+
+    SO_TIMESTAMPNS = 35  # Linux; Python's socket module does not export it
+
+    def __init__(self, url: str) -> None:
+        uri = parse_uri(url)
+        self.sock = socket.create_connection((uri.host, uri.port), timeout=RECEIVE_TIMEOUT_S)
+        self.sock.setsockopt(socket.SOL_SOCKET, self.SO_TIMESTAMPNS, 1)
+        self.protocol = ClientProtocol(uri, max_size=2**24)
+        self.protocol.send_request(self.protocol.connect())
+        self.events: deque = deque()
+        self._flush()
+        response, _ = self._next_event()
+        assert isinstance(response, Response) and response.status_code == 101
+
+    def _flush(self) -> None:
+        for data in self.protocol.data_to_send():
+            if data:
+                self.sock.sendall(data)
+
+    def _next_event(self):
+        while not self.events:
+            data, ancillary, _, _ = self.sock.recvmsg(1 << 20, socket.CMSG_SPACE(16))
+            stamp = None
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == self.SO_TIMESTAMPNS:
+                    seconds, nanoseconds = struct.unpack("qq", payload[:16])
+                    stamp = seconds * 1000.0 + nanoseconds / 1e6
+            assert stamp is not None, "the kernel gave no receive timestamp"
+            self.protocol.receive_data(data)
+            self._flush()  # pongs
+            for event in self.protocol.events_received():
+                self.events.append((event, stamp))
+            if not data:
+                raise ConnectionError("server closed the connection")
+        return self.events.popleft()
+
+    def receive(self) -> tuple[str | bytes, float]:
+        """The next text or binary message and the epoch ms its last bytes reached the socket."""
+        while True:
+            frame, stamp = self._next_event()
+            if frame.opcode is Opcode.TEXT:
+                return frame.data.decode(), stamp
+            if frame.opcode is Opcode.BINARY:
+                return bytes(frame.data), stamp
+
+    def send_json(self, message: dict) -> None:
+        self.protocol.send_text(json.dumps(message).encode())
+        self._flush()
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# --- the stream as a file, and block ordering --------------------------------------------------------
+
+
+def test_stream_is_one_playable_file_and_each_segment_precedes_the_next_block(server):
+    client = TimestampedClient(f"{server.ws_url}/v1/stream")
+    try:
+        session = json.loads(client.receive()[0])
+        init, _ = client.receive()
+        client.send_json({"type": "start", "prompt": "waves on a shore", "seed": 11, "options": {"pace": False}})
+        chunks, segments, arrived = [], [], []
+        while len(chunks) < 6:
+            message, _ = client.receive()
+            parsed = json.loads(message)
+            if parsed["type"] != "chunk":
+                continue
+            segment, stamp = client.receive()
+            assert isinstance(segment, bytes)
+            chunks.append(parsed)
+            segments.append(segment)
+            arrived.append(stamp)
+    finally:
+        client.close()
+
+    assert [c["index"] for c in chunks] == list(range(6))
+    frames, times = decode_mp4(init + b"".join(segments))
+    total = sum(c["frames"] for c in chunks)
+    assert total == FIRST_BLOCK_FRAMES + 5 * BLOCK_FRAMES
+    assert frames.shape == (total, session["video"]["height"], session["video"]["width"], 3) == (total, 64, 64, 3)
+    assert all(b > a for a, b in zip(times, times[1:])), "timestamps strictly increase"
+    assert times == pytest.approx([i / FPS for i in range(total)])
+    for chunk, next_chunk, arrival in zip(chunks, chunks[1:], arrived):
+        assert arrival < next_chunk["timings"]["started_at"], (
+            f"segment of chunk {chunk['index']} arrived at {arrival:.3f}, "
+            f"after chunk {next_chunk['index']} began at {next_chunk['timings']['started_at']:.3f}"
+        )
+
+
+# --- effects -----------------------------------------------------------------------------------------
+
+
+def _frames(client: StreamClient) -> np.ndarray:
+    return decode_mp4(client.media())[0]
+
+
+def _mean_abs_error(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
+
+
+@pytest.fixture(scope="module")
+def lone_run(server):
+    """Seed 21, one prompt, six chunks, alone on the server: the reference the other runs compare with."""
+
+    async def go():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.start("a forest at night", seed=21)
+        await client.chunks(6)
+        await client.close()
+        return client
+
+    client = run(go())
+    return _frames(client)[: FIRST_BLOCK_FRAMES + 5 * BLOCK_FRAMES]
+
+
+def test_prompt_change_changes_the_frames_that_follow(server, lone_run):
+    async def go():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.start("a forest at night", seed=21)
+        await client.chunks(2)
+        await client.send(type="prompt", prompt="a desert at noon", id="change")
+        await client.control(lambda m: m["type"] == "ack" and m["id"] == "change")
+        acked_after = len(client.got.chunks)
+        await client.chunks(6 - acked_after)
+        await client.close()
+        return client, acked_after
+
+    client, acked_after = run(go())
+    frames = _frames(client)[: len(lone_run)]
+    before = FIRST_BLOCK_FRAMES + BLOCK_FRAMES  # the first two chunks: generated before the change
+    assert np.array_equal(frames[:before], lone_run[:before]), "same seed and prompt: same frames"
+    # A block already in flight when the message arrived still used the old prompt; the one after differs.
+    changed_from = FIRST_BLOCK_FRAMES + BLOCK_FRAMES * acked_after
+    assert _mean_abs_error(frames[changed_from:], lone_run[changed_from:]) > 0.5
+    assert not np.array_equal(frames[changed_from:], lone_run[changed_from:])
+
+
+def test_reset_restarts_the_content_on_a_continuing_timeline(server):
+    async def go():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.start("a city in rain", seed=33)
+        await client.chunks(3)
+        await client.send(type="reset", id="reset")
+        await client.control(lambda m: m["type"] == "ack" and m["id"] == "reset")
+        while client.got.chunks[-1]["frames"] != FIRST_BLOCK_FRAMES or len(client.got.chunks) == 1:
+            await client.chunks(1)
+        await client.chunks(1)  # and one block after the restarted first one
+        await client.close()
+        return client
+
+    client = run(go())
+    chunks = client.got.chunks
+    restart = next(i for i, c in enumerate(chunks) if i > 0 and c["frames"] == FIRST_BLOCK_FRAMES)
+    assert [c["index"] for c in chunks] == list(range(len(chunks)))  # the index continues
+    frames, times = decode_mp4(client.media())
+    assert times == pytest.approx([i / FPS for i in range(len(frames))])  # so does the timeline
+    first = frames[: FIRST_BLOCK_FRAMES + BLOCK_FRAMES]
+    start = chunks[restart]["pts"]
+    again = frames[start : start + FIRST_BLOCK_FRAMES + BLOCK_FRAMES]
+    assert _mean_abs_error(again, first) < SAME_CONTENT_MAX_MEAN_ABS_ERROR
+    before_reset = frames[start - len(first) : start]
+    assert _mean_abs_error(before_reset, first) > DIFFERENT_CONTENT_MIN_MEAN_ABS_ERROR  # the error bound means something
+
+
+def test_rest_delete_closes_the_socket_and_forgets_the_session(server):
+    async def go():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        session_id = client.session["session_id"]
+        await client.start("a quiet room", seed=1, pace=True)
+        await client.chunks(1)
+        request = urllib.request.Request(f"{server.base_url}/v1/sessions/{session_id}", method="DELETE")
+        status = await asyncio.to_thread(lambda: urllib.request.urlopen(request, timeout=10).status)
+        others, code = await client.until_closed()
+        return session_id, status, others, code
+
+    session_id, status, others, code = run(go())
+    assert status == 204
+    assert others[-1] == {"type": "closed", "reason": "client"} and code == 1000
+    with pytest.raises(urllib.error.HTTPError) as missing:
+        urllib.request.urlopen(f"{server.base_url}/v1/sessions/{session_id}", timeout=10)
+    assert missing.value.code == 404
+
+
+def test_reconnect_within_grace_resumes_at_the_next_chunk(server):
+    async def go():
+        first = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        session_id = first.session["session_id"]
+        await first.start("a train crossing a bridge", seed=4, pace=True)
+        await first.chunks(2)
+        await first.close()  # a dropped connection: the session waits the grace period
+        await asyncio.sleep(0.3)
+        second = await StreamClient.open(f"{server.ws_url}/v1/sessions/{session_id}/stream")
+        await second.chunks(2)
+        await second.close()
+        return first, second
+
+    first, second = run(go())
+    assert second.session["session_id"] == first.session["session_id"]
+    assert second.session["state"] == "active"
+    last = first.got.chunks[-1]
+    resumed = second.got.chunks[0]
+    # Paced: nothing new was made while away beyond the block in flight, which the fresh attach drops.
+    assert last["index"] + 1 <= resumed["index"] <= last["index"] + 2
+    assert resumed["pts"] == sum(c["frames"] for c in first.got.chunks) + BLOCK_FRAMES * (resumed["index"] - last["index"] - 1)
+    frames, times = decode_mp4(second.media())  # a fresh init segment whose timeline starts at the resumed pts
+    assert len(frames) == sum(c["frames"] for c in second.got.chunks)
+    assert times[0] == pytest.approx(resumed["pts"] / FPS)
+
+
+def test_paced_session_stays_within_lead_chunks_of_its_playback_clock(server):
+    async def go():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.start("clouds", seed=8, pace=True)
+        await client.chunks(6)
+        await client.close()
+        return client
+
+    client = run(go())
+    chunks, received = client.got.chunks, client.got.received_at
+    playback_start = received[0]  # the client's playback clock starts at its first chunk
+    lead_ms = LEAD_CHUNKS * BLOCK_FRAMES / FPS * 1000.0
+    tolerance_ms = 50.0  # the engine's clock starts at delivery, a few ms before our receive
+    for chunk in chunks[1:]:
+        media_ahead_ms = chunk["pts"] / FPS * 1000.0 - (chunk["timings"]["started_at"] - playback_start)
+        assert media_ahead_ms < lead_ms + tolerance_ms, (chunk["index"], media_ahead_ms)
+    # ... and pacing really held it back: the last chunk came no earlier than its media time allows.
+    last = chunks[-1]
+    assert received[-1] - playback_start >= last["pts"] / FPS * 1000.0 - lead_ms - tolerance_ms
+    assert received[-1] - playback_start > 1000.0
+
+
+def test_concurrent_clients_seeds_decide_the_frames(server, lone_run):
+    async def one(seed: int) -> StreamClient:
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.start("a forest at night", seed=seed)
+        await client.chunks(6)
+        await client.close()
+        return client
+
+    async def go():
+        return await asyncio.gather(one(21), one(22), one(21))
+
+    same_a, other, same_b = (_frames(c)[: len(lone_run)] for c in run(go()))
+    assert np.array_equal(same_a, lone_run) and np.array_equal(same_b, lone_run)
+    assert _mean_abs_error(other, lone_run) > DIFFERENT_CONTENT_MIN_MEAN_ABS_ERROR
+
+
+def test_example_client_saves_a_playable_file(server, tmp_path):
+    out = tmp_path / "example.mp4"
+    example = Path(__file__).resolve().parents[1] / "examples" / "client.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--url", server.ws_url, "--prompt", "a boat", "--then", "a storm",
+         "--seconds", "3", "--no-pace", "--seed", "5", "--out", str(out)],
+        capture_output=True, text=True, timeout=RECEIVE_TIMEOUT_S * 2,
+    )
+    assert result.returncode == 0, result.stderr
+    assert '"of": "prompt"' in result.stdout and "closed: client" in result.stdout
+    frames, times = decode_mp4(out.read_bytes())
+    assert len(frames) >= 3 * FPS and times == pytest.approx([i / FPS for i in range(len(frames))])
+
+
+# --- shutdown ------------------------------------------------------------------------------------------
+
+
+def test_sigterm_drains_clients_with_closed_and_1001():
+    server = start_server()
+    try:
+        async def go():
+            client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+            await client.start("last light", seed=2, pace=True)
+            await client.chunks(1)
+            await asyncio.to_thread(server.process.terminate)
+            return await client.until_closed()
+
+        others, code = run(go())
+    finally:
+        status = server.stop()
+    assert others[-1] == {"type": "closed", "reason": "draining"} and code == 1001
+    assert status in (0, -15)  # uvicorn re-raises SIGTERM after a graceful shutdown
+    assert any('"event": "drained"' in line for line in server.log_lines)
