@@ -140,7 +140,7 @@ class SessionRegistry:
 
     def delete(self, session_id: str) -> None:
         """Close now and forget at once (GET answers 404); an attached socket is still told ``closed``."""
-        record = self.get(session_id)
+        self.get(session_id)
         self.engine.close(session_id, "client")
         self.engine.forget(session_id)
         del self.records[session_id]

@@ -201,10 +201,12 @@ class StreamConnection:
             service.metrics.connections_open -= 1
             try:
                 if receiver is not None:
-                    # Let a control being handled finish, so its ack is not lost (e.g. `close`).
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._receiver_idle.wait(), FAREWELL_TIMEOUT_S)
-                    receiver.cancel()
+                    try:
+                        # Let a control being handled finish, so its ack is not lost (e.g. `close`).
+                        with contextlib.suppress(TimeoutError):
+                            await asyncio.wait_for(self._receiver_idle.wait(), FAREWELL_TIMEOUT_S)
+                    finally:
+                        receiver.cancel()
                 for task in self._background:
                     task.cancel()
                 await asyncio.gather(*tasks, *self._background, return_exceptions=True)
@@ -301,7 +303,7 @@ class StreamConnection:
     async def _send_chunk(self, chunk: Chunk) -> None:
         media = self._media
         if chunk.pts != media.stream.next_pts:
-            raise RuntimeError(f"chunk pts {chunk.pts} does not continue the socket's timeline at {media.stream.next_pts}")
+            raise RuntimeError(f"chunk pts {chunk.pts} does not continue this socket's timeline ({media.stream.next_pts})")
         segment, encode_s = await media.encode(chunk.frames, chunk.audio)
         timings = chunk.timings
         async with self._send_lock:

@@ -355,7 +355,8 @@ def test_rest_create_controls_and_delete_reach_the_socket(make_client):
             assert next_control(ws) == {"type": "state", "state": "paused"}
             assert client.post(f"/v1/sessions/{session_id}/resume").json()["state"] == "active"
             assert next_control(ws) == {"type": "state", "state": "active"}
-            assert client.post(f"/v1/sessions/{session_id}/prompt", json={"prompt": "new", "policy": "recache"}).status_code == 200
+            changed = client.post(f"/v1/sessions/{session_id}/prompt", json={"prompt": "new", "policy": "recache"})
+            assert changed.status_code == 200
             assert client.post(f"/v1/sessions/{session_id}/reset").status_code == 200
 
             detail = client.get(f"/v1/sessions/{session_id}")
@@ -431,7 +432,8 @@ def test_health_readiness_metrics_and_docs(make_client):
             "arstream_time_to_first_chunk_seconds_count 1", "arstream_encode_seconds_count",
         ):
             assert family in text, family
-        chunks_sent = int(next(line.split()[1] for line in text.splitlines() if line.startswith("arstream_chunks_sent_total")))
+        samples = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        chunks_sent = int(samples["arstream_chunks_sent_total"])
         assert chunks_sent >= 2
         assert client.get("/docs").status_code == 200
         paths = client.get("/openapi.json").json()["paths"]
@@ -477,3 +479,19 @@ def test_dead_engine_fails_sessions_and_asks_the_process_to_exit(make_client):
                 break
             time.sleep(0.02)
         assert exits == [True] and service.exit_code == 1
+
+
+def test_histogram_exposition_is_cumulative_with_inclusive_bounds():
+    from app.telemetry import Histogram
+
+    histogram = Histogram("demo_seconds", "A demo.", (0.1, 1.0))
+    for value in (0.05, 0.1, 0.5, 5.0):
+        histogram.observe(value)
+    lines = histogram.render()
+    assert lines[:2] == ["# HELP demo_seconds A demo.", "# TYPE demo_seconds histogram"]
+    assert lines[2:5] == [
+        'demo_seconds_bucket{le="0.1"} 2',
+        'demo_seconds_bucket{le="1.0"} 3',
+        'demo_seconds_bucket{le="+Inf"} 4',
+    ]
+    assert float(lines[5].split()[1]) == pytest.approx(5.65) and lines[6] == "demo_seconds_count 4"

@@ -40,7 +40,8 @@ def _controlled(registry: SessionRegistry, session_id: str) -> SessionRecord:
     except EngineError as error:
         raise ApiError.from_engine(error) from None
     if not record.rest_bucket.allow():
-        raise ApiError.from_code("rate_limited", "too many control requests", record.rest_bucket.seconds_until_allowed())
+        wait_s = record.rest_bucket.seconds_until_allowed()
+        raise ApiError.from_code("rate_limited", "too many control requests", wait_s)
     return record
 
 
