@@ -38,6 +38,32 @@ TINY_VAE_CONFIG: dict[str, Any] = {
     "temperal_downsample": [False, True, True],
 }
 
+# diffusers AutoencoderOobleck (Stable Audio's codec family) at toy size: hop 2*2*5*5*6 = 600
+# samples (12.5 ms at 48 kHz), which divides the 3000 samples of a 16 fps video frame, so a
+# 3-latent-frame AR block carries 60 audio latent frames. Sized so that block decodes in a few
+# ms on a 2-core CPU.
+TINY_AUDIO_VAE_CONFIG: dict[str, Any] = {
+    "encoder_hidden_size": 4,
+    "downsampling_ratios": [2, 2, 5, 5, 6],
+    "channel_multiples": [1, 2, 4, 4, 8],
+    "decoder_channels": 2,
+    "decoder_input_channels": 8,
+    "audio_channels": 2,
+    "sampling_rate": 48000,
+}
+
+# Stable Audio Open's Oobleck widths with a hop that divides 3000: 2*3*5*5*10 = 1500 (the
+# original [2, 4, 4, 8, 8] = 2048 does not). For decode benchmarks with random weights.
+STABLE_AUDIO_SIZED_VAE_CONFIG: dict[str, Any] = {
+    "encoder_hidden_size": 128,
+    "downsampling_ratios": [2, 3, 5, 5, 10],
+    "channel_multiples": [1, 2, 4, 8, 16],
+    "decoder_channels": 128,
+    "decoder_input_channels": 64,
+    "audio_channels": 2,
+    "sampling_rate": 48000,
+}
+
 # Wan2.1-T2V-1.3B geometry (random weights unless a model directory is given).
 WAN_1_3B_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
