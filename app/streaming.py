@@ -81,6 +81,10 @@ class ClientGone(Exception):
     """The socket can no longer be written to."""
 
 
+class _Replaced(Exception):
+    """Another socket took the session over before this one started streaming."""
+
+
 class MediaEncoder:
     """One socket's fragmented-MP4 stream, used from the shared encoder pool one call at a time."""
 
@@ -146,9 +150,14 @@ class StreamConnection:
 
     # --- called by others ----------------------------------------------------------------------
     async def replace(self) -> None:
-        """Another socket attaches to this session: stop consuming, then tell our client ``replaced``."""
+        """Another socket attaches to this session: stop consuming, then tell our client ``replaced``.
+
+        Returns once this socket takes no further chunk — at the latest after ``FAREWELL_TIMEOUT_S``
+        even if it is stuck sending to a client that stopped reading: it checks the request before
+        it would take another chunk, so the newcomer never shares the session's chunks with it."""
         self._replace_requested.set()
-        await self._consumer_stopped.wait()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._consumer_stopped.wait(), FAREWELL_TIMEOUT_S)
 
     def post_state(self, state: str, reason: str | None = None) -> None:
         """Queue a ``state`` message from outside the socket's own tasks (a REST control)."""
@@ -180,12 +189,16 @@ class StreamConnection:
                     await self._close_socket(CLOSE_UNKNOWN_SESSION, "unknown session")
                     return
                 await self._hello()
+            if self._replace_requested.is_set():
+                raise _Replaced()
             pump = asyncio.create_task(self._pump(), name="arstream-pump")
             receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
             replaced = asyncio.create_task(self._replace_requested.wait())
             tasks = [pump, replaced, receiver]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
             outcome = self._outcome(pump, receiver)
+        except _Replaced:
+            outcome = "replaced"
         except ClientGone:
             outcome = "disconnected"
         except Exception:
@@ -296,7 +309,11 @@ class StreamConnection:
         engine = self.service.engine
         try:
             async for chunk in engine.chunks(self.session_id):
+                if self._replace_requested.is_set():
+                    return  # replaced while this chunk was coming: it belongs to the newcomer now
                 await self._send_chunk(chunk)
+                if self._replace_requested.is_set():
+                    return  # asking for the next chunk would take it from the newcomer
         except UnknownSession:
             return  # deleted before we started listening: it is closed
 
