@@ -31,28 +31,32 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
 
     parser.add_argument("--preset", default=default("tiny"), choices=["tiny", "wan2.1-1.3b"])
     parser.add_argument("--model", type=Path, default=default(None), help="local model directory (nothing is downloaded)")
+    parser.add_argument("--causal-weights", type=Path, default=default(None),
+                        help="original-format causal DiT weights (.safetensors/.pt) for --model; see docs/MODELS.md")
     parser.add_argument("--device", default=default("cpu"))
     parser.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--height", type=int, default=default(None))
     parser.add_argument("--width", type=int, default=default(None))
-    parser.add_argument("--sink-frames", type=int, default=default(3))
-    parser.add_argument("--window-frames", type=int, default=default(15))
+    # None: the model directory's arstream.json, else 3 / 15 (explicit flags win over arstream.json)
+    parser.add_argument("--sink-frames", type=int, default=default(None))
+    parser.add_argument("--window-frames", type=int, default=default(None))
     parser.add_argument("--guidance", type=float, default=default(1.0))
     parser.add_argument("--cpu-threads", type=int, default=default(None))
 
 
 def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    windows = {name: getattr(args, name) for name in ("sink_frames", "window_frames") if getattr(args, name) is not None}
     return EngineConfig(
         preset=args.preset,
         model_dir=args.model,
+        causal_weights=args.causal_weights,
         device=args.device,
         dtype=args.dtype,
         height=args.height,
         width=args.width,
-        sink_frames=args.sink_frames,
-        window_frames=args.window_frames,
         guidance_scale=args.guidance,
         cpu_threads=args.cpu_threads,
+        **windows,
         **overrides,
     )
 
@@ -96,6 +100,7 @@ async def generate(args: argparse.Namespace) -> int:
 _ENGINE_FLAGS = {
     "preset": "preset",
     "model": "model_dir",
+    "causal_weights": "causal_weights",
     "device": "device",
     "dtype": "dtype",
     "height": "height",

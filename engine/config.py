@@ -31,7 +31,12 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
     preset: Literal["tiny", "wan2.1-1.3b"] = "tiny"
-    model_dir: Path | None = Field(default=None, description="local diffusers-layout model directory")
+    model_dir: Path | None = Field(
+        default=None, description="local diffusers-layout model directory; its arstream.json fills fields not given"
+    )
+    causal_weights: Path | None = Field(
+        default=None, description="original-format causal DiT weights (.safetensors or .pt) replacing transformer/'s"
+    )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
@@ -56,6 +61,16 @@ class EngineConfig(BaseModel):
     cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: torch's default")
     warmup_blocks: int = Field(default=1, ge=0, le=16)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _model_dir_settings(cls, data):
+        """Fields not given (or given as None) take the model directory's arstream.json values."""
+        if isinstance(data, dict) and data.get("model_dir") is not None:
+            from engine.models.loading import with_model_settings
+
+            data = with_model_settings(data)
+        return data
+
     @field_validator("timesteps")
     @classmethod
     def _timesteps_descending(cls, value: list[float]) -> list[float]:
@@ -73,6 +88,8 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"{name}={value} must be a multiple of {PIXEL_ALIGNMENT}")
         if self.dtype != "float32" and not self.device.startswith("cuda"):
             raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
+        if self.causal_weights is not None and self.model_dir is None:
+            raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         return self
 
     @property

@@ -1,4 +1,4 @@
-"""Build a preset's modules (seeded random weights, or a local directory later) into a pipeline + decoder."""
+"""Build a preset's modules (seeded random weights, or a local model directory) into a pipeline + decoder."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from decoders.video import WanStreamingDecoder
 from engine.config import EngineConfig
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
@@ -43,24 +44,27 @@ def cast_keeping_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> tor
 
 def build_models(config: EngineConfig) -> ModelBundle:
     """Everything the runner drives, on ``config.device`` in ``config.dtype``; nothing is downloaded."""
-    if config.model_dir is not None:
-        raise NotImplementedError("loading a model directory is not supported yet; use a preset with random weights")
     preset = get_preset(config.preset)
     device = torch.device(config.device)
     height, width = config.resolved_height, config.resolved_width
-    with torch.device(device):
-        torch.manual_seed(config.seed)
-        transformer = WanTransformer3DModel(**preset.transformer_config)
-        torch.manual_seed(config.seed + 1)
-        vae = AutoencoderKLWan(**preset.vae_config)
-    transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
-    vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
+    if config.model_dir is not None:
+        # A local model directory (+ causal weights): its configs decide the geometry, the preset only the frame size.
+        loaded = load_model_dir(config, text_len=preset.text_len)
+        transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
+    else:
+        with torch.device(device):
+            torch.manual_seed(config.seed)
+            transformer = WanTransformer3DModel(**preset.transformer_config)
+            torch.manual_seed(config.seed + 1)
+            vae = AutoencoderKLWan(**preset.vae_config)
+        transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
+        vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
+        text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     causal = CausalWanTransformer(
         transformer,
         latent_height=height // VAE_SPATIAL_COMPRESSION,
         latent_width=width // VAE_SPATIAL_COMPRESSION,
     )
-    text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     pipeline = CausalWanPipeline(
         causal,
         text_encoder,

@@ -1,0 +1,497 @@
+"""Loading real models from a local directory: a tiny diffusers-layout Wan directory and original-format causal weights.
+
+Everything is built here, offline, at toy size: a Wan DiT and VAE from the tiny preset's configs, a 2-layer
+UMT5 encoder, and a word-level tokenizer made with ``tokenizers``. The original-format checkpoint is written
+from the literal list of Wan's own parameter names below (not from any mapping run backwards).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+from decoders.video import WanStreamingDecoder
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.models.builder import build_models
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.loading import (
+    ModelLoadError,
+    UMT5TextEncoder,
+    load_model_dir,
+    load_text_encoder,
+    load_transformer,
+    read_causal_state_dict,
+)
+from engine.models.pipeline import CausalWanPipeline
+from engine.models.presets import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+from engine.models.schedule import shifted_sigmas
+from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.runner import Runner
+
+SMALL = {"height": 48, "width": 64, "warmup_blocks": 0, "max_sessions": 1}
+WORDS = "a red fox runs over the snowy hill at night under blue sky sea waves crash on rocks".split()
+
+# --- the original Wan parameter names of the tiny config (dim 64 = 2 heads x 32, ffn 128, text 32, freq 32,
+# 16 channels, patch 1x2x2, 2 layers, cross-attention norm), each with its diffusers name and shape. Written
+# out from Wan's module names (WanModel: patch_embedding, text_embedding = Linear/GELU/Linear, time_embedding =
+# Linear/SiLU/Linear, time_projection = SiLU/Linear, blocks[i]: modulation, self_attn/cross_attn q/k/v/o/norm_q/
+# norm_k, norm3 (the affine cross-attention norm), ffn = Linear/GELU/Linear; head: head, modulation) and the
+# diffusers WanTransformer3DModel it becomes.
+ORIGINAL_GLOBAL_KEYS = [
+    ("patch_embedding.weight", "patch_embedding.weight", (64, 16, 1, 2, 2)),
+    ("patch_embedding.bias", "patch_embedding.bias", (64,)),
+    ("text_embedding.0.weight", "condition_embedder.text_embedder.linear_1.weight", (64, 32)),
+    ("text_embedding.0.bias", "condition_embedder.text_embedder.linear_1.bias", (64,)),
+    ("text_embedding.2.weight", "condition_embedder.text_embedder.linear_2.weight", (64, 64)),
+    ("text_embedding.2.bias", "condition_embedder.text_embedder.linear_2.bias", (64,)),
+    ("time_embedding.0.weight", "condition_embedder.time_embedder.linear_1.weight", (64, 32)),
+    ("time_embedding.0.bias", "condition_embedder.time_embedder.linear_1.bias", (64,)),
+    ("time_embedding.2.weight", "condition_embedder.time_embedder.linear_2.weight", (64, 64)),
+    ("time_embedding.2.bias", "condition_embedder.time_embedder.linear_2.bias", (64,)),
+    ("time_projection.1.weight", "condition_embedder.time_proj.weight", (384, 64)),
+    ("time_projection.1.bias", "condition_embedder.time_proj.bias", (384,)),
+    ("head.head.weight", "proj_out.weight", (64, 64)),
+    ("head.head.bias", "proj_out.bias", (64,)),
+    ("head.modulation", "scale_shift_table", (1, 2, 64)),
+]
+ORIGINAL_BLOCK_KEYS = [  # per block; {i} is the block index
+    ("blocks.{i}.modulation", "blocks.{i}.scale_shift_table", (1, 6, 64)),
+    ("blocks.{i}.self_attn.q.weight", "blocks.{i}.attn1.to_q.weight", (64, 64)),
+    ("blocks.{i}.self_attn.q.bias", "blocks.{i}.attn1.to_q.bias", (64,)),
+    ("blocks.{i}.self_attn.k.weight", "blocks.{i}.attn1.to_k.weight", (64, 64)),
+    ("blocks.{i}.self_attn.k.bias", "blocks.{i}.attn1.to_k.bias", (64,)),
+    ("blocks.{i}.self_attn.v.weight", "blocks.{i}.attn1.to_v.weight", (64, 64)),
+    ("blocks.{i}.self_attn.v.bias", "blocks.{i}.attn1.to_v.bias", (64,)),
+    ("blocks.{i}.self_attn.o.weight", "blocks.{i}.attn1.to_out.0.weight", (64, 64)),
+    ("blocks.{i}.self_attn.o.bias", "blocks.{i}.attn1.to_out.0.bias", (64,)),
+    ("blocks.{i}.self_attn.norm_q.weight", "blocks.{i}.attn1.norm_q.weight", (64,)),
+    ("blocks.{i}.self_attn.norm_k.weight", "blocks.{i}.attn1.norm_k.weight", (64,)),
+    ("blocks.{i}.norm3.weight", "blocks.{i}.norm2.weight", (64,)),
+    ("blocks.{i}.norm3.bias", "blocks.{i}.norm2.bias", (64,)),
+    ("blocks.{i}.cross_attn.q.weight", "blocks.{i}.attn2.to_q.weight", (64, 64)),
+    ("blocks.{i}.cross_attn.q.bias", "blocks.{i}.attn2.to_q.bias", (64,)),
+    ("blocks.{i}.cross_attn.k.weight", "blocks.{i}.attn2.to_k.weight", (64, 64)),
+    ("blocks.{i}.cross_attn.k.bias", "blocks.{i}.attn2.to_k.bias", (64,)),
+    ("blocks.{i}.cross_attn.v.weight", "blocks.{i}.attn2.to_v.weight", (64, 64)),
+    ("blocks.{i}.cross_attn.v.bias", "blocks.{i}.attn2.to_v.bias", (64,)),
+    ("blocks.{i}.cross_attn.o.weight", "blocks.{i}.attn2.to_out.0.weight", (64, 64)),
+    ("blocks.{i}.cross_attn.o.bias", "blocks.{i}.attn2.to_out.0.bias", (64,)),
+    ("blocks.{i}.cross_attn.norm_q.weight", "blocks.{i}.attn2.norm_q.weight", (64,)),
+    ("blocks.{i}.cross_attn.norm_k.weight", "blocks.{i}.attn2.norm_k.weight", (64,)),
+    ("blocks.{i}.ffn.0.weight", "blocks.{i}.ffn.net.0.proj.weight", (128, 64)),
+    ("blocks.{i}.ffn.0.bias", "blocks.{i}.ffn.net.0.proj.bias", (128,)),
+    ("blocks.{i}.ffn.2.weight", "blocks.{i}.ffn.net.2.weight", (64, 128)),
+    ("blocks.{i}.ffn.2.bias", "blocks.{i}.ffn.net.2.bias", (64,)),
+]
+ORIGINAL_KEYS = ORIGINAL_GLOBAL_KEYS + [
+    (original.format(i=i), diffusers.format(i=i), shape) for i in range(2) for original, diffusers, shape in ORIGINAL_BLOCK_KEYS
+]
+
+
+@dataclass
+class TinyParts:
+    transformer: WanTransformer3DModel
+    vae: AutoencoderKLWan
+    umt5: UMT5EncoderModel
+    tokenizer: PreTrainedTokenizerFast
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A word-level tokenizer with T5's conventions: ``</s>`` after the tokens, ``<pad>`` = 0."""
+    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    for word in WORDS:
+        vocab.setdefault(word, len(vocab))
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def parts() -> TinyParts:
+    torch.manual_seed(11)
+    transformer = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    torch.manual_seed(12)
+    vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
+    torch.manual_seed(13)
+    tokenizer = tiny_tokenizer()
+    umt5_config = UMT5Config(
+        vocab_size=len(tokenizer), d_model=TINY_TRANSFORMER_CONFIG["text_dim"], d_kv=8, d_ff=64, num_layers=2,
+        num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
+        feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+    )
+    umt5 = UMT5EncoderModel(umt5_config).eval()
+    return TinyParts(transformer, vae, umt5, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, parts) -> Path:
+    root = tmp_path_factory.mktemp("wan-tiny")
+    parts.transformer.save_pretrained(root / "transformer")
+    parts.vae.save_pretrained(root / "vae")
+    parts.umt5.save_pretrained(root / "text_encoder")
+    parts.tokenizer.save_pretrained(root / "tokenizer")
+    return root
+
+
+def linked_model_dir(source: Path, target: Path, *, skip: tuple[str, ...] = (), settings: dict | None = None) -> Path:
+    """A model directory sharing ``source``'s parts (symlinks), with its own arstream.json."""
+    target.mkdir(parents=True, exist_ok=True)
+    for part in ("transformer", "vae", "text_encoder", "tokenizer"):
+        if part not in skip:
+            os.symlink(source / part, target / part)
+    if settings is not None:
+        (target / "arstream.json").write_text(json.dumps(settings))
+    return target
+
+
+def original_state_dict(seed: int) -> dict[str, torch.Tensor]:
+    """Original-format tensors of the tiny config, Wan names, deterministic values."""
+    generator = torch.Generator().manual_seed(seed)
+    return {name: 0.1 * torch.randn(shape, generator=generator) for name, _, shape in ORIGINAL_KEYS}
+
+
+def write_checkpoint(path: Path, ema: dict[str, torch.Tensor], plain: dict[str, torch.Tensor] | None = None) -> Path:
+    """As Self-Forcing/CausVid save them: ``generator_ema`` (and ``generator``) with a ``model.`` prefix."""
+    plain = plain if plain is not None else original_state_dict(99)
+    if path.suffix == ".safetensors":
+        flat = {f"generator_ema.model.{k}": v for k, v in ema.items()}
+        flat.update({f"generator.model.{k}": v for k, v in plain.items()})
+        save_file({k: v.contiguous() for k, v in flat.items()}, str(path))
+    else:
+        torch.save(
+            {
+                "generator": {f"model.{k}": v for k, v in plain.items()},
+                "generator_ema": {f"model.{k}": v for k, v in ema.items()},
+                "step": 1000,  # a non-tensor leaf, as training checkpoints have
+            },
+            path,
+        )
+    return path
+
+
+def reference_pipeline(parts: TinyParts, config: EngineConfig) -> tuple[CausalWanPipeline, WanStreamingDecoder]:
+    """The in-memory modules wired the way build_models wires a loaded directory."""
+    causal = CausalWanTransformer(
+        copy.deepcopy(parts.transformer), latent_height=config.resolved_height // 8, latent_width=config.resolved_width // 8
+    )
+    pipeline = CausalWanPipeline(
+        causal,
+        UMT5TextEncoder(copy.deepcopy(parts.umt5), copy.deepcopy(parts.tokenizer)),
+        sigmas=shifted_sigmas(config.timesteps, config.shift),
+        frames_per_block=config.frames_per_block,
+        sink_frames=config.sink_frames,
+        window_frames=config.window_frames,
+        guidance_scale=config.guidance_scale,
+    )
+    return pipeline, WanStreamingDecoder(copy.deepcopy(parts.vae))
+
+
+def run_blocks(
+    pipeline, decoder, blocks: int, prompt: str = "a red fox runs", negative: str = "night", device: str = "cpu"
+) -> list[np.ndarray]:
+    runner = Runner(pipeline, decoder, KVCacheManager(pipeline.kv_spec(), 1, device))
+    outputs = []
+    work = SessionWork("s", open=OpenSession(seed=5, prompt=prompt, negative_prompt=negative), run=True)
+    for _ in range(blocks):
+        result = runner.execute(StepPlan(work=[work]))
+        assert not result.failures, result.failures
+        outputs += [output.frames for output in result.outputs]
+        work = SessionWork("s", run=True)
+    return outputs
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert torch.equal(sa[key], sb[key]), key
+
+
+# --- the diffusers-layout directory --------------------------------------------------------------------
+
+
+def test_model_dir_loads_back_to_the_in_memory_model(model_dir, parts):
+    config = EngineConfig(model_dir=model_dir, guidance_scale=2.0, sink_frames=1, window_frames=2, **SMALL)
+    bundle = build_models(config)
+    assert_same_weights(bundle.pipeline.transformer.transformer, parts.transformer)
+    assert_same_weights(bundle.decoder.vae, parts.vae)
+    assert_same_weights(bundle.pipeline.text_encoder.model, parts.umt5)
+
+    pipeline, decoder = reference_pipeline(parts, config)
+    for prompt in ("a red fox runs", "", "blue sea waves"):
+        assert torch.equal(bundle.pipeline.embed(prompt), pipeline.embed(prompt))
+    loaded_frames = run_blocks(bundle.pipeline, bundle.decoder, blocks=2)
+    reference_frames = run_blocks(pipeline, decoder, blocks=2)
+    assert [f.shape for f in loaded_frames] == [(9, 48, 64, 3), (12, 48, 64, 3)]
+    for loaded, reference in zip(loaded_frames, reference_frames):
+        assert np.array_equal(loaded, reference)
+    assert loaded_frames[0].std() > 1.0  # real pictures, not a constant
+
+
+def test_text_embeddings_are_zero_after_the_tokens_and_long_prompts_truncate(model_dir, caplog):
+    encoder = load_text_encoder(model_dir, torch.float32)
+    assert (encoder.text_len, encoder.text_dim) == (512, TINY_TRANSFORMER_CONFIG["text_dim"])
+    short = encoder.encode(["a red fox"])  # 3 words + </s>
+    assert short.shape == (1, 512, 32) and short.dtype == torch.float32 and short.device.type == "cpu"
+    assert (short[0, :4].abs().sum(dim=1) > 0).all()
+    assert torch.count_nonzero(short[0, 4:]) == 0
+    # whitespace and HTML entities are cleaned as Wan cleans prompts
+    assert torch.equal(encoder.encode(["  a\n red \t fox "]), short)
+    # documented truncation: the first 511 tokens + </s>, and a warning without the prompt text
+    words = (WORDS * 40)[:600]
+    with caplog.at_level("WARNING", logger="arstream.models"):
+        long = encoder.encode([" ".join(words)])
+    assert torch.equal(long, encoder.encode([" ".join(words[:511])]))
+    assert torch.count_nonzero(long[0].abs().sum(dim=1)) == 512
+    assert any("truncated" in record.getMessage() for record in caplog.records)
+    assert all("fox" not in record.getMessage() for record in caplog.records)
+
+
+def test_model_dir_settings_fill_what_settings_leave_unset(model_dir, tmp_path, monkeypatch):
+    from app.cli import _engine_config, _settings_from, build_parser
+    from app.settings import Settings
+
+    settings = {"sink_frames": 2, "window_frames": 4, "timesteps": [1000, 750, 500], "shift": 3.0, "height": 32}
+    directory = linked_model_dir(model_dir, tmp_path / "m", settings=settings)
+    config = EngineConfig(model_dir=directory)
+    assert (config.sink_frames, config.window_frames, config.timesteps, config.shift, config.height) == (
+        2, 4, [1000, 750, 500], 3.0, 32,
+    )
+    assert config.frames_per_block == 3 and config.causal_weights is None  # not in the file: defaults
+    explicit = EngineConfig(model_dir=directory, sink_frames=1, height=None)  # given wins; None = not given
+    assert (explicit.sink_frames, explicit.window_frames, explicit.height) == (1, 4, 32)
+
+    # the CLI: flags left out take the file's values, flags given win
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--model", str(directory)])
+    assert _engine_config(args).sink_frames == 2
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--model", str(directory), "--window-frames", "7"])
+    assert _engine_config(args).window_frames == 7
+    args = build_parser().parse_args(["serve", "--model", str(directory), "--sink-frames", "3"])
+    served = _settings_from(args).engine
+    assert (served.sink_frames, served.window_frames) == (3, 4)
+    # ARSTREAM_* variables are explicit settings too
+    monkeypatch.setenv("ARSTREAM_ENGINE__MODEL_DIR", str(directory))
+    monkeypatch.setenv("ARSTREAM_ENGINE__WINDOW_FRAMES", "9")
+    engine = Settings().engine
+    assert (engine.model_dir, engine.sink_frames, engine.window_frames) == (directory, 2, 9)
+
+
+# --- original-format causal weights ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_original_format_causal_weights_map_to_diffusers_names(model_dir, tmp_path, suffix):
+    ema = original_state_dict(seed=1)
+    path = write_checkpoint(tmp_path / f"self_forcing{suffix}", ema)
+
+    state = read_causal_state_dict(path)  # generator_ema chosen over generator, model. prefix stripped
+    assert state.keys() == ema.keys()
+    assert all(torch.equal(state[k], ema[k]) for k in ema)
+
+    transformer = load_transformer(model_dir, torch.float32, causal_weights=path)
+    loaded = transformer.state_dict()
+    for original, diffusers_name in [
+        ("blocks.0.self_attn.q.weight", "blocks.0.attn1.to_q.weight"),
+        ("blocks.1.cross_attn.o.bias", "blocks.1.attn2.to_out.0.bias"),
+        ("blocks.0.norm3.weight", "blocks.0.norm2.weight"),  # Wan's norm3 is the cross-attention norm
+        ("blocks.1.modulation", "blocks.1.scale_shift_table"),
+        ("head.modulation", "scale_shift_table"),
+        ("head.head.weight", "proj_out.weight"),
+        ("time_projection.1.weight", "condition_embedder.time_proj.weight"),
+        ("text_embedding.2.bias", "condition_embedder.text_embedder.linear_2.bias"),
+        ("blocks.0.ffn.0.weight", "blocks.0.ffn.net.0.proj.weight"),
+    ]:
+        assert torch.equal(loaded[diffusers_name], ema[original]), original
+
+    # the whole model: a diffusers forward equals one of a model filled from the expected names
+    expected = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    expected.load_state_dict({d: ema[o] for o, d, _ in ORIGINAL_KEYS}, strict=True)
+    generator = torch.Generator().manual_seed(3)
+    latents = torch.randn(1, 16, 2, 6, 8, generator=generator)
+    text = torch.randn(1, 12, 32, generator=generator)
+    with torch.no_grad():
+        want = expected(latents, torch.tensor([625.0]), text, return_dict=False)[0]
+        got = transformer(latents, torch.tensor([625.0]), text, return_dict=False)[0]
+    assert torch.equal(got, want)
+
+
+def test_causal_weights_named_in_arstream_json_run_a_block(model_dir, tmp_path):
+    ema = original_state_dict(seed=2)
+    directory = linked_model_dir(model_dir, tmp_path / "m", settings={"causal_weights": "causal.safetensors", "sink_frames": 1})
+    write_checkpoint(directory / "causal.safetensors", ema)
+    # transformer/ holds only its config here: causal weights replace its weights, which are not read
+    (directory / "transformer").unlink()
+    (directory / "transformer").mkdir()
+    (directory / "transformer" / "config.json").write_text((model_dir / "transformer" / "config.json").read_text())
+
+    config = EngineConfig(model_dir=directory, window_frames=2, **SMALL)
+    assert config.causal_weights == directory / "causal.safetensors"
+    bundle = build_models(config)
+    weights = bundle.pipeline.transformer.transformer.state_dict()
+    assert torch.equal(weights["blocks.1.attn1.norm_k.weight"], ema["blocks.1.self_attn.norm_k.weight"])
+    frames = run_blocks(bundle.pipeline, bundle.decoder, blocks=1)
+    assert frames[0].shape == (9, 48, 64, 3)
+
+
+# --- errors ---------------------------------------------------------------------------------------------------
+
+
+class NotAWeight:
+    """Something a pickle may hold that torch.load(weights_only=True) must refuse."""
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("shape", "'blocks.0.self_attn.q.weight' (diffusers 'blocks.0.attn1.to_q.weight') has shape (64, 32)"),
+        ("unknown", "unknown key(s) blocks.0.self_attn.extra.weight"),
+        ("missing", "missing key(s) (diffusers names) scale_shift_table"),
+        ("dtype", "'head.head.bias' has dtype torch.int64"),
+    ],
+)
+def test_causal_weight_errors_name_the_file_and_key(model_dir, tmp_path, suffix, change, message):
+    state = original_state_dict(seed=4)
+    if change == "shape":
+        state["blocks.0.self_attn.q.weight"] = torch.zeros(64, 32)
+    elif change == "unknown":
+        state["blocks.0.self_attn.extra.weight"] = torch.zeros(3)
+    elif change == "missing":
+        del state["head.modulation"]
+    else:
+        state["head.head.bias"] = torch.zeros(64, dtype=torch.int64)
+    path = write_checkpoint(tmp_path / f"bad{suffix}", state)
+    with pytest.raises(ModelLoadError) as error:
+        load_transformer(model_dir, torch.float32, causal_weights=path)
+    assert message in str(error.value) and str(path) in str(error.value)
+
+
+def test_unreadable_causal_weights_are_refused_with_their_reason(model_dir, tmp_path):
+    cases = {
+        tmp_path / "absent.safetensors": "no such file",
+        tmp_path / "weights.npz": "unknown file type .npz",
+        tmp_path / "pickled.pt": "refused by torch.load(weights_only=True)",
+        tmp_path / "garbage.safetensors": "not a readable safetensors file",
+        tmp_path / "empty.pt": "holds no tensors",
+    }
+    (tmp_path / "weights.npz").write_bytes(b"\0")
+    torch.save({"generator_ema": {"model.head.head.bias": torch.zeros(64)}, "extra": NotAWeight()}, tmp_path / "pickled.pt")
+    (tmp_path / "garbage.safetensors").write_bytes(b"not a header")
+    torch.save({"step": 3}, tmp_path / "empty.pt")
+    for path, message in cases.items():
+        with pytest.raises(ModelLoadError) as error:
+            load_transformer(model_dir, torch.float32, causal_weights=path)
+        assert message in str(error.value) and str(path) in str(error.value), (path, str(error.value))
+
+
+def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
+    config = EngineConfig(model_dir=model_dir, **SMALL)
+
+    def fails(directory: Path, message: str, **update) -> None:
+        with pytest.raises(ModelLoadError) as error:
+            load_model_dir(config.model_copy(update={"model_dir": directory, **update}))
+        assert message in str(error.value), str(error.value)
+
+    fails(tmp_path / "absent", f"model directory {tmp_path / 'absent'}: no such directory")
+    fails(linked_model_dir(model_dir, tmp_path / "no-vae", skip=("vae",)), str(tmp_path / "no-vae" / "vae" / "config.json"))
+    fails(linked_model_dir(model_dir, tmp_path / "no-tok", skip=("tokenizer",)), str(tmp_path / "no-tok" / "tokenizer"))
+
+    # transformer/ without weights (and no causal weights to replace them)
+    bare = linked_model_dir(model_dir, tmp_path / "bare", skip=("transformer",))
+    (bare / "transformer").mkdir()
+    transformer_config = json.loads((model_dir / "transformer" / "config.json").read_text())
+    (bare / "transformer" / "config.json").write_text(json.dumps(transformer_config))
+    fails(bare, "diffusion_pytorch_model.safetensors")
+
+    # weights of another shape than transformer/config.json says
+    wrong = linked_model_dir(model_dir, tmp_path / "wrong", skip=("transformer",))
+    WanTransformer3DModel(**{**TINY_TRANSFORMER_CONFIG, "ffn_dim": 96}).save_pretrained(wrong / "transformer")
+    (wrong / "transformer" / "config.json").write_text(json.dumps(transformer_config))
+    fails(wrong, "expected shape torch.Size([128")  # ffn.net.0.proj's weight or bias, 96 rows in the file
+
+    # a weight missing and an unknown one: diffusers only warns, we refuse
+    partial = linked_model_dir(model_dir, tmp_path / "partial", skip=("transformer",))
+    (partial / "transformer").mkdir()
+    (partial / "transformer" / "config.json").write_text(json.dumps(transformer_config))
+    weights = load_file(str(model_dir / "transformer" / "diffusion_pytorch_model.safetensors"))
+    weights.pop("proj_out.bias")
+    weights["extra.weight"] = torch.zeros(2)
+    save_file(weights, str(partial / "transformer" / "diffusion_pytorch_model.safetensors"))
+    fails(partial, "1 missing key(s): proj_out.bias; 1 unknown key(s): extra.weight")
+
+    # parts that do not fit each other
+    mismatched = linked_model_dir(model_dir, tmp_path / "mismatched", skip=("transformer",))
+    (mismatched / "transformer").mkdir()
+    (mismatched / "transformer" / "config.json").write_text(json.dumps({**transformer_config, "text_dim": 48}))
+    fails(mismatched, "d_model 32 does not match the transformer's text_dim 48")
+
+    # a dtype this device cannot run: the config refuses it, and so does the loader on its own
+    with pytest.raises(ValidationError, match="dtype bfloat16 needs a CUDA device"):
+        EngineConfig(model_dir=model_dir, dtype="bfloat16")
+    fails(model_dir, "dtype torch.bfloat16 is not supported on the CPU", dtype="bfloat16")
+
+
+def test_config_errors_for_model_settings(model_dir, tmp_path):
+    with pytest.raises(ValidationError, match="no such directory"):
+        EngineConfig(model_dir=tmp_path / "absent")
+    with pytest.raises(ValidationError, match="causal_weights needs model_dir"):
+        EngineConfig(causal_weights=tmp_path / "w.safetensors")
+    unknown = linked_model_dir(model_dir, tmp_path / "unknown", settings={"sink_frames": 1, "layers": 3})
+    with pytest.raises(ValidationError, match=r"arstream.json: unknown key\(s\) \['layers'\]"):
+        EngineConfig(model_dir=unknown)
+    invalid = linked_model_dir(model_dir, tmp_path / "invalid", settings={"window_frames": 0})
+    with pytest.raises(ValidationError, match="window_frames"):
+        EngineConfig(model_dir=invalid)
+    broken = linked_model_dir(model_dir, tmp_path / "broken")
+    (broken / "arstream.json").write_text("{sink_frames: 1")
+    with pytest.raises(ValidationError, match="arstream.json: cannot be read as JSON"):
+        EngineConfig(model_dir=broken)
+
+
+# --- on a GPU (run on the device machine: pytest -m gpu) ----------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_model_dir_runs_on_cuda_in_reduced_precision(model_dir, tmp_path, dtype):
+    weights = write_checkpoint(tmp_path / "causal.safetensors", original_state_dict(seed=6))
+    torch_dtype = getattr(torch, dtype)
+    for causal in (None, weights):
+        config = EngineConfig(model_dir=model_dir, causal_weights=causal, device="cuda", dtype=dtype, guidance_scale=2.0, **SMALL)
+        bundle = build_models(config)
+        transformer = bundle.pipeline.transformer.transformer
+        assert transformer.patch_embedding.weight.device.type == "cuda"
+        assert transformer.patch_embedding.weight.dtype == torch_dtype
+        assert transformer.scale_shift_table.dtype == torch.float32  # diffusers' fp32 modules stay fp32
+        assert next(bundle.decoder.vae.parameters()).dtype == torch_dtype
+        assert bundle.pipeline.text_encoder.device.type == "cuda"
+
+        reference = build_models(config.model_copy(update={"device": "cpu", "dtype": "float32"}))
+        embedding, expected = bundle.pipeline.embed("a red fox runs"), reference.pipeline.embed("a red fox runs")
+        assert embedding.dtype == torch.float32 and embedding.device.type == "cpu"
+        assert torch.count_nonzero(embedding[0, 5:]) == 0
+        assert (embedding - expected).abs().max() < 0.05 * expected.abs().max()
+
+        frames = run_blocks(bundle.pipeline, bundle.decoder, blocks=2, device="cuda")
+        reference_frames = run_blocks(reference.pipeline, reference.decoder, blocks=2)
+        assert [f.shape for f in frames] == [(9, 48, 64, 3), (12, 48, 64, 3)]
+        for got, want in zip(frames, reference_frames):
+            difference = np.abs(got.astype(np.float32) - want.astype(np.float32)).mean()
+            print(f"{dtype} causal={causal is not None}: mean |cuda - cpu fp32| = {difference:.2f} / 255")
+            assert difference < 4.0  # seen: 0.7 (bf16), 0.1 (fp16) on an H200
