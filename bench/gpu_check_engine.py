@@ -25,7 +25,7 @@ def check(dtype: str, blocks: int = 5) -> dict:
     streamed = [pipeline.run_block(kv, progress) for _ in range(blocks)]
     reference = reference_generate(
         pipeline.transformer, pipeline.embed("a check"), num_blocks=blocks, seed=7,
-        sigmas=pipeline.sigmas, latent_shape=pipeline.latent_shape,
+        sigmas=pipeline.sigmas, latent_shape=pipeline.latent_shape, audio_shape=pipeline.audio_shape,
     )
     diffs = [a.max_abs_diff(b) for a, b in zip(streamed, reference)]
     rel = [((a.video - b.video).norm() / b.video.norm()).item() for a, b in zip(streamed, reference)]

@@ -42,7 +42,7 @@ from engine.kv_cache import KVCacheManager
 from engine.loop import EngineLoop
 from engine.models.builder import ModelBundle, build_models
 from engine.plan import FinishedSession, StepPlan
-from engine.runner import Runner, StepResult
+from engine.runner import Runner, StepResult, runner_for
 from engine.scheduler import Scheduler
 from engine.session import (
     Chunk,
@@ -106,6 +106,7 @@ class Geometry:
     frames_per_block: int  # latent frames
     pixel_frames_per_block: int  # 4x temporal: 12 for 3 latent frames (the first block has 9)
     audio_sample_rate: int | None
+    audio_channels: int | None = None
 
 
 class Engine:
@@ -154,6 +155,8 @@ class Engine:
         bundle = self._bundle or build_models(config)
         spec = bundle.pipeline.kv_spec()
         decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
+        if bundle.audio_decoder is not None:
+            decoder_bytes += bundle.audio_decoder.declared_state_bytes()
         self.per_session_bytes = spec.session_bytes + decoder_bytes
         budget = config.kv_memory_budget_bytes
         if budget is None and torch.device(config.device).type == "cuda":
@@ -168,15 +171,18 @@ class Engine:
             )
         self.capacity = int(capacity)
         manager = KVCacheManager(spec, self.capacity, config.device)
-        self.runner = Runner(bundle.pipeline, bundle.decoder, manager, stepwise=config.step_mode == "stepwise")
+        self.runner = runner_for(bundle, manager, stepwise=config.step_mode == "stepwise")
         self.geometry = Geometry(
             width=bundle.width,
             height=bundle.height,
             fps=config.fps,
             frames_per_block=config.frames_per_block,
             pixel_frames_per_block=4 * config.frames_per_block,
-            audio_sample_rate=None,
+            audio_sample_rate=bundle.audio_timing.sample_rate if bundle.audio_timing else None,
+            audio_channels=bundle.audio_channels,
         )
+        if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
+            bundle.audio_decoder.graphs.warmup(config.device)
         if config.warmup_blocks:
             self.runner.warmup(config.warmup_blocks)
 
@@ -191,7 +197,7 @@ class Engine:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-        probe = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(spec, 1, device))
+        probe = runner_for(bundle, KVCacheManager(spec, 1, device))
         resident = torch.cuda.memory_allocated(device)
         probe.warmup(1)
         activation_peak = torch.cuda.max_memory_allocated(device) - resident

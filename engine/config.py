@@ -53,6 +53,7 @@ class EngineConfig(BaseModel):
         default=None, ge=1, description="bytes for per-session state; None: max_sessions decides"
     )
     seed: int = Field(default=0, ge=0, description="weight seed for random-weight presets")
+    audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
     lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
     detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")

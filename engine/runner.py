@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoders.audio import AudioDecodeState, AudioStreamingDecoder
 from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
@@ -34,7 +35,9 @@ class DeviceSession:
     kv: SessionKVState
     progress: SessionProgress
     decode_state: StreamingDecodeState
+    audio_state: AudioDecodeState | None
     open_request: OpenSession
+    audio_samples_to_trim: int = 0  # the opening latent frame's audio before t = 0 (AudioTiming)
     block_started_at: float | None = None  # epoch ms of the current block's first forward
     queued_ms: float = 0.0
     denoise_s: float = 0.0
@@ -45,7 +48,7 @@ class BlockOutput:
     session_id: str
     block_index: int
     frames: np.ndarray  # uint8 [F, H, W, 3]
-    audio: np.ndarray | None
+    audio: np.ndarray | None  # float32 [channels, samples]: what became decodable with this block
     started_at: float  # epoch ms
     queued_ms: float
     denoise_ms: float
@@ -83,9 +86,15 @@ class Runner:
         kv_manager: KVCacheManager,
         *,
         stepwise: bool = False,
+        audio_decoder: AudioStreamingDecoder | None = None,
+        audio_trim_samples: int = 0,
     ) -> None:
+        if (audio_decoder is None) != (pipeline.audio_shape is None):
+            raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
         self.decoder = decoder
+        self.audio_decoder = audio_decoder
+        self.audio_trim_samples = audio_trim_samples
         self.kv_manager = kv_manager
         self.stepwise = stepwise
         self.sessions: dict[str, DeviceSession] = {}
@@ -101,7 +110,9 @@ class Runner:
                 kv=kv,
                 progress=self.pipeline.new_progress(request.seed, request.prompt, request.negative_prompt),
                 decode_state=self.decoder.new_state(session_id),
+                audio_state=self.audio_decoder.new_state(session_id) if self.audio_decoder is not None else None,
                 open_request=request,
+                audio_samples_to_trim=self.audio_trim_samples,
             )
         except Exception:
             kv.close()
@@ -115,7 +126,10 @@ class Runner:
         if device_session is None:
             return
         errors = []
-        for action in (device_session.kv.close, lambda: self.decoder.release(device_session.decode_state)):
+        actions = [device_session.kv.close, lambda: self.decoder.release(device_session.decode_state)]
+        if device_session.audio_state is not None:
+            actions.append(lambda: self.audio_decoder.release(device_session.audio_state))
+        for action in actions:
             try:
                 action()
             except Exception as error:  # release everything even if one part fails
@@ -229,12 +243,13 @@ class Runner:
         decode_started = time.perf_counter()
         pixels = self.decoder.decode_chunk(self.decoder.denormalize(clean.video), device_session.decode_state)
         frames = self.decoder.to_uint8(pixels)
+        audio = self._decode_audio(device_session, clean) if self.audio_decoder is not None else None
         decode_s = time.perf_counter() - decode_started
         output = BlockOutput(
             session_id=session_id,
             block_index=progress.block_index - 1,
             frames=frames,
-            audio=None,
+            audio=audio,
             started_at=device_session.block_started_at,
             queued_ms=device_session.queued_ms,
             denoise_ms=device_session.denoise_s * 1000.0,
@@ -242,6 +257,13 @@ class Runner:
         )
         device_session.block_started_at = None
         return output
+
+    def _decode_audio(self, device_session: DeviceSession, clean) -> np.ndarray:
+        """The samples this block made decodable, minus the part of the opening frame before t = 0."""
+        pcm = self.audio_decoder.decode_block(clean.audio, device_session.audio_state)
+        trim = min(device_session.audio_samples_to_trim, pcm.shape[1])
+        device_session.audio_samples_to_trim -= trim
+        return pcm[:, trim:].float().cpu().numpy()
 
     # --- warmup -----------------------------------------------------------
     def warmup(self, blocks: int = 2) -> None:
@@ -259,6 +281,19 @@ class Runner:
         free_after = self.kv_manager.block_pool.num_free_blocks
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
+
+
+def runner_for(bundle, kv_manager: KVCacheManager, *, stepwise: bool = False) -> Runner:
+    """A runner over a built :class:`~engine.models.builder.ModelBundle` (audio wired when the model has it)."""
+    timing = bundle.audio_timing
+    return Runner(
+        bundle.pipeline,
+        bundle.decoder,
+        kv_manager,
+        stepwise=stepwise,
+        audio_decoder=bundle.audio_decoder,
+        audio_trim_samples=timing.samples_before_start if timing is not None else 0,
+    )
 
 
 def _synchronize(tensor: torch.Tensor | None) -> None:

@@ -7,7 +7,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.models.builder import ModelBundle, build_models
-from engine.runner import Runner
+from engine.runner import Runner, runner_for
 
 # 64x48 pixels -> 8x6 latent -> 4x3 patches: non-square, so a row/column mix-up shows.
 SMALL = {"height": 48, "width": 64}
@@ -27,7 +27,7 @@ def build_small(**overrides) -> tuple[EngineConfig, ModelBundle]:
 def small_runner(max_sessions: int = 4, stepwise: bool = False, **overrides) -> Runner:
     config, bundle = build_small(max_sessions=max_sessions, **overrides)
     manager = KVCacheManager(bundle.pipeline.kv_spec(), max_sessions, "cpu")
-    return Runner(bundle.pipeline, bundle.decoder, manager, stepwise=stepwise)
+    return runner_for(bundle, manager, stepwise=stepwise)
 
 
 def assert_lively(frames) -> None:

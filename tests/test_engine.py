@@ -12,7 +12,7 @@ from engine.api import Engine
 from engine.errors import AlreadyStarted, CapacityFull, EngineUnavailable, NotStarted, UnknownSession
 from engine.kv_cache import KVCacheManager
 from engine.plan import OpenSession, SessionWork, StepPlan
-from engine.runner import Runner
+from engine.runner import Runner, runner_for
 from tests.engine_helpers import build_small, small_config
 
 
@@ -44,14 +44,14 @@ def _measured_session_bytes(runner: Runner, session_id: str) -> int:
     storage = runner.kv_manager.block_pool.storage
     kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
     cross_bytes = sum(kv.read_cross(b, "text").nbytes for b in kv.branch_names)
-    decoder_bytes = device_session.decode_state.nbytes()
+    decoder_bytes = device_session.decode_state.nbytes() + device_session.audio_state.nbytes()
     model_bytes = sum(x.nbytes for x in progress.resident_latents() + [progress.latents, progress.clean])
     return kv_bytes + cross_bytes + decoder_bytes + model_bytes
 
 
 def test_admission_admits_exactly_what_the_budget_holds():
     config, bundle = build_small(sink_frames=3, window_frames=3, guidance_scale=2.0)
-    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), stepwise=True)
+    runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), stepwise=True)
     runner.execute(StepPlan(work=[SessionWork("probe", open=OpenSession(1, "probe", ""))]))
     steps = 3 * (bundle.pipeline.num_steps + 1) + 1  # resident frames full, then one step into the next block
     for _ in range(steps):

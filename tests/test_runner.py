@@ -11,7 +11,7 @@ from engine.models.attention import SelfAttentionContext
 from engine.models.latents import BlockLatents
 from engine.models.reference import block_causal_mask
 from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
-from engine.runner import Runner
+from engine.runner import Runner, runner_for
 from tests.engine_helpers import assert_lively, build_small, small_runner
 
 
@@ -70,7 +70,7 @@ def test_stepwise_execution_equals_grouped_execution():
     outputs = {}
     for stepwise in (False, True):
         manager = KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu")
-        runner = Runner(bundle.pipeline, bundle.decoder, manager, stepwise=stepwise)
+        runner = runner_for(bundle, manager, stepwise=stepwise)
         open_session(runner, "s", seed=4)
         calls = 0
         frames = []
@@ -102,7 +102,7 @@ def test_every_release_path_returns_pool_and_decoder_state_to_baseline(runner, e
     open_session(runner, "bystander", seed=9, prompt="a river")
     first = run_blocks(runner, ["victim", "bystander"], 3)  # past the window: eviction happened
     victim = runner.sessions["victim"]
-    assert victim.decode_state.nbytes() > 0
+    assert victim.decode_state.nbytes() > 0 and victim.audio_state.nbytes() > 0
     if ending == "close":
         close(runner, "victim", "client")
     elif ending == "evicted":
@@ -132,7 +132,7 @@ def test_every_release_path_returns_pool_and_decoder_state_to_baseline(runner, e
             np.testing.assert_array_equal(ours, original)  # reset = a new session, same seed and prompt
         close(runner, "victim")
     assert "victim" not in runner.sessions
-    assert victim.decode_state.nbytes() == 0
+    assert victim.decode_state.nbytes() == 0 and victim.audio_state.nbytes() == 0
     assert victim.kv.closed
     assert not victim.progress.window_latents and victim.progress.latents is None
     # the bystander carries on exactly as if alone
@@ -171,7 +171,7 @@ def test_failed_commit_pass_commits_nothing_in_any_branch():
 def test_cfg_branches_hold_their_own_blocks_and_free_together():
     config, bundle = build_small(guidance_scale=3.0, sink_frames=3, window_frames=3)
     manager = KVCacheManager(bundle.pipeline.kv_spec(), 2, "cpu")
-    runner = Runner(bundle.pipeline, bundle.decoder, manager)
+    runner = runner_for(bundle, manager)
     free = manager.block_pool.num_free_blocks
     open_session(runner, "cfg", seed=3, negative="blurry")
     guided = run_blocks(runner, ["cfg"], 3)["cfg"]

@@ -5,10 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DModel
 
+from decoders.audio import AudioStreamingDecoder, hop_length
+from decoders.audio_graphs import AudioDecodeGraphs
 from decoders.video import WanStreamingDecoder
 from engine.config import EngineConfig
+from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
@@ -26,6 +29,12 @@ class ModelBundle:
     decoder: WanStreamingDecoder
     height: int
     width: int
+    audio_decoder: AudioStreamingDecoder | None = None
+    audio_timing: AudioTiming | None = None
+
+    @property
+    def audio_channels(self) -> int | None:
+        return None if self.audio_decoder is None else self.audio_decoder.channels
 
 
 def cast_keeping_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
@@ -60,10 +69,12 @@ def build_models(config: EngineConfig) -> ModelBundle:
         transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
         vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
         text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
+    audio = _build_audio(preset, config, transformer.config) if config.model_dir is None else None
     causal = CausalWanTransformer(
         transformer,
         latent_height=height // VAE_SPATIAL_COMPRESSION,
         latent_width=width // VAE_SPATIAL_COMPRESSION,
+        audio=audio[0] if audio else None,
     )
     pipeline = CausalWanPipeline(
         causal,
@@ -74,4 +85,31 @@ def build_models(config: EngineConfig) -> ModelBundle:
         window_frames=config.window_frames,
         guidance_scale=config.guidance_scale,
     )
-    return ModelBundle(preset=preset, pipeline=pipeline, decoder=WanStreamingDecoder(vae), height=height, width=width)
+    return ModelBundle(
+        preset=preset,
+        pipeline=pipeline,
+        decoder=WanStreamingDecoder(vae),
+        height=height,
+        width=width,
+        audio_decoder=audio[1] if audio else None,
+        audio_timing=audio[2] if audio else None,
+    )
+
+
+def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):
+    """The preset's audio path (token projections, streaming codec decoder, timing), or None without audio."""
+    if not config.audio or preset.audio_vae_config is None:
+        return None
+    device = torch.device(config.device)
+    inner_dim = transformer_config.num_attention_heads * transformer_config.attention_head_dim
+    with torch.device(device):
+        torch.manual_seed(config.seed + 2)
+        vae = AutoencoderOobleck(**preset.audio_vae_config)
+    vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
+    timing = AudioTiming(sample_rate=vae.config.sampling_rate, fps=config.fps, hop=hop_length(vae))
+    with torch.device(device):
+        torch.manual_seed(config.seed + 3)
+        projections = AudioTokenProjections(vae.config.decoder_input_channels, inner_dim, timing.tokens_per_frame)
+    projections = projections.to(config.torch_dtype).eval()
+    graphs = AudioDecodeGraphs(vae) if device.type == "cuda" else None
+    return projections, AudioStreamingDecoder(vae, graphs=graphs), timing

@@ -95,6 +95,7 @@ class ModelPreset:
     height: int
     width: int
     text_len: int = 512
+    audio_vae_config: dict[str, Any] | None = None  # an AutoencoderOobleck config when the preset has audio
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -106,6 +107,7 @@ PRESETS: dict[str, ModelPreset] = {
         vae_config=TINY_VAE_CONFIG,
         height=144,
         width=256,
+        audio_vae_config=TINY_AUDIO_VAE_CONFIG,
         notes="toy-size Wan2.1-class model with seeded random weights: abstract video, not content",
     ),
     "wan2.1-1.3b": ModelPreset(
