@@ -134,6 +134,13 @@ class StreamClient:
         return self.init + b"".join(self.got.segments)
 
     async def close(self) -> None:
+        """End the session (`close`, then wait for `closed`), freeing its slot at once."""
+        await self.send(type="close")
+        others, _ = await self.until_closed()
+        assert others[-1] == {"type": "closed", "reason": "client"}
+
+    async def drop(self) -> None:
+        """Lose the connection without ending the session."""
         await self.ws.close()
 
 
@@ -246,19 +253,26 @@ def _mean_abs_error(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a.astype(np.int16) - b.astype(np.int16)).mean())
 
 
+LONE_CHUNKS = 8
+
+
+def _frames_of(chunks: int) -> int:
+    return FIRST_BLOCK_FRAMES + (chunks - 1) * BLOCK_FRAMES
+
+
 @pytest.fixture(scope="module")
 def lone_run(server):
-    """Seed 21, one prompt, six chunks, alone on the server: the reference the other runs compare with."""
+    """Seed 21, one prompt, eight chunks, alone on the server: the reference the other runs compare with."""
 
     async def go():
         client = await StreamClient.open(f"{server.ws_url}/v1/stream")
         await client.start("a forest at night", seed=21)
-        await client.chunks(6)
+        await client.chunks(LONE_CHUNKS)
         await client.close()
         return client
 
     client = run(go())
-    return _frames(client)[: FIRST_BLOCK_FRAMES + 5 * BLOCK_FRAMES]
+    return _frames(client)[: _frames_of(LONE_CHUNKS)]
 
 
 def test_prompt_change_changes_the_frames_that_follow(server, lone_run):
@@ -269,11 +283,13 @@ def test_prompt_change_changes_the_frames_that_follow(server, lone_run):
         await client.send(type="prompt", prompt="a desert at noon", id="change")
         await client.control(lambda m: m["type"] == "ack" and m["id"] == "change")
         acked_after = len(client.got.chunks)
-        await client.chunks(6 - acked_after)
+        await client.chunks(max(0, LONE_CHUNKS - acked_after))
         await client.close()
         return client, acked_after
 
     client, acked_after = run(go())
+    # At least two blocks after the ack: the first may have been in flight (old prompt), the next is new.
+    assert acked_after <= LONE_CHUNKS - 2, f"the ack came only after {acked_after} chunks"
     frames = _frames(client)[: len(lone_run)]
     before = FIRST_BLOCK_FRAMES + BLOCK_FRAMES  # the first two chunks: generated before the change
     assert np.array_equal(frames[:before], lone_run[:before]), "same seed and prompt: same frames"
@@ -336,7 +352,7 @@ def test_reconnect_within_grace_resumes_at_the_next_chunk(server):
         session_id = first.session["session_id"]
         await first.start("a train crossing a bridge", seed=4, pace=True)
         await first.chunks(2)
-        await first.close()  # a dropped connection: the session waits the grace period
+        await first.drop()  # the session waits the grace period for a reconnect
         await asyncio.sleep(0.3)
         second = await StreamClient.open(f"{server.ws_url}/v1/sessions/{session_id}/stream")
         await second.chunks(2)
@@ -394,9 +410,11 @@ def test_concurrent_clients_seeds_decide_the_frames(server, lone_run):
     async def go():
         return await asyncio.gather(one(21), one(22), one(21))
 
-    same_a, other, same_b = (_frames(c)[: len(lone_run)] for c in run(go()))
-    assert np.array_equal(same_a, lone_run) and np.array_equal(same_b, lone_run)
-    assert _mean_abs_error(other, lone_run) > DIFFERENT_CONTENT_MIN_MEAN_ABS_ERROR
+    frames = _frames_of(6)
+    same_a, other, same_b = (_frames(c)[:frames] for c in run(go()))
+    assert len(same_a) == len(other) == len(same_b) == frames
+    assert np.array_equal(same_a, lone_run[:frames]) and np.array_equal(same_b, lone_run[:frames])
+    assert _mean_abs_error(other, lone_run[:frames]) > DIFFERENT_CONTENT_MIN_MEAN_ABS_ERROR
 
 
 def test_example_client_saves_a_playable_file(server, tmp_path):
