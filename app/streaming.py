@@ -284,7 +284,9 @@ class StreamConnection:
         """The `session` message and the init segment (the caller holds the send lock)."""
         engine = self.service.engine
         geometry = engine.geometry
-        audio = AudioSpec(sample_rate=geometry.audio_sample_rate) if geometry.audio_sample_rate else None
+        audio = None
+        if geometry.audio_sample_rate:
+            audio = AudioSpec(sample_rate=geometry.audio_sample_rate, channels=geometry.audio_channels or 2)
         self._media = await MediaEncoder.open(
             self.service.encoder_pool, geometry.width, geometry.height, geometry.fps, audio,
             self._attachment.start_pts,
@@ -320,7 +322,7 @@ class StreamConnection:
     async def _send_chunk(self, chunk: Chunk) -> None:
         media = self._media
         if chunk.pts != media.stream.next_pts:
-            raise RuntimeError(f"chunk pts {chunk.pts} does not continue this socket's timeline ({media.stream.next_pts})")
+            raise RuntimeError(f"chunk pts {chunk.pts} breaks this socket's timeline at {media.stream.next_pts}")
         segment, encode_s = await media.encode(chunk.frames, chunk.audio)
         timings = chunk.timings
         async with self._send_lock:

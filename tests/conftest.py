@@ -133,3 +133,11 @@ def decode_mp4(data: bytes) -> tuple[np.ndarray, list[float]]:
             frames.append(frame.to_ndarray(format="rgb24"))
             times.append(float(frame.time))
     return np.stack(frames) if frames else np.zeros((0, 0, 0, 3), np.uint8), times
+
+
+def decoded_audio_samples(data: bytes) -> int | None:
+    """Samples per channel the MP4's audio track decodes to (None without an audio track)."""
+    with av.open(io.BytesIO(data)) as container:
+        if not container.streams.audio:
+            return None
+        return sum(frame.samples for frame in container.decode(container.streams.audio[0]))

@@ -88,11 +88,17 @@ def start(ws, prompt="a red fox in snow", message_id="start-1", **fields) -> Non
 
 def test_lifecycle_session_init_chunks_close(make_client):
     with make_client() as client, client.websocket_connect("/v1/stream") as ws:
+        geometry = client.app.state.service.engine.geometry
         session = hello(ws)
-        assert session["protocol"] == 1 and session["state"] == "created"
-        assert len(session["session_id"]) == 22 and session["audio"] is None
+        assert session["protocol"] == 1 and session["state"] == "created" and len(session["session_id"]) == 22
         assert session["video"]["width"] == 64 and session["video"]["height"] == 64 and session["video"]["fps"] == 16
         assert session["video"]["codec"].startswith("avc1.") and session["video"]["codec"] in session["mime"]
+        if geometry.audio_sample_rate is None:
+            assert session["audio"] is None
+        else:
+            audio = session["audio"]
+            assert audio["sample_rate"] == geometry.audio_sample_rate and audio["channels"] == geometry.audio_channels
+            assert audio["codec"] in ("opus", "mp4a.40.2") and audio["codec"] in session["mime"]
         start(ws, seed=7, options={"pace": False})
 
         chunks = [next_chunk(ws) for _ in range(3)]
@@ -103,8 +109,15 @@ def test_lifecycle_session_init_chunks_close(make_client):
             timings = chunk["timings"]
             assert set(timings) == {"started_at", "queued_ms", "denoise_ms", "decode_ms", "encode_ms", "sent_at"}
             assert timings["denoise_ms"] > 0 and timings["decode_ms"] > 0 and timings["encode_ms"] > 0
-            assert timings["sent_at"] >= timings["started_at"] and chunk["audio_samples"] == 0
+            assert timings["sent_at"] >= timings["started_at"]
             assert segment[4:8] == b"moof"
+        if geometry.audio_sample_rate is None:
+            assert all(chunk["audio_samples"] == 0 for chunk, _ in chunks)
+        else:  # after the first block (whose tail waits for the decoder's lookahead), audio keeps the video clock
+            samples_per_frame = geometry.audio_sample_rate // 16
+            assert 0 < chunks[0][0]["audio_samples"] <= chunks[0][0]["frames"] * samples_per_frame
+            later = [chunk for chunk, _ in chunks[1:]]
+            assert [c["audio_samples"] for c in later] == [c["frames"] * samples_per_frame for c in later]
 
         ws.send_json({"type": "close", "id": "bye"})
         texts, code = until_closed(ws)
@@ -250,6 +263,30 @@ def test_capacity_refusal_on_socket_and_rest(make_client):
         response = client.post("/v1/sessions")
         assert response.status_code == 503 and response.json()["error"]["code"] == "capacity"
         assert int(response.headers["Retry-After"]) >= 1
+
+
+def test_detached_session_is_evicted_for_a_newcomer_and_says_so_on_reconnect(make_client):
+    with make_client(engine={"max_sessions": 1}) as client:
+        with client.websocket_connect("/v1/stream") as first:
+            evicted_id = hello(first)["session_id"]
+            start(first)
+        assert client.get(f"/v1/sessions/{evicted_id}").json()["state"] == "detached"
+        with client.websocket_connect("/v1/stream") as newcomer:  # the only slot: the detached one goes
+            hello(newcomer)
+            start(newcomer)
+            detail = client.get(f"/v1/sessions/{evicted_id}").json()
+            assert detail["state"] == "closed" and detail["close_reason"] == "evicted"
+            with client.websocket_connect(f"/v1/sessions/{evicted_id}/stream") as late:
+                texts, code = until_closed(late)
+            assert texts[0]["code"] == "session_closed" and texts[1] == {"type": "closed", "reason": "evicted"}
+            next_chunk(newcomer)  # the newcomer streams on
+
+
+def test_idle_created_session_is_closed_with_idle_timeout(make_client):
+    with make_client(engine={"idle_timeout_s": 0.3}) as client, client.websocket_connect("/v1/stream") as ws:
+        hello(ws)
+        texts, code = until_closed(ws)  # never started
+        assert texts == [{"type": "closed", "reason": "idle_timeout"}] and code == 1000
 
 
 def test_too_many_sessions_for_one_client(make_client):
