@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -59,6 +60,7 @@ def main() -> None:
     latent_shape = (1, config.get("z_dim", 16), 3, args.height // 8, args.width // 8)
     latent_blocks = [torch.randn(latent_shape, generator=generator) for _ in range(args.blocks + 1)]
 
+    load_before = os.getloadavg()[0]
     eager = time_blocks(WanStreamingDecoder(vae, fast_path=False), latent_blocks)
     fast = time_blocks(WanStreamingDecoder(vae, fast_path=True), latent_blocks)
 
@@ -81,6 +83,8 @@ def main() -> None:
                 "speedup": round(eager_ms / fast_ms, 2),
                 "fast_frames_per_s": round(12 / (fast_ms / 1000.0), 1),
                 "threads": torch.get_num_threads(),
+                # The 2-core CPU is shared with other jobs; a high load inflates both paths.
+                "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "torch": torch.__version__,
             }
         )

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
     AutoencoderKLWan,
     WanCausalConv3d,
+    WanUpsample,
     unpatchify,
 )
 
@@ -196,21 +197,29 @@ def _causal_conv_forward(conv: WanCausalConv3d, x: torch.Tensor, cache_x: torch.
     return type(conv).forward(conv, x, cache_x)
 
 
-def _install_fast_path(vae: AutoencoderKLWan) -> None:
-    """Give the causal convs the decoder runs an instance-level forward that honours the switch.
+def _upsample_forward(upsample: WanUpsample, x: torch.Tensor) -> torch.Tensor:
+    # diffusers' temporal upsample interleaves frames into an NCDHW tensor; turning
+    # it channels-last at the low resolution keeps the nearest upsample, the 2-D
+    # conv after it and the norms of the next block on the fast layout (~12 %).
+    if getattr(_fast_path_switch, "on", False):
+        x = x.contiguous(memory_format=torch.channels_last)
+    return type(upsample).forward(upsample, x)
 
-    Idempotent; the class is left alone. A bound method (not a closure) so a
+
+def _install_fast_path(vae: AutoencoderKLWan) -> None:
+    """Give the causal convs and spatial upsamples the decoder runs instance-level forwards that honour the switch.
+
+    Idempotent; the classes are left alone. Bound methods (not closures) so a
     deep-copied VAE dispatches to its own weights.
     """
     for module in [*vae.decoder.modules(), vae.post_quant_conv]:
-        if (
-            isinstance(module, WanCausalConv3d)
-            and "forward" not in module.__dict__
-            and module.groups == 1
-            and tuple(module.dilation) == (1, 1, 1)
-            and module.padding_mode == "zeros"
-        ):
-            module.forward = types.MethodType(_causal_conv_forward, module)
+        if "forward" in module.__dict__:
+            continue
+        if isinstance(module, WanCausalConv3d):
+            if module.groups == 1 and tuple(module.dilation) == (1, 1, 1) and module.padding_mode == "zeros":
+                module.forward = types.MethodType(_causal_conv_forward, module)
+        elif isinstance(module, WanUpsample):
+            module.forward = types.MethodType(_upsample_forward, module)
 
 
 class _FastPathOn:

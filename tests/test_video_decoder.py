@@ -158,6 +158,17 @@ def test_fast_path_leaves_other_users_of_the_vae_on_diffusers_path(seven_frames)
     assert torch.equal(vae.decode(seven_frames).sample, before)
 
 
+def test_deep_copied_vae_runs_its_own_weights_on_the_fast_path(vae, fast, seven_frames):
+    copied = copy.deepcopy(vae)
+    with torch.no_grad():
+        copied.decoder.conv_out.weight.mul_(0.5)
+    original = decode_in_chunks(fast, seven_frames, [7])
+    from_copy = decode_in_chunks(WanStreamingDecoder(copied, fast_path=True), seven_frames, [7])
+    assert copied.decoder.conv_out.forward.__self__ is copied.decoder.conv_out
+    assert not torch.equal(from_copy, original)
+    assert torch.equal(decode_in_chunks(fast, seven_frames, [7]), original)
+
+
 def test_first_block_gives_9_frames_and_later_blocks_12(fast):
     state = fast.new_state("counts")
     assert not state.started
