@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -150,8 +151,13 @@ class Engine:
 
     def _build(self) -> None:
         config = self.config
-        if config.cpu_threads is not None:
-            torch.set_num_threads(config.cpu_threads)
+        threads = config.cpu_threads
+        if threads is None and torch.device(config.device).type == "cpu":
+            # Half the cores: the encoder threads and the event loop need the rest, and torch's
+            # intra-op threads spinning against them cost far more than they give (docs/BENCHMARKS.md).
+            threads = max(1, (os.cpu_count() or 2) // 2)
+        if threads is not None:
+            torch.set_num_threads(threads)
         bundle = self._bundle or build_models(config)
         spec = bundle.pipeline.kv_spec()
         decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)

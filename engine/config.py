@@ -59,7 +59,7 @@ class EngineConfig(BaseModel):
     detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")
     idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
-    cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: torch's default")
+    cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
     warmup_blocks: int = Field(default=1, ge=0, le=16)
 
     @model_validator(mode="before")
