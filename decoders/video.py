@@ -36,7 +36,8 @@ from __future__ import annotations
 
 import threading
 import types
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -222,13 +223,14 @@ def _install_fast_path(vae: AutoencoderKLWan) -> None:
             module.forward = types.MethodType(_upsample_forward, module)
 
 
-class _FastPathOn:
-    def __enter__(self) -> None:
-        self._previous = getattr(_fast_path_switch, "on", False)
-        _fast_path_switch.on = True
-
-    def __exit__(self, *exc_info) -> None:
-        _fast_path_switch.on = self._previous
+@contextmanager
+def _fast_path_on() -> Iterator[None]:
+    previous = getattr(_fast_path_switch, "on", False)
+    _fast_path_switch.on = True
+    try:
+        yield
+    finally:
+        _fast_path_switch.on = previous
 
 
 # ---------------------------------------------------------------------------
@@ -311,7 +313,7 @@ class WanStreamingDecoder:
 
         latents = latents.to(self.device, self.dtype)
         pixel_frames = []
-        with _FastPathOn() if self.fast_path else nullcontext():
+        with _fast_path_on() if self.fast_path else nullcontext():
             for index in range(latents.shape[2]):
                 state.conv_idx[0] = 0
                 # post_quant_conv is 1x1x1: per frame equals whole-clip, and it
