@@ -1,7 +1,8 @@
 """Benchmark the web service as a real client sees it; prints ONE JSON line.
 
 Starts `arstream serve` (tiny preset on CPU by default) and, over WebSockets:
-- time to first chunk: `start` sent -> first media segment received (client clock), median of N sessions;
+- time to first chunk: `start` sent -> first media segment received (client clock), median of N sessions,
+  each on an idle engine (the previous session's last block finished);
 - steady frames/s with pacing off: frames received per second after the first chunk;
 - encode ms per chunk (the server's `timings.encode_ms`);
 - decode end -> segment on the wire: the block's decode end (`started_at + denoise_ms + decode_ms`) to
@@ -25,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 from websockets.asyncio.client import connect
@@ -59,6 +61,18 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         process.kill()
         raise SystemExit("arstream serve did not start")
     return process, "ws" + found[0][len("http"):]
+
+
+async def engine_idle(url: str, timeout_s: float = 30.0) -> None:
+    """Wait until no session holds KV blocks: a closed session's block still in flight is finished."""
+    metrics_url = "http" + url[len("ws"):] + "/metrics"
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        text = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=5).read().decode())
+        if re.search(r"^arstream_kv_blocks_in_use 0$", text, re.MULTILINE):
+            return
+        await asyncio.sleep(0.05)
+    raise RuntimeError("the engine did not go idle")
 
 
 async def one_session(url: str, chunks: int, seed: int) -> dict:
@@ -136,8 +150,10 @@ def main() -> None:
         async def measure():
             ttfc = []
             for seed in range(args.ttfc_sessions):
+                await engine_idle(url)  # time to first chunk on an idle engine
                 run = await one_session(url, 1, seed)
                 ttfc.append(run["chunks"][0][1] - run["start_sent"])
+            await engine_idle(url)
             return ttfc, await one_session(url, args.chunks, 100)
 
         ttfc, steady = asyncio.run(measure())
