@@ -1,7 +1,7 @@
 """The app factory: ``create_app(settings)`` builds the FastAPI app; its lifespan runs the engine.
 
-Start-up builds and warms the engine before the server accepts anything (``/readyz`` is 200 from the
-first request on). Shutdown drains: readiness 503, every client gets ``closed`` (``draining``) and
+Start-up builds and warms the engine in the background: ``/healthz`` answers at once, ``/readyz`` is
+503 until the engine is warm, and streams or sessions asked for meanwhile are refused as "try later". Shutdown drains: readiness 503, every client gets ``closed`` (``draining``) and
 close code 1001, then the engine releases its sessions. ``arstream serve`` drains *before* uvicorn
 closes the sockets itself (see ``app.cli``); the lifespan drain covers every other host.
 """
@@ -33,7 +33,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service = Service(app.state.settings)
     service.on_engine_dead = lambda: app.state.on_engine_dead and app.state.on_engine_dead()
     app.state.service = service
-    await service.start()
+    service.begin_start()
     try:
         yield
     finally:

@@ -8,6 +8,7 @@ gets ``closed`` and close code 1001, then the engine releases everything and sto
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,8 @@ class Service:
         self.on_engine_dead: Callable[[], None] | None = None  # the CLI stops the server with it
         self._supervisor: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
+        self._warmup: asyncio.Task | None = None
+        self.start_error: BaseException | None = None
 
     @property
     def ready(self) -> bool:
@@ -49,11 +52,32 @@ class Service:
     def not_ready_reason(self) -> str | None:
         if self.draining or self.engine.draining:
             return "draining"
+        if self.start_error is not None:
+            return "engine failed to start"
         if not self.engine.alive:
             return "engine dead"
         if not self.engine.ready:
             return "engine warming up"
         return None
+
+    def begin_start(self) -> None:
+        """Build and warm the engine in the background: the server answers ``/healthz`` (and ``/readyz`` 503)
+        meanwhile. A start that fails asks the process to exit with status 3."""
+        self._warmup = asyncio.get_running_loop().create_task(self._start_or_exit(), name="arstream-warmup")
+
+    async def wait_started(self) -> None:
+        if self._warmup is not None:
+            await asyncio.shield(self._warmup)
+
+    async def _start_or_exit(self) -> None:
+        try:
+            await self.start()
+        except Exception as error:
+            self.start_error = error
+            self.exit_code = 3
+            log.error("engine start failed; the server exits", extra={"error": repr(error)})
+            if self.on_engine_dead is not None:
+                self.on_engine_dead()
 
     async def start(self) -> None:
         await self.engine.start()
@@ -81,6 +105,9 @@ class Service:
 
     async def _drain_once(self) -> None:
         self.draining = True
+        if self._warmup is not None and not self._warmup.done():
+            with contextlib.suppress(Exception):
+                await self._warmup  # the device thread cannot be interrupted mid-build
         log.info("draining", extra={"sessions": len(self.engine.open_sessions()), "sockets": len(self.connections)})
         await self.engine.shutdown("draining")
         waiting = [connection.finished.wait() for connection in list(self.connections)]

@@ -13,6 +13,9 @@ import signal
 import subprocess
 import sys
 import threading
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -34,6 +37,20 @@ SMALL_ENGINE = {
 SERVER_START_TIMEOUT_S = 180  # imports torch + diffusers; slow on a busy 2-core machine
 
 
+def wait_ready(get: Callable, timeout: float = SERVER_START_TIMEOUT_S) -> None:
+    """Poll ``get("/readyz")`` until 200: the engine warms up in the background after the server starts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if get("/readyz").status_code == 200:
+                return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the engine did not become ready in time")
+        time.sleep(0.05)
+
+
 def small_engine(**overrides) -> dict:
     """Engine config fields for fast CPU tests (merge overrides, e.g. ``max_sessions=1``)."""
     return {**SMALL_ENGINE, **overrides}
@@ -51,6 +68,7 @@ def make_client() -> Iterator[Callable]:
     def factory(engine: dict | None = None, **settings):
         app = create_app(Settings(engine=small_engine(**(engine or {})), **settings))
         with TestClient(app) as client:
+            wait_ready(client.get)
             yield client
 
     yield factory
@@ -122,7 +140,21 @@ def start_server(*extra_args: str, env: dict | None = None) -> RunningServer:
         server.stop(timeout=5)
         tail = "\n".join(server.log_lines[-40:])
         raise RuntimeError(f"arstream serve did not start (exit {process.returncode}):\n{tail}")
+    wait_ready(lambda path: _http_status(server.base_url + path))
     return server
+
+
+@dataclass
+class _Status:
+    status_code: int
+
+
+def _http_status(url: str) -> _Status:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return _Status(response.status)
+    except urllib.error.HTTPError as error:
+        return _Status(error.code)
 
 
 def decode_mp4(data: bytes) -> tuple[np.ndarray, list[float]]:

@@ -532,3 +532,27 @@ def test_histogram_exposition_is_cumulative_with_inclusive_bounds():
         'demo_seconds_bucket{le="+Inf"} 4',
     ]
     assert float(lines[5].split()[1]) == pytest.approx(5.65) and lines[6] == "demo_seconds_count 4"
+
+
+def test_health_answers_and_readiness_is_503_while_the_engine_warms_up():
+    from fastapi.testclient import TestClient
+
+    from app.main import create_app
+    from tests.conftest import small_engine, wait_ready
+
+    # Many warm-up blocks at the full tiny size: the engine needs seconds before it is ready.
+    settings = Settings(engine=small_engine(height=144, width=256, warmup_blocks=16))
+    with TestClient(create_app(settings)) as client:
+        assert client.get("/healthz").status_code == 200
+        warming = client.get("/readyz")
+        assert warming.status_code == 503 and "warming" in warming.text
+        assert client.post("/v1/sessions").status_code == 503
+        with client.websocket_connect("/v1/stream") as ws:
+            error = json.loads(ws.receive_text())
+            assert error["type"] == "error" and "warming" in error["message"]
+            assert json.loads(ws.receive_text()) == {"type": "closed", "reason": "capacity"}
+            with pytest.raises(WebSocketDisconnect) as closed:
+                ws.receive_text()
+            assert closed.value.code == 1013
+        wait_ready(client.get)
+        assert client.post("/v1/sessions").status_code == 201

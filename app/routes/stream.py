@@ -98,8 +98,11 @@ async def _serving(websocket: WebSocket, service: Service) -> bool:
     if service.draining or service.engine.draining:
         await _refuse(websocket, service, "draining")
         return False
-    if not service.engine.alive:
+    if not service.engine.alive or service.start_error is not None:
         await _refuse(websocket, service, "failed", error=("internal", "the engine is not available"))
+        return False
+    if not service.engine.ready:
+        await _refuse(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"))
         return False
     return True
 
