@@ -236,10 +236,16 @@ def load_transformer(
         from engine.models.builder import cast_keeping_fp32_modules
 
         return cast_keeping_fp32_modules(transformer, dtype).eval()
+    return _from_pretrained(WanTransformer3DModel, model_dir, "transformer", dtype)
+
+
+def _from_pretrained(model_class, model_dir: str | Path, subfolder: str, dtype: torch.dtype):
+    """A diffusers model from ``model_dir/subfolder``: local safetensors only, every key accounted for."""
+    where = Path(model_dir) / subfolder
     try:
-        transformer, info = WanTransformer3DModel.from_pretrained(
+        model, info = model_class.from_pretrained(
             model_dir,
-            subfolder="transformer",
+            subfolder=subfolder,
             local_files_only=True,
             use_safetensors=True,
             torch_dtype=dtype,
@@ -248,7 +254,7 @@ def load_transformer(
     except Exception as error:
         raise ModelLoadError(f"{where}: {error}") from error
     _check_loading_info(info, where)
-    return transformer.eval()
+    return model.eval()
 
 
 def _empty_transformer(config: dict[str, Any]) -> "WanTransformer3DModel":
@@ -410,20 +416,7 @@ def causal_state_dict_to_diffusers(
 def load_vae(model_dir: str | Path, dtype: torch.dtype) -> "AutoencoderKLWan":
     from diffusers import AutoencoderKLWan
 
-    where = Path(model_dir) / "vae"
-    try:
-        vae, info = AutoencoderKLWan.from_pretrained(
-            model_dir,
-            subfolder="vae",
-            local_files_only=True,
-            use_safetensors=True,
-            torch_dtype=dtype,
-            output_loading_info=True,
-        )
-    except Exception as error:
-        raise ModelLoadError(f"{where}: {error}") from error
-    _check_loading_info(info, where)
-    return vae.eval()
+    return _from_pretrained(AutoencoderKLWan, model_dir, "vae", dtype)
 
 
 # --- text encoder ---------------------------------------------------------------------------------------
