@@ -261,10 +261,17 @@ class FragmentedMp4Stream:
         audio: AudioSpec | None = None,
         start_pts: int = 0,
         video_encoders: Sequence[str] = VIDEO_ENCODER_PREFERENCE,
+        audio_start_sample: int | None = None,
     ):
+        """``audio_start_sample``: where the first audio sample fed lies on the session timeline (default:
+        at the first video frame); a stream attached mid-session passes it because audio trails the
+        video edge by the audio decoder's lookahead."""
         _check_geometry(width, height, fps)
         if start_pts < 0:
             raise ValueError(f"start_pts must be >= 0, got {start_pts}")
+        if audio_start_sample is not None and audio_start_sample < 0:
+            raise ValueError(f"audio_start_sample must be >= 0, got {audio_start_sample}")
+        self.audio_start_sample = audio_start_sample
         self.width, self.height, self.fps, self.audio = width, height, fps, audio
         self.start_pts = start_pts
         self.frames_encoded = 0
@@ -384,7 +391,9 @@ class FragmentedMp4Stream:
         if self._audio_origin is None:
             # The first packet starts at -priming (Opus pre-skip, AAC's 1024); put it at the stream's
             # first video time so media times stay non-negative and continue sample-exactly.
-            start_sample = self.start_pts * self.audio.sample_rate // self.fps
+            start_sample = self.audio_start_sample
+            if start_sample is None:
+                start_sample = self.start_pts * self.audio.sample_rate // self.fps
             self._audio_origin = start_sample - packets[0].pts
         samples = [fmp4.Sample(bytes(p), p.duration) for p in packets]
         return fmp4.TrackRun(self.AUDIO_TRACK_ID, self._audio_origin + packets[0].pts, samples)

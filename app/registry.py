@@ -60,6 +60,7 @@ class SessionRecord:
 class Attachment:
     session: Session
     start_pts: int  # the next chunk's first frame: where this socket's media timeline begins
+    audio_start: int = 0  # the next chunk's first audio sample on the session timeline
 
 
 @dataclass
@@ -128,7 +129,8 @@ class SessionRegistry:
         if record.deferred_start is not None:
             deferred, record.deferred_start = record.deferred_start, None
             self.start(session_id, deferred.prompt, deferred.seed, deferred.options)
-        return Attachment(session=session, start_pts=self.engine.status(session_id).frames)
+        status = self.engine.status(session_id)
+        return Attachment(session=session, start_pts=status.frames, audio_start=status.audio_samples)
 
     def detach(self, session_id: str, connection: StreamConnection) -> None:
         """The socket went away: the session waits the engine's grace period for a reconnect."""

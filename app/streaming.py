@@ -95,10 +95,13 @@ class MediaEncoder:
 
     @classmethod
     async def open(cls, pool: ThreadPoolExecutor, width: int, height: int, fps: int, audio: AudioSpec | None,
-                   start_pts: int) -> "MediaEncoder":
+                   start_pts: int, audio_start: int) -> "MediaEncoder":
         loop = asyncio.get_running_loop()
         stream = await loop.run_in_executor(
-            pool, lambda: FragmentedMp4Stream(width, height, fps, audio=audio, start_pts=start_pts)
+            pool,
+            lambda: FragmentedMp4Stream(
+                width, height, fps, audio=audio, start_pts=start_pts, audio_start_sample=audio_start
+            ),
         )
         return cls(stream, pool)
 
@@ -289,7 +292,7 @@ class StreamConnection:
             audio = AudioSpec(sample_rate=geometry.audio_sample_rate, channels=geometry.audio_channels or 2)
         self._media = await MediaEncoder.open(
             self.service.encoder_pool, geometry.width, geometry.height, geometry.fps, audio,
-            self._attachment.start_pts,
+            self._attachment.start_pts, self._attachment.audio_start,
         )
         stream = self._media.stream
         audio_info = None

@@ -75,6 +75,7 @@ class SessionStatus:
     prompt_length: int
     chunks: int
     frames: int
+    audio_samples: int  # the next chunk's audio starts here on the session timeline
     blocks_since_reset: int
     queue_depth: int
     created_at: float  # epoch seconds
@@ -419,6 +420,7 @@ class Engine:
             prompt_length=len(session.prompt or ""),
             chunks=session.chunks_emitted,
             frames=session.frames_emitted,
+            audio_samples=session.audio_samples_emitted,
             blocks_since_reset=session.blocks_since_reset,
             queue_depth=len(session.queue),
             created_at=time.time() - (time.monotonic() - session.created_at),
@@ -491,6 +493,7 @@ class Engine:
             pts=session.frames_emitted,
             frames=output.frames,
             audio=output.audio,
+            audio_start=session.audio_samples_emitted,
             block_index=output.block_index,
             timings=timings,
             ready_at=now_ms(),
@@ -501,6 +504,8 @@ class Engine:
                 session.time_to_first_chunk_ms = (now - session.started_at) * 1000.0
         session.chunks_emitted += 1
         session.frames_emitted += int(output.frames.shape[0])
+        if output.audio is not None:
+            session.audio_samples_emitted += int(output.audio.shape[1])
         session.blocks_since_reset += 1
         session.last_timings = timings
         self.blocks += 1

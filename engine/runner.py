@@ -38,6 +38,7 @@ class DeviceSession:
     audio_state: AudioDecodeState | None
     open_request: OpenSession
     audio_samples_to_trim: int = 0  # the opening latent frame's audio before t = 0 (AudioTiming)
+    audio_carry: torch.Tensor | None = None  # the previous content's audio tail, flushed at reset
     block_started_at: float | None = None  # epoch ms of the current block's first forward
     queued_ms: float = 0.0
     denoise_s: float = 0.0
@@ -149,8 +150,18 @@ class Runner:
             prompt=old.prompt if prompt is None else prompt,
             negative_prompt=old.negative_prompt if negative_prompt is None else negative_prompt,
         )
+        # The old content's held-back audio ends where its video ends: flush it into the next chunk so
+        # the session's audio timeline stays continuous (no gap, no drift) across the reset.
+        old = self.sessions[session_id]
+        tail = None
+        if old.audio_state is not None and old.audio_state.frames_received:
+            expected = old.audio_state.pending_frames * self.audio_decoder.hop
+            tail = self.audio_decoder.flush(old.audio_state)
+            # Oobleck's transposed convs crop a few samples at a clip's true end: pad them back with
+            # silence so the timeline keeps exactly hop samples per latent frame.
+            tail = torch.nn.functional.pad(tail, (0, max(0, expected - tail.shape[1])))
         self.release(session_id, "reset")
-        self.open(session_id, request)
+        self.open(session_id, request).audio_carry = tail
 
     def close_all(self, reason: str) -> None:
         for session_id in list(self.sessions):
@@ -263,7 +274,11 @@ class Runner:
         pcm = self.audio_decoder.decode_block(clean.audio, device_session.audio_state)
         trim = min(device_session.audio_samples_to_trim, pcm.shape[1])
         device_session.audio_samples_to_trim -= trim
-        return pcm[:, trim:].float().cpu().numpy()
+        pcm = pcm[:, trim:]
+        if device_session.audio_carry is not None:
+            pcm = torch.cat([device_session.audio_carry.to(pcm), pcm], dim=1)
+            device_session.audio_carry = None
+        return pcm.float().cpu().numpy()
 
     # --- warmup -----------------------------------------------------------
     def warmup(self, blocks: int = 2) -> None:

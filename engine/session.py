@@ -51,6 +51,7 @@ class Chunk:
     pts: int  # first frame's index on the session timeline
     frames: np.ndarray
     audio: np.ndarray | None
+    audio_start: int  # the audio's first sample on the session timeline (trails the video by the codec lookahead)
     block_index: int  # block within the current content (restarts at 0 after reset)
     timings: ChunkTimings
     ready_at: float  # epoch ms when the chunk entered the session queue
@@ -143,6 +144,7 @@ class Session:
     # counters and clocks
     chunks_emitted: int = 0
     frames_emitted: int = 0
+    audio_samples_emitted: int = 0
     blocks_since_reset: int = 0
     first_chunk_at: float | None = None  # monotonic; the playback clock starts here
     time_to_first_chunk_ms: float | None = None

@@ -22,7 +22,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
-        self.storage = torch.empty(
+        # Zeroed, not empty: a never-written block holds no NaN bit patterns that could leak into a comparison.
+        self.storage = torch.zeros(
             (spec.num_layers, 2, num_blocks, spec.tokens_per_frame, spec.num_kv_heads, spec.head_dim),
             dtype=spec.dtype,
             device=device,
