@@ -129,15 +129,9 @@ class Engine:
         self.draining = False
         self.dead_reason: str | None = None
         self.blocks = 0
-        pixel_frames = 4 * config.frames_per_block
-        self.scheduler = Scheduler(fps=config.fps, frames_per_chunk=pixel_frames, lead_chunks=config.lead_chunks)
-        self.geometry = Geometry(
-            width=config.resolved_width,
-            height=config.resolved_height,
-            fps=config.fps,
-            frames_per_block=config.frames_per_block,
-            pixel_frames_per_block=pixel_frames,
-            audio_sample_rate=None,
+        self.geometry = self._geometry(config.resolved_width, config.resolved_height)  # final once built
+        self.scheduler = Scheduler(
+            fps=config.fps, frames_per_chunk=self.geometry.pixel_frames_per_block, lead_chunks=config.lead_chunks
         )
 
     # --- lifetime -----------------------------------------------------------
@@ -179,19 +173,24 @@ class Engine:
         self.capacity = int(capacity)
         manager = KVCacheManager(spec, self.capacity, config.device)
         self.runner = runner_for(bundle, manager, stepwise=config.step_mode == "stepwise")
-        self.geometry = Geometry(
-            width=bundle.width,
-            height=bundle.height,
-            fps=config.fps,
-            frames_per_block=config.frames_per_block,
-            pixel_frames_per_block=4 * config.frames_per_block,
-            audio_sample_rate=bundle.audio_timing.sample_rate if bundle.audio_timing else None,
-            audio_channels=bundle.audio_channels,
-        )
+        self.geometry = self._geometry(bundle.width, bundle.height, bundle)
         if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
             bundle.audio_decoder.graphs.warmup(config.device)
         if config.warmup_blocks:
             self.runner.warmup(config.warmup_blocks)
+
+    def _geometry(self, width: int, height: int, bundle: ModelBundle | None = None) -> Geometry:
+        config = self.config
+        timing = bundle.audio_timing if bundle is not None else None
+        return Geometry(
+            width=width,
+            height=height,
+            fps=config.fps,
+            frames_per_block=config.frames_per_block,
+            pixel_frames_per_block=4 * config.frames_per_block,
+            audio_sample_rate=timing.sample_rate if timing is not None else None,
+            audio_channels=bundle.audio_channels if bundle is not None else None,
+        )
 
     def _cuda_budget(self, bundle: ModelBundle, spec) -> int:
         """Free device memory left for sessions after a warm-up measured peak activation memory.
