@@ -534,8 +534,8 @@ class Engine:
             raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
         if self.draining:
             raise EngineUnavailable("the engine is draining")
-        if self.runner is None:
-            raise EngineUnavailable("the engine is not started")
+        if not self.ready:
+            raise EngineUnavailable("the engine is warming up; try again later")
 
     @staticmethod
     def _check_seed(seed: int | None) -> int:
