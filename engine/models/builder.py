@@ -9,7 +9,7 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
-from decoders.video import WanStreamingDecoder
+from decoders.video import WanStreamingDecoder, spatial_upscale
 from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
@@ -18,9 +18,6 @@ from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
-
-VAE_SPATIAL_COMPRESSION = 8
-
 
 @dataclass
 class ModelBundle:
@@ -70,10 +67,13 @@ def build_models(config: EngineConfig) -> ModelBundle:
         vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
         text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     audio = _build_audio(preset, config, transformer.config) if config.model_dir is None else None
+    scale = spatial_upscale(vae)  # pixels per latent pixel, from the VAE's own config
+    if height % scale or width % scale:
+        raise ValueError(f"{width}x{height} is not a multiple of the VAE's {scale}x spatial compression")
     causal = CausalWanTransformer(
         transformer,
-        latent_height=height // VAE_SPATIAL_COMPRESSION,
-        latent_width=width // VAE_SPATIAL_COMPRESSION,
+        latent_height=height // scale,
+        latent_width=width // scale,
         audio=audio[0] if audio else None,
     )
     pipeline = CausalWanPipeline(
