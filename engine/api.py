@@ -36,6 +36,7 @@ from engine.errors import (
     EngineUnavailable,
     InvalidRequest,
     NotStarted,
+    PromptTooLong,
     SessionClosed,
     UnknownSession,
 )
@@ -552,4 +553,4 @@ class Engine:
         if not prompt and not allow_empty:
             raise InvalidRequest("prompt must not be empty")
         if len(prompt) > MAX_PROMPT_CHARS:
-            raise InvalidRequest(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+            raise PromptTooLong(f"prompt longer than {MAX_PROMPT_CHARS} characters")

@@ -35,6 +35,10 @@ class InvalidRequest(EngineError):
     code = "invalid_field"
 
 
+class PromptTooLong(InvalidRequest):
+    code = "prompt_too_long"
+
+
 class EngineUnavailable(EngineError):
     """The engine is not ready, is draining, or is dead."""
 

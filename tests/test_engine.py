@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from engine.api import Engine
-from engine.errors import AlreadyStarted, CapacityFull, EngineUnavailable, NotStarted, UnknownSession
+from engine.errors import (
+    AlreadyStarted,
+    CapacityFull,
+    EngineUnavailable,
+    NotStarted,
+    PromptTooLong,
+    UnknownSession,
+)
 from engine.kv_cache import KVCacheManager
 from engine.plan import OpenSession, SessionWork, StepPlan
 from engine.runner import Runner, runner_for
@@ -95,6 +102,9 @@ def test_chunks_flow_pause_resume_reset_close():
             engine.start_session(sid, "a canyon")
             with pytest.raises(AlreadyStarted):
                 engine.start_session(sid, "again")
+            with pytest.raises(PromptTooLong) as too_long:
+                engine.set_prompt(sid, "x" * 2001)
+            assert too_long.value.code == "prompt_too_long"
             first = await take(engine, sid, 3)
             assert [c.index for c in first] == [0, 1, 2]
             assert [c.pts for c in first] == [0, 9, 21]
