@@ -236,11 +236,12 @@ def load_transformer(
         from engine.models.builder import cast_keeping_fp32_modules
 
         return cast_keeping_fp32_modules(transformer, dtype).eval()
-    return _from_pretrained(WanTransformer3DModel, model_dir, "transformer", dtype)
+    return _from_pretrained(WanTransformer3DModel, model_dir, "transformer", torch_dtype=dtype)
 
 
-def _from_pretrained(model_class, model_dir: str | Path, subfolder: str, dtype: torch.dtype):
-    """A diffusers model from ``model_dir/subfolder``: local safetensors only, every key accounted for."""
+def _from_pretrained(model_class, model_dir: str | Path, subfolder: str, **dtype_argument):
+    """A diffusers or transformers model from ``model_dir/subfolder``: local safetensors only, every key
+    accounted for. ``dtype_argument``: ``torch_dtype=`` for diffusers, ``dtype=`` for transformers."""
     where = Path(model_dir) / subfolder
     try:
         model, info = model_class.from_pretrained(
@@ -248,8 +249,8 @@ def _from_pretrained(model_class, model_dir: str | Path, subfolder: str, dtype: 
             subfolder=subfolder,
             local_files_only=True,
             use_safetensors=True,
-            torch_dtype=dtype,
             output_loading_info=True,
+            **dtype_argument,
         )
     except Exception as error:
         raise ModelLoadError(f"{where}: {error}") from error
@@ -416,7 +417,7 @@ def causal_state_dict_to_diffusers(
 def load_vae(model_dir: str | Path, dtype: torch.dtype) -> "AutoencoderKLWan":
     from diffusers import AutoencoderKLWan
 
-    return _from_pretrained(AutoencoderKLWan, model_dir, "vae", dtype)
+    return _from_pretrained(AutoencoderKLWan, model_dir, "vae", torch_dtype=dtype)
 
 
 # --- text encoder ---------------------------------------------------------------------------------------
@@ -488,19 +489,7 @@ def load_text_encoder(
     from transformers import AutoTokenizer, UMT5EncoderModel
 
     model_dir = Path(model_dir)
-    where = model_dir / "text_encoder"
-    try:
-        model, info = UMT5EncoderModel.from_pretrained(
-            model_dir,
-            subfolder="text_encoder",
-            local_files_only=True,
-            use_safetensors=True,
-            dtype=dtype,
-            output_loading_info=True,
-        )
-    except Exception as error:
-        raise ModelLoadError(f"{where}: {error}") from error
-    _check_loading_info(info, where)
+    model = _from_pretrained(UMT5EncoderModel, model_dir, "text_encoder", dtype=dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir, subfolder="tokenizer", local_files_only=True)
     except Exception as error:
