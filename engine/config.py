@@ -53,6 +53,10 @@ class EngineConfig(BaseModel):
         default=None, ge=1, description="bytes for per-session state; None: max_sessions decides"
     )
     seed: int = Field(default=0, ge=0, description="weight seed for random-weight presets")
+    random_weights: bool = Field(
+        default=False,
+        description="seeded random weights instead of real ones (benchmarks; speed does not depend on weight values)",
+    )
     audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
     lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")

@@ -40,6 +40,11 @@ class SessionKVState:
     def branch_names(self) -> tuple[str, ...]:
         return tuple(self.tables)
 
+    @property
+    def pool(self) -> torch.Tensor:
+        """The block pool's storage ``[layers, 2, blocks, tokens_per_frame, heads, head_dim]`` that history ids index."""
+        return self.manager.block_pool.storage
+
     def table(self, branch: str) -> BranchBlockTable:
         if self.closed:
             raise RuntimeError(f"KV state of session {self.session_id!r} is closed")

@@ -204,7 +204,7 @@ class CausalWanPipeline:
         context = SelfAttentionContext(
             cos=cos,
             sin=sin,
-            pool=kv.manager.block_pool.storage,
+            pool=kv.pool,
             history_ids=history_ids,
             stage=kv.staging(branch) if stage else None,
         )
@@ -286,7 +286,7 @@ class CausalWanPipeline:
                     history = torch.tensor(block_ids[:start], dtype=torch.long, device=self.transformer.device)
                 cos, sin = self.transformer.rotary(start + len(targets))
                 context = SelfAttentionContext(
-                    cos=cos, sin=sin, pool=kv.manager.block_pool.storage, history_ids=history, stage=kv.staging(branch)
+                    cos=cos, sin=sin, pool=kv.pool, history_ids=history, stage=kv.staging(branch)
                 )
                 timesteps = torch.zeros((1, len(targets)), device=self.transformer.device)
                 self.transformer(latents, timesteps, context, self._cross_kv(kv, progress, branch))
