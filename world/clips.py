@@ -19,7 +19,7 @@ import torch
 from world import sound
 from world.grammar import BACKGROUNDS, COLOURS, MOTIONS, SHAPES, TEXTURES, Scene
 from world.motion import FPS, Jitter, centre
-from world.render import frame_times, render
+from world.render import frame_times, render_with_coverage
 
 AUDIO_FRAMES_PER_LATENT = 20
 
@@ -38,6 +38,7 @@ class Clip:
     features: torch.Tensor  # [8, 20 N] sound features
     caption: str
     scenes: list[tuple[Scene, float]]  # (scene, from time s)
+    coverage: torch.Tensor  # [T, 144, 256] the object's share of each pixel
     switch_latent: int | None = None
 
 
@@ -69,18 +70,18 @@ def make_clip(
     times = frame_times(video_frames(latent_frames))
     cx, cy = centre(scene.motion, jitter, times)
     scenes = [(scene, 0.0)]
-    video = render(scene, cx, cy, device)
+    video, coverage = render_with_coverage(scene, cx, cy, device)
     if switch_to is not None:
         if switch_latent is None or not 0 < switch_latent < latent_frames:
             raise ValueError("switch_latent must fall inside the clip")
         if switch_to.motion != scene.motion:
             raise ValueError("a switch keeps the motion (the trajectory continues)")
         start = first_video_frame(switch_latent)
-        video[:, start:] = render(switch_to, cx[start:], cy[start:], device)
+        video[:, start:], coverage[start:] = render_with_coverage(switch_to, cx[start:], cy[start:], device)
         scenes.append((switch_to, start / FPS))
     features = sound.features(scenes, jitter, AUDIO_FRAMES_PER_LATENT * latent_frames)
     caption = scenes[-1][0].caption
-    return Clip(video * 2 - 1, features.to(device), caption, scenes, switch_latent if switch_to else None)
+    return Clip(video * 2 - 1, features.to(device), caption, scenes, coverage, switch_latent if switch_to else None)
 
 
 def random_clip(seed: int, latent_frames: int, *, switch_probability: float = 0.0, device="cpu") -> Clip:

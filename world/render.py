@@ -62,8 +62,14 @@ def background(name: str, texture: str, device, height: int = HEIGHT, width: int
 
 def render(scene: Scene, cx: np.ndarray, cy: np.ndarray, device="cpu") -> torch.Tensor:
     """``[3, T, H, W]`` in [0, 1]: the scene with its object at ``(cx[t], cy[t])``."""
+    return render_with_coverage(scene, cx, cy, device)[0]
+
+
+def render_with_coverage(scene: Scene, cx, cy, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`render` and the object's ``[T, H, W]`` coverage (training weighs the object's pixels up)."""
     cx_t = torch.as_tensor(cx, dtype=torch.float32, device=device)
     cy_t = torch.as_tensor(cy, dtype=torch.float32, device=device)
     mask = shape_mask(scene.shape, cx_t, cy_t).unsqueeze(0)  # [1, T, H, W]
     colour = torch.tensor(COLOURS[scene.colour], device=device).view(3, 1, 1, 1)
-    return background(scene.background, scene.texture, device).unsqueeze(1) * (1 - mask) + colour * mask
+    frames = background(scene.background, scene.texture, device).unsqueeze(1) * (1 - mask) + colour * mask
+    return frames, mask[0]

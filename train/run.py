@@ -1,0 +1,123 @@
+"""Train the tiny preset on the procedural world, stage by stage, each within its time budget.
+
+    python -m train.run --checkpoint CKPT --log train/logs/tiny_train.log [--toy]
+
+Resumable: each stage's weights go to the checkpoint directory when it ends,
+and a stage marked done there is skipped on the next run (the DiT stages
+then resume from its saved weights; optimiser state is not kept). ``--toy``
+runs every stage for a few steps at small sizes (a CPU smoke test of the
+whole pipeline). Export to the shipped weights with ``python -m train.export``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.models.causal_wan import CausalWanTransformer
+from train.audio import train_audio_decoder
+from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_stats_metadata
+from train.data import build_latent_set
+from train.dit import DiTTrainer, Sampler
+
+FULL = {
+    "vae_s": 85, "audio_s": 150, "data_clips": 768, "clip_latents": 39, "tf_s": 95, "fewstep_s": 75, "rollout_s": 55,
+    "vae_batch": 8, "dit_batch": 16, "frames": 21, "max_steps": None,
+}
+TOY = {
+    "vae_s": 60, "audio_s": 60, "data_clips": 4, "clip_latents": 12, "tf_s": 60, "fewstep_s": 60, "rollout_s": 60,
+    "vae_batch": 1, "dit_batch": 2, "frames": 9, "max_steps": 2,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", type=Path, required=True)
+    parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--only", choices=["audio", "video"], help="run the audio stage alone, or every stage but it")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    cfg = TOY if args.toy else FULL
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    if device.type == "cuda":
+        from engine.models import rope
+
+        rope._compile_failed = True  # rotate eagerly: compiling the fused kernel for autograd costs budget
+    ckpt = Checkpoint(args.checkpoint, "state.audio.json" if args.only == "audio" else "state.json")
+    log = LossLog(args.log)
+    modules = build_modules(device)
+    for name, module in modules.items():
+        if (name == "audio_vae") == (args.only == "audio") or args.only is None:
+            if ckpt.load_into(name, module):
+                print(f"resumed {name} from {ckpt.directory}", flush=True)
+    steps = lambda: cfg["max_steps"]  # noqa: E731
+
+    if args.only != "video" and not ckpt.done("audio"):
+        n = train_audio_decoder(modules["audio_vae"], log, StageClock(cfg["audio_s"], steps()), device=device)
+        ckpt.save("audio_vae", modules["audio_vae"])
+        ckpt.mark("audio", steps=n)
+    if args.only == "audio":
+        return 0
+
+    from train.vae import train_vae
+
+    vae = modules["vae"]
+    if not ckpt.done("vae"):
+        n = train_vae(vae, log, StageClock(cfg["vae_s"], steps()), device=device, batch=cfg["vae_batch"])
+        ckpt.save("vae", vae)
+        ckpt.mark("vae", steps=n)
+
+    t0 = time.monotonic()
+    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"], device=device)
+    print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
+          f"VAE latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
+    ckpt.save("vae", vae, metadata=latent_stats_metadata(data.mean, data.std))
+
+    latent_h, latent_w = data.video.shape[3], data.video.shape[4]
+    causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w, audio=modules["audio_tokens"])
+    causal.train()
+    modules["text_encoder"].train()
+    rng = np.random.default_rng(4)
+    sampler = Sampler(data, cfg["frames"], rng)
+    trainer = DiTTrainer(causal, modules["text_encoder"], lr=1e-3 if not args.toy else 1e-4, device=device)
+
+    def save_dit(stage: str, n: int) -> None:
+        ckpt.save("transformer", modules["transformer"])
+        ckpt.save("audio_tokens", modules["audio_tokens"])
+        ckpt.save("text_encoder", modules["text_encoder"])
+        ckpt.mark(stage, steps=n)
+
+    batch = cfg["dit_batch"]
+    if not ckpt.done("tf"):
+        save_dit("tf", trainer.flow_matching(sampler, log, StageClock(cfg["tf_s"], steps()), batch))
+    if not ckpt.done("fewstep"):
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = 5e-4 if not args.toy else 1e-4
+        save_dit("fewstep", trainer.few_step(sampler, log, StageClock(cfg["fewstep_s"], steps()), batch, rng))
+    if not ckpt.done("rollout"):
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = 2e-4 if not args.toy else 1e-4
+        save_dit("rollout", trainer.rollout(sampler, log, StageClock(cfg["rollout_s"], steps()), batch, rng))
+
+    print("\nlast logged losses per stage:")
+    for stage, values in log.last.items():
+        print(f"  {stage:8s} " + " ".join(f"{k}={v:.4f}" for k, v in values.items()))
+    print(json.dumps(ckpt.state), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
