@@ -31,7 +31,8 @@ class LatentSet:
 
 @torch.no_grad()
 def build_latent_set(vae, text_encoder, *, clips: int, latent_frames: int, device, batch: int = 16, seed: int = 3,
-                     switch_probability: float = 0.25) -> LatentSet:
+                     switch_probability: float = 0.25, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> LatentSet:
+    """``stats``: the (mean, std) to normalise with, when a DiT was already trained on them; else measured here."""
     rng = np.random.default_rng(seed)
     videos, audios, ids, switches = [], [], [], []
     for start in range(0, clips, batch):
@@ -44,7 +45,10 @@ def build_latent_set(vae, text_encoder, *, clips: int, latent_frames: int, devic
         ids += [text_encoder.token_ids(c.caption) for c in group]
         switches += [-1 if c.switch_latent is None else c.switch_latent for c in group]
     video = torch.cat(videos)
-    mean = video.mean(dim=(0, 2, 3, 4))
-    std = video.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    if stats is None:
+        mean = video.mean(dim=(0, 2, 3, 4))
+        std = video.std(dim=(0, 2, 3, 4)).clamp_min(1e-3)
+    else:
+        mean, std = (torch.as_tensor(x, dtype=video.dtype, device=video.device) for x in stats)
     video = (video - mean.view(1, -1, 1, 1, 1)) / std.view(1, -1, 1, 1, 1)
     return LatentSet(video, torch.cat(audios), ids, torch.tensor(switches, device=device), mean.cpu(), std.cpu())

@@ -27,14 +27,21 @@ from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_
 from train.data import build_latent_set
 from train.dit import DiTTrainer, Sampler
 
+# Session 1 ran --only audio beside --only video; session 2 ran --only vae-decoder beside --only dit-more
+# (the decoder fine-tune keeps the encoder, so the DiT's latent space stays put).
 FULL = {
     "vae_s": 85, "audio_s": 150, "data_clips": 768, "clip_latents": 39, "tf_s": 95, "fewstep_s": 75, "rollout_s": 55,
     "vae_batch": 8, "dit_batch": 16, "frames": 21, "max_steps": None,
+    "vae_decoder_s": 95, "vae_decoder_latents": 7, "vae_decoder_batch": 6, "more_clips": 512, "fewstep2_s": 40,
+    "rollout2_s": 35,
 }
 TOY = {
     "vae_s": 60, "audio_s": 60, "data_clips": 4, "clip_latents": 12, "tf_s": 60, "fewstep_s": 60, "rollout_s": 60,
     "vae_batch": 1, "dit_batch": 2, "frames": 9, "max_steps": 2,
+    "vae_decoder_s": 60, "vae_decoder_latents": 3, "vae_decoder_batch": 1, "more_clips": 4, "fewstep2_s": 60,
+    "rollout2_s": 60,
 }
+STATE_FILES = {"audio": "state.audio.json", "vae-decoder": "state.vae.json"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--log", type=Path, required=True)
     parser.add_argument("--toy", action="store_true")
-    parser.add_argument("--only", choices=["audio", "video"], help="run the audio stage alone, or every stage but it")
+    parser.add_argument(
+        "--only", choices=["audio", "video", "vae-decoder", "dit-more"],
+        help="audio: the audio stage alone; video: every stage but it; vae-decoder: fine-tune the VAE decoder; "
+        "dit-more: a second round of the few-step and rollout stages",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     cfg = TOY if args.toy else FULL
@@ -56,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         from engine.models import rope
 
         rope._compile_failed = True  # rotate eagerly: compiling the fused kernel for autograd costs budget
-    ckpt = Checkpoint(args.checkpoint, "state.audio.json" if args.only == "audio" else "state.json")
+    ckpt = Checkpoint(args.checkpoint, STATE_FILES.get(args.only, "state.json"))
     log = LossLog(args.log)
     modules = build_modules(device)
     for name, module in modules.items():
@@ -65,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"resumed {name} from {ckpt.directory}", flush=True)
     steps = lambda: cfg["max_steps"]  # noqa: E731
 
-    if args.only != "video" and not ckpt.done("audio"):
+    if args.only in (None, "audio") and not ckpt.done("audio"):
         n = train_audio_decoder(modules["audio_vae"], log, StageClock(cfg["audio_s"], steps()), device=device)
         ckpt.save("audio_vae", modules["audio_vae"])
         ckpt.mark("audio", steps=n)
@@ -75,16 +86,32 @@ def main(argv: list[str] | None = None) -> int:
     from train.vae import train_vae
 
     vae = modules["vae"]
-    if not ckpt.done("vae"):
+    if args.only == "vae-decoder":
+        if not ckpt.done("vae_decoder"):
+            metadata = _vae_metadata(ckpt)
+            n = train_vae(vae, log, StageClock(cfg["vae_decoder_s"], steps()), device=device, batch=cfg["vae_decoder_batch"],
+                          latent_frames=cfg["vae_decoder_latents"], decoder_only=True, stage="vae_decoder", lr=1.5e-3)
+            ckpt.save("vae", vae, metadata=metadata)
+            ckpt.mark("vae_decoder", steps=n)
+        _summary(log, ckpt)
+        return 0
+    if args.only != "dit-more" and not ckpt.done("vae"):
         n = train_vae(vae, log, StageClock(cfg["vae_s"], steps()), device=device, batch=cfg["vae_batch"])
         ckpt.save("vae", vae)
         ckpt.mark("vae", steps=n)
 
     t0 = time.monotonic()
-    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"], device=device)
+    more = args.only == "dit-more"
+    stats = None
+    if more:
+        metadata = _vae_metadata(ckpt)
+        stats = (json.loads(metadata["latents_mean"]), json.loads(metadata["latents_std"]))
+    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["more_clips" if more else "data_clips"],
+                            latent_frames=cfg["clip_latents"], device=device, stats=stats, seed=5 if more else 3)
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
           f"VAE latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
-    ckpt.save("vae", vae, metadata=latent_stats_metadata(data.mean, data.std))
+    if not more:
+        ckpt.save("vae", vae, metadata=latent_stats_metadata(data.mean, data.std))
 
     latent_h, latent_w = data.video.shape[3], data.video.shape[4]
     causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w, audio=modules["audio_tokens"])
@@ -101,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.mark(stage, steps=n)
 
     batch = cfg["dit_batch"]
+    if more:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = 2e-4 if not args.toy else 1e-4
+        if not ckpt.done("fewstep2"):
+            save_dit("fewstep2", trainer.few_step(sampler, log, StageClock(cfg["fewstep2_s"], steps()), batch, rng))
+        if not ckpt.done("rollout2"):
+            save_dit("rollout2", trainer.rollout(sampler, log, StageClock(cfg["rollout2_s"], steps()), batch, rng))
+        _summary(log, ckpt)
+        return 0
     if not ckpt.done("tf"):
         save_dit("tf", trainer.flow_matching(sampler, log, StageClock(cfg["tf_s"], steps()), batch))
     if not ckpt.done("fewstep"):
@@ -112,11 +148,22 @@ def main(argv: list[str] | None = None) -> int:
             group["lr"] = 2e-4 if not args.toy else 1e-4
         save_dit("rollout", trainer.rollout(sampler, log, StageClock(cfg["rollout_s"], steps()), batch, rng))
 
+    _summary(log, ckpt)
+    return 0
+
+
+def _vae_metadata(ckpt: Checkpoint) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(ckpt.directory / "vae.safetensors"), framework="pt") as handle:
+        return dict(handle.metadata() or {})
+
+
+def _summary(log: LossLog, ckpt: Checkpoint) -> None:
     print("\nlast logged losses per stage:")
     for stage, values in log.last.items():
-        print(f"  {stage:8s} " + " ".join(f"{k}={v:.4f}" for k, v in values.items()))
+        print(f"  {stage:12s} " + " ".join(f"{k}={v:.4f}" for k, v in values.items()))
     print(json.dumps(ckpt.state), flush=True)
-    return 0
 
 
 if __name__ == "__main__":

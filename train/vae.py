@@ -23,25 +23,38 @@ def clip_batch(rng: np.random.Generator, batch: int, latent_frames: int, device)
     return video, weight
 
 
-def train_vae(vae, log: LossLog, clock: StageClock, *, device, batch: int = 8, latent_frames: int = 3, lr: float = 1e-3, seed: int = 1):
+def train_vae(vae, log: LossLog, clock: StageClock, *, device, batch: int = 8, latent_frames: int = 3, lr: float = 1e-3,
+              seed: int = 1, decoder_only: bool = False, stage: str = "vae"):
+    """Train the whole VAE, or (``decoder_only``) its decoder on the frozen encoder's posterior means.
+
+    Decoder-only keeps the latent space, so a DiT trained on it stays valid;
+    longer clips there teach the decoder the steady state of its temporal cache.
+    """
     rng = np.random.default_rng(seed)
     vae.train()
-    optimizer = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    params = list(vae.decoder.parameters()) + list(vae.post_quant_conv.parameters()) if decoder_only else list(vae.parameters())
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     step = 0
     while not clock.expired(step):
         video, weight = clip_batch(rng, batch, latent_frames, device)
-        posterior = vae.encode(video).latent_dist
-        recon = vae.decode(posterior.sample()).sample
+        if decoder_only:
+            with torch.no_grad():
+                latents = vae.encode(video).latent_dist.mode()
+            kl = torch.zeros((), device=video.device)
+        else:
+            posterior = vae.encode(video).latent_dist
+            latents = posterior.sample()
+            kl = posterior.kl().mean() / posterior.mean[0].numel()
+        recon = vae.decode(latents).sample
         l1 = ((recon - video).abs() * weight).mean() / weight.mean()
-        kl = posterior.kl().mean() / posterior.mean[0].numel()
         loss = l1 + KL_WEIGHT * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(vae.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         step += 1
         if step % 25 == 0 or step == 1:
-            log.write("vae", step, l1=l1.item(), kl=kl.item())
+            log.write(stage, step, l1=l1.item(), kl=kl.item())
     vae.eval()
     return step
 

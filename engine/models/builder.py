@@ -18,6 +18,7 @@ from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
+from engine.models.trained import trained_weights
 
 @dataclass
 class ModelBundle:
@@ -58,15 +59,24 @@ def build_models(config: EngineConfig) -> ModelBundle:
         loaded = load_model_dir(config, text_len=preset.text_len)
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
+        trained = trained_weights(preset.weights, config.random_weights)
         with torch.device(device):
             torch.manual_seed(config.seed)
             transformer = WanTransformer3DModel(**preset.transformer_config)
             torch.manual_seed(config.seed + 1)
-            vae = AutoencoderKLWan(**preset.vae_config)
+            vae = AutoencoderKLWan(**preset.vae_config, **(trained.vae_overrides() if trained else {}))
+        if trained:
+            trained.load("transformer", transformer)
+            trained.load("vae", vae)
         transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
         vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
-        text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
-    audio = _build_audio(preset, config, transformer.config) if config.model_dir is None else None
+        if trained:
+            text_encoder = trained.text_encoder()
+        else:
+            text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
+    audio = None
+    if config.model_dir is None:
+        audio = _build_audio(preset, config, transformer.config, trained_weights(preset.weights, config.random_weights))
     scale = spatial_upscale(vae)  # pixels per latent pixel, from the VAE's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the VAE's {scale}x spatial compression")
@@ -96,7 +106,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     )
 
 
-def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):
+def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config, trained=None):
     """The preset's audio path (token projections, streaming codec decoder, timing), or None without audio."""
     if not config.audio or preset.audio_vae_config is None:
         return None
@@ -105,11 +115,15 @@ def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):
     with torch.device(device):
         torch.manual_seed(config.seed + 2)
         vae = AutoencoderOobleck(**preset.audio_vae_config)
+    if trained:
+        trained.load("audio_vae", vae)
     vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
     timing = AudioTiming(sample_rate=vae.config.sampling_rate, fps=config.fps, hop=hop_length(vae))
     with torch.device(device):
         torch.manual_seed(config.seed + 3)
         projections = AudioTokenProjections(vae.config.decoder_input_channels, inner_dim, timing.tokens_per_frame)
+    if trained:
+        trained.load("audio_tokens", projections)
     projections = projections.to(config.torch_dtype).eval()
     graphs = AudioDecodeGraphs(vae) if device.type == "cuda" else None
     return projections, AudioStreamingDecoder(vae, graphs=graphs), timing

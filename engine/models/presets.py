@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The embedded default: the same architecture class as Wan2.1 at toy size, so it
-# runs live on a 2-core CPU. Random weights from a seed: it produces abstract
-# video, not content.
+# runs live on a 2-core CPU. Its shipped weights were trained on the procedural
+# world (world/, train/, docs/TINY_MODEL.md); random_weights gives seeded ones.
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 2,
@@ -102,6 +102,7 @@ class ModelPreset:
     width: int
     text_len: int = 512
     audio_vae_config: dict[str, Any] | None = None  # an AutoencoderOobleck config when the preset has audio
+    weights: str | None = None  # shipped weights under engine/models/weights/ (engine.models.trained); None: seeded random
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -114,7 +115,9 @@ PRESETS: dict[str, ModelPreset] = {
         height=144,
         width=256,
         audio_vae_config=TINY_AUDIO_VAE_CONFIG,
-        notes="toy-size Wan2.1-class model with seeded random weights: abstract video, not content",
+        weights="tiny",
+        notes="toy-size Wan2.1-class model trained on a procedural world (shapes, colours, motion, sound); "
+        "random_weights gives the seeded random model",
     ),
     "wan2.1-1.3b": ModelPreset(
         name="wan2.1-1.3b",
