@@ -32,8 +32,8 @@ from train.dit import DiTTrainer, Sampler
 FULL = {
     "vae_s": 85, "audio_s": 150, "data_clips": 768, "clip_latents": 39, "tf_s": 95, "fewstep_s": 75, "rollout_s": 55,
     "vae_batch": 8, "dit_batch": 16, "frames": 21, "max_steps": None,
-    "vae_decoder_s": 95, "vae_decoder_latents": 7, "vae_decoder_batch": 6, "more_clips": 512, "fewstep2_s": 40,
-    "rollout2_s": 35,
+    "vae_decoder_s": 85, "vae_decoder_latents": 7, "vae_decoder_batch": 6, "more_clips": 512, "fewstep2_s": 35,
+    "rollout2_s": 30,
 }
 TOY = {
     "vae_s": 60, "audio_s": 60, "data_clips": 4, "clip_latents": 12, "tf_s": 60, "fewstep_s": 60, "rollout_s": 60,
