@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     batch = cfg["dit_batch"]
     if more:
         for group in trainer.optimizer.param_groups:
-            group["lr"] = 2e-4 if not args.toy else 1e-4
+            group["lr"] = 5e-4 if not args.toy else 1e-4
         if not ckpt.done("fewstep2"):
             save_dit("fewstep2", trainer.few_step(sampler, log, StageClock(cfg["fewstep2_s"], steps()), batch, rng))
         if not ckpt.done("rollout2"):
