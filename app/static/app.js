@@ -383,3 +383,8 @@ window.addEventListener("pagehide", () => {
 ui.video.muted = true;  // muted autoplay is allowed everywhere; sound comes on with a click
 setInterval(tick, 250);
 render();
+
+// Example prompts (the built-in tiny model's caption grammar): a click puts one in the prompt box.
+for (const button of document.querySelectorAll("#examples button[data-prompt]")) {
+  button.addEventListener("click", () => { ui.prompt.value = button.dataset.prompt; ui.prompt.focus(); });
+}
