@@ -97,3 +97,10 @@ def test_height_raises_the_octave_partial():
     clip = make_clip(Scene("circle", "red", "bouncing", "blue"), seed=0, latent_frames=12)
     height = clip.features[3].numpy()
     assert height.max() - height.min() > 1.0  # the bounce spans most of the frame
+
+
+def test_readers_see_no_object_in_noise():
+    noise = np.random.default_rng(0).random((144, 256, 3)).astype(np.float32)
+    reading = measure.read_frame(noise)
+    assert not reading.has_object
+    assert measure.colour_name(reading) is None and measure.shape_name(reading) is None

@@ -99,7 +99,7 @@ def motion_scores(chunks: list[np.ndarray]) -> dict[str, float]:
     for chunk in chunks:
         for i, frame in enumerate(chunk):
             r = measure.read_frame(frame)
-            centroids.append(r.centroid if r.centroid is not None else (np.nan, np.nan))
+            centroids.append(r.centroid if r.has_object else (np.nan, np.nan))
             boundary.append(i == 0 and len(centroids) > 1)
     xy = np.array(centroids, dtype=np.float64)
     steps = np.linalg.norm(np.diff(xy, axis=0), axis=1)

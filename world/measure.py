@@ -17,6 +17,9 @@ from world.sound import SAMPLE_RATE, TONES_HZ
 
 FOREGROUND_DISTANCE = 0.25  # RGB distance (0..sqrt 3) from every background tone
 MIN_FOREGROUND_PIXELS = 80
+# One object, not noise: the world's objects cover ~750-1060 pixels inside a box of at most 40 x 36.
+MAX_FOREGROUND_PIXELS = 4000
+MAX_OBJECT_SIDE = 80
 # Foreground pixels / bounding-box area: circle pi/4 ~ 0.79, square 1, triangle 0.5.
 FILL_SQUARE, FILL_CIRCLE = 0.92, 0.72  # (anti-aliased edges: ~1.0, ~0.83, ~0.62)
 
@@ -28,10 +31,16 @@ class FrameReading:
     foreground_rgb: tuple[float, float, float] | None
     centroid: tuple[float, float] | None  # (x, y) pixels
     fill_ratio: float | None
+    box_size: tuple[float, float] | None = None  # (width, height) of the foreground's bounding box
 
     @property
     def has_object(self) -> bool:
-        return self.foreground_pixels >= MIN_FOREGROUND_PIXELS
+        """The foreground looks like one object: enough pixels, not too many, inside a compact box."""
+        return (
+            MIN_FOREGROUND_PIXELS <= self.foreground_pixels <= MAX_FOREGROUND_PIXELS
+            and self.box_size is not None
+            and max(self.box_size) <= MAX_OBJECT_SIDE
+        )
 
 
 def _as_float(frame: np.ndarray) -> np.ndarray:
@@ -67,7 +76,9 @@ def read_frame(frame: np.ndarray) -> FrameReading:
     box = max((x1 - x0 + 1) * (y1 - y0 + 1), 1.0)
     inside = ((xs >= x0) & (xs <= x1) & (ys >= y0) & (ys <= y1)).sum()
     rgb = pixels[mask].mean(axis=0)
-    return FrameReading(tuple(background), count, tuple(rgb), (float(xs.mean()), float(ys.mean())), float(inside / box))
+    centroid = (float(xs.mean()), float(ys.mean()))
+    size = (float(x1 - x0 + 1), float(y1 - y0 + 1))
+    return FrameReading(tuple(background), count, tuple(rgb), centroid, float(inside / box), size)
 
 
 def nearest(rgb, palette: dict[str, tuple[float, float, float]]) -> str:
@@ -76,7 +87,8 @@ def nearest(rgb, palette: dict[str, tuple[float, float, float]]) -> str:
 
 
 def colour_name(reading: FrameReading) -> str | None:
-    return None if reading.foreground_rgb is None else nearest(reading.foreground_rgb, COLOURS)
+    """The object's colour, or None when the frame shows no single object."""
+    return nearest(reading.foreground_rgb, COLOURS) if reading.has_object else None
 
 
 def background_name(reading: FrameReading) -> str:
@@ -84,7 +96,8 @@ def background_name(reading: FrameReading) -> str:
 
 
 def shape_name(reading: FrameReading) -> str | None:
-    if reading.fill_ratio is None:
+    """The object's shape by how much of its bounding box it fills, or None when there is no single object."""
+    if not reading.has_object:
         return None
     if reading.fill_ratio >= FILL_SQUARE:
         return "square"
