@@ -43,10 +43,12 @@ def build(**overrides) -> ModelBundle:
 
 @torch.no_grad()
 def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: tuple[int, str] | None = None,
-           keep_every: int = 1) -> Stream:
+           keep_every: int = 1, decode_from: int = 0) -> Stream:
     """``chunks`` blocks of a session; ``switch=(k, prompt)`` changes the prompt (soft) before chunk ``k``.
 
-    ``keep_every``: keep only every n-th chunk's frames (long sessions), though all are decoded.
+    ``keep_every``: keep only every n-th chunk's frames (long sessions). ``decode_from``: decode only
+    the chunks from this one on (long sessions: the model runs every block, the decoders start there
+    as on a fresh stream, so the first decoded chunk is an opening chunk; read the ones after it).
     """
     pipeline = bundle.pipeline
     manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
@@ -61,6 +63,8 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
             if switch is not None and index == switch[0]:
                 pipeline.set_prompt(kv, progress, switch[1], "", "soft")
             clean = pipeline.run_block(kv, progress)
+            if index < decode_from:
+                continue
             pixels = bundle.decoder.decode_chunk(bundle.decoder.denormalize(clean.video), decode_state)
             frames = bundle.decoder.to_uint8(pixels)
             if audio_state is not None:

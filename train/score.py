@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.long:
         prompt = Scene("circle", "yellow", "orbiting", "blue").caption
         started = time.perf_counter()
-        long = checks.stream(bundle, prompt, 0, 167, keep_every=50)
+        long = checks.stream(bundle, prompt, 0, 167, decode_from=165)
         seconds = time.perf_counter() - started
         s = checks.colour_scores(long.frames[-1], prompt)
         rows.append((
