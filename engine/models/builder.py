@@ -54,6 +54,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     preset = get_preset(config.preset)
     device = torch.device(config.device)
     height, width = config.resolved_height, config.resolved_width
+    trained = None
     if config.model_dir is not None:
         # A local model directory (+ causal weights): its configs decide the geometry, the preset only the frame size.
         loaded = load_model_dir(config, text_len=preset.text_len)
@@ -76,7 +77,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
             text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     audio = None
     if config.model_dir is None:
-        audio = _build_audio(preset, config, transformer.config, trained_weights(preset.weights, config.random_weights))
+        audio = _build_audio(preset, config, transformer.config, trained)
     scale = spatial_upscale(vae)  # pixels per latent pixel, from the VAE's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the VAE's {scale}x spatial compression")
