@@ -131,9 +131,12 @@ class Kernels:
     rms_norm_rotate: Callable
 
     @classmethod
-    def make(cls, fused: bool) -> "Kernels":
-        table = _FUSED if fused else _EAGER
-        return cls(fused=fused, **table)
+    def make(cls, fused: bool, only: tuple[str, ...] | None = None) -> "Kernels":
+        """All steps fused (or eager); with ``only``, just those steps fused (for benchmarks of one step)."""
+        if not fused:
+            return cls(fused=False, **_EAGER)
+        table = {name: _FUSED[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
+        return cls(fused=True, **table)
 
 
 _EAGER: dict[str, Callable] = {
