@@ -13,7 +13,7 @@ except the server's own timings from the `chunk` messages):
 - chunk gaps: arrival to arrival of consecutive segments; the worst, and how many exceed 1.5x the nominal chunk
   duration (the most common chunk's frames / fps; a short opening chunk does not set it);
 - deadline misses: chunk i is due when its first frame should play, first arrival + pts_i / fps; a chunk that
-  arrives after that made the viewer's playback stall;
+  arrives after that made the viewer's playback stall; and the video buffered ahead at the last arrival;
 - the server's per-chunk timings (queued/denoise/decode/encode ms), median and max; socket latency (server
   `sent_at` -> client receipt, same host so the same clock).
 """
@@ -221,6 +221,8 @@ def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
         deadline_misses=len(misses),
         worst_late_ms=round(max(ms for ms, _ in late), 1),
         late_chunks=sorted(misses, reverse=True)[:MAX_LISTED],
+        # Video received but not yet due at the last arrival (negative: the playback clock is ahead of the media).
+        buffer_at_end_s=round((chunks[-1].pts + chunks[-1].frames) / fps - span_s, 3),
         timeline_breaks=sum(1 for a, b in zip(chunks, chunks[1:]) if b.index != a.index + 1 or b.pts != a.pts + a.frames),
         socket_latency_ms_median=_median(c.received_epoch_ms - c.timings["sent_at"] for c in chunks if "sent_at" in c.timings),
         segment_kib_median=round(statistics.median(c.segment_bytes for c in chunks) / 1024, 1),

@@ -31,6 +31,7 @@ def test_a_session_on_time_has_no_misses_and_no_long_gaps():
     assert stats["chunk_duration_ms"] == 750.0
     assert stats["deadline_misses"] == 0 and stats["gaps_over_1_5x"] == 0
     assert stats["worst_gap_ms"] == 700.0
+    assert stats["buffer_at_end_s"] == 4.5 - 3.5  # 72 frames received by 3.5 s after the first chunk
     assert stats["fps_steady"] == round(60 / 3.5, 2)
     assert stats["socket_latency_ms_median"] == 2.0
     assert stats["timeline_breaks"] == 0
@@ -43,6 +44,7 @@ def test_a_stall_counts_as_a_long_gap_and_makes_every_later_chunk_late():
     assert stats["longest_gaps"] == [(2200.0, 3)]
     assert stats["deadline_misses"] == 2  # chunk 3 (1350 ms late) and chunk 4 (1300 ms late)
     assert stats["worst_late_ms"] == 1350.0
+    assert stats["buffer_at_end_s"] == -0.55  # 60 frames (3.75 s) by 4.3 s: behind, the viewer waits
 
 
 def test_a_short_opening_chunk_does_not_set_the_chunk_duration():
