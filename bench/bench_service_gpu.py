@@ -38,7 +38,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from service_session import case_summary, run_session, session_stats
+from service_session import case_summary, media_check, run_session, session_stats
 
 REPO = Path(__file__).resolve().parents[1]
 CASE_OVERHEAD_S = 5.0  # connect, close, waiting for the engine to go idle
@@ -194,15 +194,17 @@ async def run_case(url: str, case: dict, prompt: str) -> list:
         # Session A meets reset, then a recache prompt change; session B joins for the last quarter.
         actions = [(duration * 0.25, {"type": "reset"}),
                    (duration * 0.5, {"type": "prompt", "prompt": OTHER_PROMPT, "policy": "recache"})]
-        a = run_session(url, label="a", pace=pace, seed=11, prompt=prompt, stop_at=stop_at, actions=actions)
+        a = run_session(url, label="a", pace=pace, seed=11, prompt=prompt, stop_at=stop_at, actions=actions,
+                        keep_media=True)
 
         async def joiner():
             await asyncio.sleep(duration * 0.75)
             return await run_session(url, label="b_joins", pace=pace, seed=12, prompt=prompt, stop_at=stop_at)
 
         return list(await asyncio.gather(a, joiner()))
+    # The first session of each case keeps its bytes: its stream is decoded afterwards (media_check).
     return list(await asyncio.gather(*(
-        run_session(url, label=f"s{i}", pace=pace, seed=100 + i, prompt=prompt, stop_at=stop_at)
+        run_session(url, label=f"s{i}", pace=pace, seed=100 + i, prompt=prompt, stop_at=stop_at, keep_media=i == 0)
         for i in range(case["sessions"])
     )))
 
@@ -364,9 +366,11 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                     "startup": None, "capacity": None, "cases": {}, "skipped": [], "engine_only": None,
                     "cpu_count": os.cpu_count(), "loadavg_1m_before": round(os.getloadavg()[0], 2)}
     if args.text_encode_json and Path(args.text_encode_json).is_file():
-        lines = Path(args.text_encode_json).read_text().strip().splitlines()
-        if lines:
-            result["text_encode_ms_median"] = json.loads(lines[-1]).get("encode_ms_median")
+        try:  # a failed or cut-short text-encode run leaves nothing usable: then there is no sum
+            line = Path(args.text_encode_json).read_text().strip().splitlines()[-1]
+            result["text_encode_ms_median"] = json.loads(line).get("encode_ms_median")
+        except (IndexError, ValueError):
+            result["text_encode_ms_median"] = None
     server = ServerProcess(full_args, Path(args.server_log) if args.server_log else None)
     server.start()
     try:
@@ -395,6 +399,10 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                 with GpuSampler() as sampler:
                     records = asyncio.run(run_case(ws_url, case, args.prompt))
                 sessions = [session_stats(record) for record in records]
+                for record, stats in zip(records, sessions):
+                    if record.media is not None:
+                        stats["media_check"] = media_check(record)
+                        record.media = None
                 result["cases"][case["name"]] = {
                     "sessions_asked": case["sessions"], "pace": case["pace"], "duration_s": case["duration"],
                     "idle_before": idle, "summary": case_summary(sessions), "sessions": sessions,

@@ -62,6 +62,7 @@ class SessionRecord:
     close_code: int | None = None
     chunks_after_close: int = 0
     failure: str | None = None  # the client itself broke (timeout, lost connection)
+    media: list[bytes] | None = None  # init segment + media segments, when asked to keep them
 
 
 async def run_session(
@@ -73,10 +74,11 @@ async def run_session(
     prompt: str,
     stop_at: float,
     actions: list[tuple[float, dict]] = (),
+    keep_media: bool = False,
 ) -> SessionRecord:
     """One session from connect to `closed`. ``stop_at`` is monotonic seconds; ``actions`` are (seconds after
-    `start`, message) controls sent while streaming."""
-    record = SessionRecord(label=label, pace=pace)
+    `start`, message) controls sent while streaming; ``keep_media`` keeps the bytes for :func:`media_check`."""
+    record = SessionRecord(label=label, pace=pace, media=[] if keep_media else None)
     try:
         async with connect(f"{base_url}/v1/stream", compression=None, max_size=2**26, open_timeout=HELLO_TIMEOUT_S,
                            close_timeout=5) as ws:
@@ -98,7 +100,9 @@ async def _stream(ws, record: SessionRecord, *, pace, seed, prompt, stop_at, act
         await _read_refusal(ws, record, hello)
         return
     record.video = hello.get("video")
-    await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)  # the init segment
+    init = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
+    if record.media is not None:
+        record.media.append(init)
     record.start_sent = time.monotonic()
     await ws.send(json.dumps({"type": "start", "prompt": prompt, "seed": seed, "options": {"pace": pace}}))
     controls = asyncio.create_task(_send_controls(ws, record, actions))
@@ -112,6 +116,8 @@ async def _stream(ws, record: SessionRecord, *, pace, seed, prompt, stop_at, act
             if isinstance(message, bytes):
                 if pending is not None:
                     record.chunks.append(_seen(pending, message))
+                    if record.media is not None:
+                        record.media.append(message)
                     pending = None
                 continue
             parsed = json.loads(message)
@@ -250,6 +256,24 @@ def event_windows(record: SessionRecord, chunk_ms: float) -> list[dict]:
             "gaps_over_1_5x": sum(1 for gap in gaps if gap > GAP_LIMIT_FACTOR * chunk_ms),
         })
     return windows
+
+
+def media_check(record: SessionRecord) -> dict | None:
+    """Decode the kept stream (init + every segment, concatenated, is an MP4 file): the frames the `chunk`
+    messages announced must all be there, so the figures above describe real, playable video."""
+    if not record.media or not record.chunks:
+        return None
+    import io
+
+    import av
+
+    announced = sum(c.frames for c in record.chunks)
+    try:
+        with av.open(io.BytesIO(b"".join(record.media)), format="mp4") as container:
+            decoded = sum(1 for _ in container.decode(video=0))
+    except av.FFmpegError as error:
+        return {"ok": False, "error": str(error)[:200], "frames_announced": announced}
+    return {"ok": decoded == announced, "frames_decoded": decoded, "frames_announced": announced}
 
 
 def case_summary(sessions: list[dict]) -> dict:
