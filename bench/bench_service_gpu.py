@@ -28,6 +28,7 @@ import json
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -48,16 +49,22 @@ PROMPT = "a red fox running through fresh snow, golden hour, cinematic"
 OTHER_PROMPT = "a lighthouse on a cliff at night, waves crashing, moonlight"
 
 
-class ServerProcess:
-    """`arstream serve` as a child: its output goes to a log file (and a short tail in memory)."""
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
-    def __init__(self, server_args: list[str], log_path: Path | None) -> None:
+
+class ServerProcess:
+    """`arstream serve` as a child on a port chosen here: its output goes to a log file (and a short tail in
+    memory); readiness is read from `/healthz` and `/readyz`, not from its log."""
+
+    def __init__(self, server_args: list[str], port: int, log_path: Path | None) -> None:
         self.command = [sys.executable, "-m", "app.cli", "serve", *server_args]
+        self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
         self.tail: deque[str] = deque(maxlen=40)
         self.problems: deque[str] = deque(maxlen=10)  # log lines at warning level or worse
-        self.url: str | None = None
-        self._listening = threading.Event()
         self.process: subprocess.Popen | None = None
         self.started = 0.0
 
@@ -79,33 +86,30 @@ class ServerProcess:
                 self.tail.append(line.rstrip()[:500])
                 if re.search(r'"level": "(warning|error|critical)"|Traceback', line):
                     self.problems.append(line.rstrip()[:500])
-                match = re.search(r"arstream serving on (http://\S+)", line)
-                if match and self.url is None:
-                    self.url = match.group(1)
-                    self._listening.set()
         finally:
-            self._listening.set()
             if log:
                 log.close()
 
+    def _answers(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.url}{path}", timeout=5) as response:
+                return response.status == 200
+        except (urllib.error.URLError, OSError):  # refused while starting, 503 while warming up
+            return False
+
     def wait_ready(self, timeout_s: float) -> dict:
-        """Seconds from spawn to listening and to `/readyz` 200; raises with the log tail on failure."""
+        """Seconds from spawn to `/healthz` 200 (listening) and to `/readyz` 200 (warm); raises on failure."""
         deadline = self.started + timeout_s
-        if not self._listening.wait(max(0.0, deadline - time.monotonic())) or self.url is None:
-            raise RuntimeError("arstream serve did not start listening")
-        listening_s = time.monotonic() - self.started
+        listening_s = None
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"arstream serve exited with {self.process.returncode} before ready")
-            try:
-                with urllib.request.urlopen(f"{self.url}/readyz", timeout=5) as response:
-                    if response.status == 200:
-                        return {"listening_s": round(listening_s, 2),
-                                "ready_s": round(time.monotonic() - self.started, 2)}
-            except (urllib.error.URLError, OSError):
-                pass
+            if listening_s is None and self._answers("/healthz"):
+                listening_s = time.monotonic() - self.started
+            if listening_s is not None and self._answers("/readyz"):
+                return {"listening_s": round(listening_s, 2), "ready_s": round(time.monotonic() - self.started, 2)}
             time.sleep(0.1)
-        raise RuntimeError(f"/readyz not 200 within {timeout_s:.0f} s")
+        raise RuntimeError(f"/readyz not 200 within {timeout_s:.0f} s (listening: {listening_s is not None})")
 
     def metric(self, name: str) -> float | None:
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
@@ -357,7 +361,8 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
         return args.budget_s - (time.monotonic() - began)
 
     given = {arg.split("=")[0] for arg in server_args}
-    extra = ["--host", "127.0.0.1", "--port", "0", "--log-format", "json"]
+    port = free_port()
+    extra = ["--host", "127.0.0.1", "--port", str(port), "--log-format", "json"]
     if "--max-sessions" not in given:
         extra += ["--max-sessions", str(max(args.concurrency + [2]))]
     full_args = [*server_args, *extra]
@@ -371,7 +376,7 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
             result["text_encode_ms_median"] = json.loads(line).get("encode_ms_median")
         except (IndexError, ValueError):
             result["text_encode_ms_median"] = None
-    server = ServerProcess(full_args, Path(args.server_log) if args.server_log else None)
+    server = ServerProcess(full_args, port, Path(args.server_log) if args.server_log else None)
     server.start()
     try:
         try:
