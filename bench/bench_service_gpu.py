@@ -45,6 +45,10 @@ REPO = Path(__file__).resolve().parents[1]
 CASE_OVERHEAD_S = 5.0  # connect, close, waiting for the engine to go idle
 IDLE_TIMEOUT_S = 60.0
 WARM_CHUNKS = 3  # the engine reference's throwaway session
+# Server gauges worth keeping with each case, where this server version has them.
+GAUGES = ("arstream_session_capacity", "arstream_live_session_capacity", "arstream_realtime_admission",
+          "arstream_block_cost_seconds", "arstream_realtime_utilisation", "arstream_kv_blocks_total",
+          "arstream_session_deadline_misses_max", "arstream_live_sessions_below_realtime")
 PROMPT = "a red fox running through fresh snow, golden hour, cinematic"
 OTHER_PROMPT = "a lighthouse on a cliff at night, waves crashing, moonlight"
 
@@ -111,11 +115,21 @@ class ServerProcess:
             time.sleep(0.1)
         raise RuntimeError(f"/readyz not 200 within {timeout_s:.0f} s (listening: {listening_s is not None})")
 
-    def metric(self, name: str) -> float | None:
+    def metrics(self) -> dict[str, float]:
+        """Every unlabelled `arstream_*` sample of `/metrics` (Prometheus text)."""
         with urllib.request.urlopen(f"{self.url}/metrics", timeout=5) as response:
             text = response.read().decode()
-        match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
-        return float(match.group(1)) if match else None
+        samples = {}
+        for name, value in re.findall(r"^(arstream_[a-z0-9_]+) (\S+)$", text, re.MULTILINE):
+            if not name.endswith("_created"):
+                try:
+                    samples[name] = float(value)
+                except ValueError:
+                    pass
+        return samples
+
+    def metric(self, name: str) -> float | None:
+        return self.metrics().get(name)
 
     def stop(self) -> dict:
         if self.process is None or self.process.poll() is not None:
@@ -211,6 +225,13 @@ async def run_case(url: str, case: dict, prompt: str) -> list:
         run_session(url, label=f"s{i}", pace=pace, seed=100 + i, prompt=prompt, stop_at=stop_at, keep_media=i == 0)
         for i in range(case["sessions"])
     )))
+
+
+def safe_metrics(server: ServerProcess) -> dict[str, float]:
+    try:
+        return server.metrics()
+    except OSError:
+        return {}
 
 
 async def engine_idle(server: ServerProcess, timeout_s: float = IDLE_TIMEOUT_S) -> bool:
@@ -381,7 +402,9 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
     try:
         try:
             result["startup"] = server.wait_ready(min(args.start_timeout_s, max(1.0, left() - args.engine_reserve_s)))
-            result["capacity"] = server.metric("arstream_session_capacity")
+            gauges = server.metrics()
+            result["capacity"] = gauges.get("arstream_session_capacity")
+            result["server_gauges_at_ready"] = {name: value for name, value in gauges.items() if name in GAUGES}
             # The reference starts the engine once more: keep what the server's start took, unless that would
             # leave the cases too little of the budget (then the reference is the part that goes).
             reserve = 1.2 * result["startup"]["ready_s"] + args.engine_duration + 20
@@ -401,8 +424,10 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                     result["skipped"].append(case["name"])
                     continue
                 idle = asyncio.run(engine_idle(server))
+                before = safe_metrics(server)
                 with GpuSampler() as sampler:
                     records = asyncio.run(run_case(ws_url, case, args.prompt))
+                after = safe_metrics(server)
                 sessions = [session_stats(record) for record in records]
                 for record, stats in zip(records, sessions):
                     if record.media is not None:
@@ -412,6 +437,10 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                     "sessions_asked": case["sessions"], "pace": case["pace"], "duration_s": case["duration"],
                     "idle_before": idle, "summary": case_summary(sessions), "sessions": sessions,
                     "gpu": sampler.summary(),
+                    # The server's own view: its counters over the case, and its gauges at the end.
+                    "server_counters": {name: round(after[name] - before.get(name, 0.0), 3) for name in after
+                                        if name.endswith("_total") and after[name] != before.get(name, 0.0)},
+                    "server_gauges": {name: value for name, value in after.items() if name in GAUGES},
                 }
                 print(f"{case['name']}: {json.dumps(result['cases'][case['name']]['summary'])}", file=sys.stderr)
                 write(result, args.out)
