@@ -100,8 +100,8 @@ def installed_dists() -> dict[str, Dist]:
     return dists
 
 
-def project_requirements() -> list[str]:
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+def project_requirements(pyproject: Path) -> list[str]:
+    return tomllib.loads(pyproject.read_text())["project"]["dependencies"]
 
 
 def resolve(roots: list[str], dists: dict[str, Dist], environment: dict, follow_unknown: bool) -> dict:
@@ -149,13 +149,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--wheels", type=Path, default=REPO / ".whl")
     parser.add_argument("--image", type=Path, default=HERE / "image_packages.txt")
+    parser.add_argument("--pyproject", type=Path, default=REPO / "pyproject.toml", help="whose dependencies")
     parser.add_argument("--installed", action="store_true", help="check what this Python imports (on the device)")
     args = parser.parse_args()
     problems: list[str] = []
     report: dict = {"check": "wheels", "mode": "installed" if args.installed else "metadata"}
     if args.installed:
         dists = installed_dists()
-        result = resolve(project_requirements(), dists, default_environment(), follow_unknown=False)
+        result = resolve(project_requirements(args.pyproject), dists, default_environment(), follow_unknown=False)
         report["python"] = sys.version.split()[0]
     else:
         wheels = sorted(args.wheels.glob("*.whl"))
@@ -168,7 +169,7 @@ def main() -> int:
                 problems.append(f"two wheels of {dist.name}: {carried[key].source} and {path.name}")
             carried[key] = dist
         dists = {**image_dists(args.image), **carried}  # a carried wheel shadows the image (PYTHONPATH first)
-        result = resolve(project_requirements(), dists, DEVICE_ENVIRONMENT, follow_unknown=False)
+        result = resolve(project_requirements(args.pyproject), dists, DEVICE_ENVIRONMENT, follow_unknown=False)
         unused = sorted(dist.source for key, dist in carried.items() if key not in result["used"])
         wheel_mib = round(sum(path.stat().st_size for path in wheels) / 2**20, 2)
         tracked = tracked_mib()
