@@ -265,15 +265,17 @@ def profile_section(bundle) -> dict:
     categories = defaultdict(float)
     top = []
     for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # operators carry their kernels' time too: count the kernels alone
         device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
         if device_us <= 0:
             continue
         name = event.key.lower()
-        if "attention" in name or "fmha" in name or "flash" in name or "cudnn" in name and "conv" not in name:
+        if "sdpa" in name or "fmha" in name or "flash" in name or "attention" in name:
             category = "attention"
         elif "gemm" in name or "matmul" in name or "sm90_xmma" in name or "cutlass" in name or "nvjet" in name:
             category = "gemm"
-        elif "conv" in name or "implicit" in name or "winograd" in name:
+        elif "conv" in name or "implicit_gemm" in name or "winograd" in name or "nchwtonhwc" in name or "nhwctonchw" in name:
             category = "conv (vae)"
         elif "triton" in name:
             category = "fused elementwise (triton)"

@@ -47,6 +47,7 @@ class ContextKV:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    @torch.no_grad()
     def load(
         self,
         owner: tuple,
@@ -69,7 +70,7 @@ class ContextKV:
         frame = self.tokens_per_frame
         for position, block in enumerate(block_ids):
             self.buffer[:, :, position * frame : (position + 1) * frame].copy_(pool[:, :, block])
-        for layer in range(self.buffer.shape[0]):
+        for layer in range(self.buffer.shape[0] if tokens else 0):  # an empty history: nothing to rotate
             keys = self.buffer[layer, 0, :tokens]
             keys.copy_(rotate(keys, cos[:tokens], sin[:tokens]))
         self._owner = owner
