@@ -273,10 +273,10 @@ def profile_section(bundle) -> dict:
         name = event.key.lower()
         if "sdpa" in name or "fmha" in name or "flash" in name or "attention" in name:
             category = "attention"
-        elif "gemm" in name or "matmul" in name or "sm90_xmma" in name or "cutlass" in name or "nvjet" in name:
-            category = "gemm"
-        elif "conv" in name or "implicit_gemm" in name or "winograd" in name or "nchwtonhwc" in name or "nhwctonchw" in name:
+        elif "conv" in name or "fprop_implicit" in name or "winograd" in name or "nchwtonhwc" in name or "nhwctonchw" in name:
             category = "conv (vae)"
+        elif "gemm" in name or "matmul" in name or "cutlass" in name or "nvjet" in name:
+            category = "gemm"
         elif "triton" in name:
             category = "fused elementwise (triton)"
         elif "copy" in name or "memcpy" in name or "cat" in name:
