@@ -109,6 +109,12 @@ class Engine:
         return self._core.capacity if self._core is not None else 0
 
     @property
+    def live_capacity(self) -> int | None:
+        """Live sessions kept in real time at the measured block cost (None before anything was measured)."""
+        core = self._core
+        return core.policy.live_capacity(core.block_cost.seconds) if core is not None else None
+
+    @property
     def runner(self) -> Runner | None:
         """The device side (tests and benchmarks reach through it; the service never does)."""
         return self._core.runner if self._core is not None else None
@@ -188,6 +194,10 @@ class Engine:
     def close(self, session_id: str, reason: str = "client") -> None:
         self._known().submit(session_id, Close(reason))
 
+    def end(self, session_id: str, reason: str = "client") -> None:
+        """End the session now, not at the next tick (REST ``DELETE`` forgets it right after)."""
+        self._known().end_now(session_id, reason)
+
     def forget(self, session_id: str) -> None:
         """Drop an ended session's record (the service calls this once its retention is over)."""
         if self._core is not None:
@@ -223,6 +233,7 @@ class Engine:
                 realtime_admission=self.config.realtime_admission, block_cost_ms=None, realtime_utilisation=0.0,
                 sessions_by_state={}, live_sessions=0, live_sessions_below_realtime=0, deadline_misses=0,
                 refused_realtime=0, kv_blocks_total=0, kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(),
+                session_frames_per_second=(), session_deadline_misses=(),
             )
         return self._core.counters(ready=self.ready)
 

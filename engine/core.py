@@ -397,6 +397,14 @@ class EngineCore:
             self._finished.append(FinishedSession(record.session_id, reason))
         self.wake.set()
 
+    def end_now(self, session_id: str, reason: str) -> None:
+        """Apply the session's queued controls, then end it through the finish path (for callers that
+        must forget it at once)."""
+        record = self.record(session_id)
+        while record.controls:
+            self._apply(record, record.controls.popleft())
+        self._finish(record, reason)
+
     def finish_all(self, reason: str) -> None:
         self.draining = True
         for record in self._open_records():
@@ -446,27 +454,22 @@ class EngineCore:
 
     def status(self, session_id: str) -> SessionStatus:
         record = self.record(session_id)
-        state = record.projected_state()
-        attached, detached = record.attached, record.detached_at is not None
-        for control in record.controls:
-            if isinstance(control, Attach):
-                attached, detached = True, False
-            elif isinstance(control, Detach):
-                attached, detached = False, True
+        projected = record.projected()
+        state = projected.state
         shown = state.value
         if state is not SessionState.CLOSED:
-            if detached:
+            if projected.detached:
                 shown = "detached"
             if self.draining:
                 shown = "draining"
-        live_running = record.pace and state is SessionState.ACTIVE
+        live_running = projected.pace and state is SessionState.ACTIVE
         return SessionStatus(
             session_id=record.session_id,
             state=shown,
-            attached=attached,
-            seed=record.seed,
-            pace=record.pace,
-            prompt_length=len(record.prompt or ""),
+            attached=projected.attached,
+            seed=projected.seed,
+            pace=projected.pace,
+            prompt_length=len(projected.prompt or ""),
             chunks=record.chunks_emitted,
             frames=record.frames_emitted,
             audio_samples=record.audio_samples_emitted,
@@ -481,7 +484,7 @@ class EngineCore:
             error=record.error,
             decoder_state_bytes=record.decoder_state_bytes,
             realtime=RealtimeStatus(
-                live=record.pace,
+                live=projected.pace,
                 block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
                 frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
                 deadline_misses=record.deadline_misses,
@@ -519,6 +522,10 @@ class EngineCore:
             kv_blocks_in_use=self.kv.blocks_in_use,
             decoder_state_bytes=sum(r.decoder_state_bytes for r in open_records),
             queue_depths=tuple(len(r.queue) for r in open_records),
+            session_frames_per_second=tuple(
+                r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE
+            ),
+            session_deadline_misses=tuple(r.deadline_misses for r in live),
         )
 
     def require_serving(self) -> None:

@@ -12,7 +12,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.controls import Control, SessionState, Start, next_state
+from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
 from engine.realtime import FrameRate, RunningCost
 from engine.session import ChunkQueue, ChunkTimings
 
@@ -24,6 +24,18 @@ class PromptChange:
     prompt: str
     negative_prompt: str
     policy: str  # soft | recache | reset
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A session as it will be once its queued controls apply: what snapshots show and controls are checked on."""
+
+    state: SessionState
+    attached: bool
+    detached: bool
+    prompt: str | None
+    seed: int
+    pace: bool
 
 
 @dataclass
@@ -71,10 +83,24 @@ class SessionRecord:
 
     def projected_state(self) -> SessionState:
         """The state once every queued control has applied (what a new control is checked against)."""
+        return self.projected().state
+
+    def projected(self) -> Projection:
         state, starts = self.state, self.start_on_attach is not None
+        attached, detached = self.attached, self.detached_at is not None
+        prompt, seed, pace = self.prompt, self.seed, self.pace
         for control in self.controls:
             state = next_state(state, control, starts_on_attach=starts)
-        return state
+            if isinstance(control, Attach):
+                attached, detached = True, False
+            elif isinstance(control, Detach):
+                attached, detached = False, True
+            elif isinstance(control, (Start, SetPrompt)):
+                prompt = control.prompt
+                if isinstance(control, Start):
+                    seed = control.seed if control.seed is not None else seed
+                    pace = control.pace if control.pace is not None else pace
+        return Projection(state, attached, detached, prompt, seed, pace)
 
     def touch(self) -> None:
         self.last_active = time.monotonic()

@@ -73,6 +73,8 @@ class EngineCounters:
     kv_blocks_in_use: int
     decoder_state_bytes: int  # all sessions together
     queue_depths: tuple[int, ...]  # chunks waiting per open session (no ids: an id is a capability)
+    session_frames_per_second: tuple[float, ...]  # per active session, in no particular order
+    session_deadline_misses: tuple[int, ...]  # per open live session
 
 
 @dataclass(frozen=True)
