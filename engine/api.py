@@ -111,8 +111,7 @@ class Engine:
     @property
     def live_capacity(self) -> int | None:
         """Live sessions kept in real time at the measured block cost (None before anything was measured)."""
-        core = self._core
-        return core.policy.live_capacity(core.block_cost.seconds) if core is not None else None
+        return self._core.live_capacity() if self._core is not None else None
 
     @property
     def runner(self) -> Runner | None:

@@ -448,6 +448,10 @@ class EngineCore:
             total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
         return total
 
+    def live_capacity(self) -> int | None:
+        live = [self.cost_of(r) for r in self._open_records() if r.pace]
+        return self.policy.live_capacity(live, self.block_cost.seconds)
+
     def _utilisation(self) -> float:
         running = [r for r in self._open_records() if r.pace and r.state is SessionState.ACTIVE]
         return self.policy.utilisation([self.cost_of(r) for r in running])
@@ -509,7 +513,7 @@ class EngineCore:
             ticks=self.ticks,
             blocks=self.blocks,
             capacity=self.capacity,
-            live_capacity=self.policy.live_capacity(cost),
+            live_capacity=self.live_capacity(),
             realtime_admission=self.policy.enabled,
             block_cost_ms=cost * 1000.0 if cost is not None else None,
             realtime_utilisation=utilisation,

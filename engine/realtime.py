@@ -62,13 +62,27 @@ class RealtimePolicy:
             return True
         return self.headroom * (sum(live_costs_s) + newcomer_cost_s) <= self.block_seconds
 
-    def live_capacity(self, cost_s: float | None) -> int | None:
-        """Live sessions of this cost the device keeps in real time (at least the always-admitted first)."""
-        if cost_s is None:
+    def live_capacity(self, live_costs_s: list[float], newcomer_cost_s: float | None) -> int | None:
+        """Live sessions the device keeps in real time: those admitted plus as many newcomers of the
+        engine-wide cost as :meth:`admits` would still take (at least the always-admitted first).
+
+        Consistent with :meth:`admits` by construction: a newcomer is refused exactly when this
+        equals the number of live sessions.
+        """
+        if newcomer_cost_s is None or newcomer_cost_s <= 0:
             return None
-        if cost_s <= 0:
-            return None
-        return max(1, math.floor(self.block_seconds / (self.headroom * cost_s)))
+        budget = self.block_seconds / self.headroom
+        spare = budget - sum(live_costs_s)
+        if spare >= 0:
+            return max(1, len(live_costs_s) + math.floor(spare / newcomer_cost_s))
+        # Over budget (the always-admitted first, or admission off): how many of them would fit.
+        fitting, used = 0, 0.0
+        for cost in sorted(live_costs_s):
+            used += cost
+            if used > budget:
+                break
+            fitting += 1
+        return max(1, fitting)
 
 
 def clamp_retry_after(wait_s: float, block_seconds: float) -> float:
