@@ -109,6 +109,11 @@ class Engine:
         return self._core.capacity if self._core is not None else 0
 
     @property
+    def per_session_bytes(self) -> int:
+        """Memory one session reserves: KV blocks, cross caches, decoder and model state."""
+        return self._core.per_session_bytes if self._core is not None else 0
+
+    @property
     def live_capacity(self) -> int | None:
         """Live sessions kept in real time at the measured block cost (None before anything was measured)."""
         return self._core.live_capacity() if self._core is not None else None

@@ -73,6 +73,7 @@ class EngineCore:
         self.runner = built.runner
         self.kv = built.runner.kv_manager
         self.capacity = built.capacity
+        self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
         self._executor = executor
         self.sessions: dict[str, SessionRecord] = {}
