@@ -362,7 +362,9 @@ class EngineCore:
             record.playback_anchor = now - pts / fps
             record.reanchor = False
             return
-        if record.pace and now > record.playback_anchor + pts / fps + self.config.deadline_tolerance_s:
+        late = record.pace and now > record.playback_anchor + pts / fps + self.config.deadline_tolerance_s
+        record.recent_misses.append(late)
+        if late:
             record.deadline_misses += 1
             self.deadline_misses += 1
 
@@ -457,6 +459,10 @@ class EngineCore:
         running = [r for r in self._open_records() if r.pace and r.state is SessionState.ACTIVE]
         return self.policy.utilisation([self.cost_of(r) for r in running])
 
+    def _below_realtime(self, record: SessionRecord) -> bool:
+        """The live sessions' measured demand exceeds the device, and this one is missing deadlines because of it."""
+        return self._utilisation() > 1.0 and any(record.recent_misses)
+
     def status(self, session_id: str) -> SessionStatus:
         record = self.record(session_id)
         projected = record.projected()
@@ -493,7 +499,7 @@ class EngineCore:
                 block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
                 frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
                 deadline_misses=record.deadline_misses,
-                below_realtime=live_running and self._utilisation() > 1.0,
+                below_realtime=live_running and self._below_realtime(record),
             ),
         )
 
@@ -505,7 +511,7 @@ class EngineCore:
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
         utilisation = self._utilisation()
-        below = sum(1 for r in live if r.state is SessionState.ACTIVE) if utilisation > 1.0 else 0
+        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r))
         cost = self.block_cost.seconds
         return EngineCounters(
             ready=ready,

@@ -14,8 +14,8 @@ tick waits for the others. Hence:
 * live sessions (pacing on) always run when due, nearest deadline first;
 * a best-effort session (pacing off) joins a tick only if, with its block
   added, every live session still meets its next deadline — this tick's
-  members at the tick's end, the others one block after it. Best-effort
-  sessions are what slows down first;
+  members at the tick's end (a late member blocks it), the others one block
+  after it. Best-effort sessions are what slows down first;
 * a live session's expensive control (a ``recache`` prompt change, a reset)
   is held back a tick when it would make another member of the tick miss,
   unless holding it would make its own session miss.
@@ -114,14 +114,19 @@ class Scheduler:
     def _fits(
         self, members: list[_Candidate], live: list[SessionRecord], now: float, block_cost: Callable[[SessionRecord], float]
     ) -> bool:
-        """Every live session still makes its next deadline (ignoring those already past saving)."""
+        """Every live session still makes its next deadline with this tick.
+
+        A live member of the tick that is late already must not be made later still. A live session
+        outside the tick counts only while it can still be saved (it runs one block after the tick);
+        one that cannot — its consumer stalled, say — must not hold the others back forever.
+        """
         tick_end = now + self._length(members)
         in_tick = {c.record.session_id for c in members if c.work.run}
         for session in live:
             deadline = session.next_deadline(self.fps)
             own = block_cost(session)
             if session.session_id in in_tick:
-                if tick_end > deadline and now + own <= deadline:
+                if tick_end > deadline:
                     return False
             elif tick_end + own > deadline and now + own <= deadline:
                 return False

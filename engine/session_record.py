@@ -17,6 +17,7 @@ from engine.realtime import FrameRate, RunningCost
 from engine.session import ChunkQueue, ChunkTimings
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
+RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
 
 
 @dataclass
@@ -73,6 +74,7 @@ class SessionRecord:
     time_to_first_chunk_ms: float | None = None
     last_timings: ChunkTimings | None = None
     deadline_misses: int = 0
+    recent_misses: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))  # per chunk, newest last
     device_seconds_pending: float = 0.0  # device time spent since the last block (controls, stepwise steps)
     frame_rate: FrameRate = field(default_factory=FrameRate)
     decoder_state_bytes: int = 0

@@ -21,7 +21,7 @@ class RealtimeStatus:
     block_cost_ms: float | None  # running estimate of device time per block, None before any was measured
     frames_per_second: float  # frames emitted per second over the last few chunks
     deadline_misses: int  # chunks emitted later than their playback time (+ tolerance); live sessions only
-    below_realtime: bool  # the live sessions' measured demand exceeds the device: this one falls behind
+    below_realtime: bool  # the live sessions' measured demand exceeds the device and this one missed lately
 
 
 @dataclass(frozen=True)

@@ -29,9 +29,12 @@ from websockets.exceptions import ConnectionClosed
 from tests.conftest import start_server
 from tests.test_service_e2e import StreamClient
 
-HEIGHT = WIDTH = 128
+HEIGHT = WIDTH = 64
+# Device time comes from many denoise steps, not from pixels: on a 2-core CPU the encoder threads would
+# otherwise compete with the device thread, and a block would cost more with every session streaming.
+TIMESTEPS = [1000.0 - 125.0 * i for i in range(8)]
 # Two live sessions need this share of the device at the measured cost: a third tips it over (x 1.5).
-TARGET_TWO_SESSION_LOAD = 0.75
+TARGET_TWO_SESSION_LOAD = 0.7
 CHUNKS = 20
 SETTLE_CHUNKS = 3  # a newcomer streams this long before the next one asks, so the cost estimate sees it
 MAX_LIVE = 8  # memory is not the limit here: time is
@@ -43,7 +46,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def fps() -> int:
-    """A frame rate at which two live sessions load the device ~75 %, from the block cost a server measures
+    """A frame rate at which two live sessions load the device ~70 %, from the block cost a server measures
     while one live session streams (what the engine will see, encoder and sockets included)."""
     probe = _server(16, realtime_admission=True)
     try:
@@ -65,6 +68,7 @@ def _server(fps: int, *, realtime_admission: bool):
     env = {
         "ARSTREAM_ENGINE__FPS": str(fps),
         "ARSTREAM_ENGINE__AUDIO": "false",
+        "ARSTREAM_ENGINE__TIMESTEPS": json.dumps(TIMESTEPS),
         "ARSTREAM_ENGINE__REALTIME_ADMISSION": "true" if realtime_admission else "false",
     }
     return start_server(
@@ -178,8 +182,11 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
                 assert detail["realtime"]["below_realtime"] is False
             assert _detail(server, created["session_id"])["realtime"]["live"] is False
             assert _metric(server, "arstream_deadline_misses_total") == 0
+            block_ms = _metric(server, "arstream_block_cost_seconds") * 1000
             for client in [*clients, best_effort]:
                 await client.close()
+            print(f"realtime admission: {fps} fps, block {block_ms:.0f} ms, admitted {admitted}, "
+                  f"best-effort chunks {best_effort_chunks}")
             return admitted
 
         admitted = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
@@ -190,11 +197,13 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
     control = _server(fps, realtime_admission=False)
     try:
         async def overload():
+            # N is re-derived here, from this server's own measurement: the machine's load may have moved.
             clients = []
-            for seed in range(admitted + 1):
-                outcome = await _try_live(control, seed)
+            while len(clients) <= min(admitted, _metric(control, "arstream_live_session_capacity")):
+                outcome = await _try_live(control, len(clients))
                 assert isinstance(outcome, StreamClient), "admission is off: every live session gets in"
                 clients.append(outcome)
+                assert len(clients) <= MAX_LIVE
             await _stream_alongside(clients, None)
             misses = [_detail(control, c.session["session_id"])["realtime"]["deadline_misses"] for c in clients]
             for client in clients:
@@ -202,6 +211,7 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
             return misses
 
         misses = asyncio.run(asyncio.wait_for(overload(), TIMEOUT_S))
+        print(f"control: {len(misses)} live sessions without realtime admission missed {misses}")
         assert sum(misses) > 0, misses
     finally:
         control.stop()

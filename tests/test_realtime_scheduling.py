@@ -55,9 +55,12 @@ def test_a_best_effort_block_waits_while_it_would_make_a_live_session_miss():
     assert _plan([tight, best_effort], now) == []
     roomy = _running("live", pace=True, now=now, deadline_in_s=0.5, ready=False)
     assert _plan([roomy, best_effort], now) == ["best"]
-    # A live session already past saving does not starve best effort forever.
-    lost = _running("live", pace=True, now=now, deadline_in_s=0.05, ready=False)
-    assert _plan([lost, best_effort], now) == ["best"]
+    # A live session that is behind and runs this tick is not made later still...
+    behind = _running("live", pace=True, now=now, deadline_in_s=-0.1)
+    assert _plan([behind, best_effort], now) == ["live"]
+    # ... but one that cannot run (its consumer is stalled) does not starve best effort forever.
+    stalled = _running("live", pace=True, now=now, deadline_in_s=0.05, ready=False)
+    assert _plan([stalled, best_effort], now) == ["best"]
 
 
 def test_a_recache_waits_a_tick_when_it_would_make_another_live_session_miss():
@@ -137,3 +140,30 @@ def test_a_live_chunk_later_than_its_playback_time_is_a_deadline_miss_and_a_resu
     assert missed >= 1 and live.deadline_misses == missed and live.live
     assert best.deadline_misses == 0 and not best.live  # best effort has no deadlines
     assert live.block_cost_ms is not None and live.block_cost_ms > 0 and live.frames_per_second > 0
+
+
+def test_the_first_live_session_is_admitted_even_below_real_time_and_reported_so():
+    async def scenario():
+        # 50 denoise steps per 4-frame block at 256x144 and 60 fps: a block costs several times its 67 ms of playback.
+        config = small_config(
+            height=144, width=256, window_frames=3, fps=60, frames_per_block=1,
+            timesteps=[1000.0 - 20.0 * i for i in range(50)], warmup_blocks=1,
+            audio=False,
+        )
+        engine = Engine(config)
+        await engine.start()
+        try:
+            first = engine.create_session(seed=1, prompt="too slow", pace=True)
+            assert not isinstance(first, CapacityFull)
+            async for chunk in engine.chunks(first.session_id):
+                if chunk.index == 5:
+                    break
+            second = engine.create_session(seed=2, prompt="also live", pace=True)
+            return engine.status(first.session_id).realtime, engine.counters(), second
+        finally:
+            await engine.shutdown()
+
+    realtime, counters, second = run(scenario())
+    assert realtime.below_realtime and realtime.deadline_misses > 0
+    assert counters.realtime_utilisation > 1.0 and counters.live_sessions_below_realtime == 1
+    assert counters.live_capacity == 1 and isinstance(second, CapacityFull)
