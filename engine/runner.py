@@ -22,7 +22,7 @@ from decoders.audio import AudioDecodeState, AudioStreamingDecoder
 from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
-from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
 from engine.session import now_ms
 
 log = logging.getLogger("arstream.runner")
@@ -310,24 +310,43 @@ class Runner:
         return pcm.float().cpu().numpy()
 
     # --- warmup -----------------------------------------------------------
-    def warmup(self, blocks: int = 2) -> list[float]:
-        """Run a throwaway session so kernels, allocators and caches are warm; the pool must come back whole.
+    def warmup(self, blocks: int = 2, *, transitions: bool = True) -> list[float]:
+        """Throwaway sessions through every shape a real session meets; the pool must come back whole.
 
-        Returns each block's device seconds (the engine seeds its per-block cost estimate with them).
+        A session runs at least ``blocks`` blocks and enough to fill its window
+        and evict (every history length, so every attention shape, compiled
+        kernel and cuDNN plan is built here, not in a viewer's stream). With
+        ``transitions``, a second session then joins mid-stream, the first
+        changes its prompt with ``recache`` and is reset, each followed by a
+        block — all through :meth:`execute`, the path real sessions take.
+        Returns the device seconds of the plain blocks (they seed the engine's
+        per-block cost estimate).
         """
-        session_id = "__warmup__"
+        first, second = "__warmup__", "__warmup_2__"
+        spec = self.kv_manager.spec
+        plain_blocks = max(blocks, -(-spec.resident_frames // spec.frames_per_block) + 1) if transitions else blocks
         free_before = self.kv_manager.block_pool.num_free_blocks
+        opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")
         seconds = []
+
+        def run(*work: SessionWork) -> None:
+            result = self.execute(StepPlan(work=list(work), planned_at=now_ms()))
+            if result.failures or result.fatal:
+                raise RuntimeError(f"warmup failed: {result.fatal or result.failures[0].message}")
+
         try:
-            self.open(session_id, OpenSession(seed=0, prompt="warmup", negative_prompt=""))
-            for _ in range(blocks):
+            for index in range(plain_blocks):
                 started = time.perf_counter()
-                with self.bound(session_id) as device_session:
-                    while self._advance(session_id, device_session, now_ms()) is None:
-                        pass
+                run(SessionWork(first, open=opening if index == 0 else None, run=True))
                 seconds.append(time.perf_counter() - started)
+            if transitions:
+                if self.kv_manager.max_sessions > 1:  # a viewer joining while another streams
+                    run(SessionWork(second, open=opening, run=True), SessionWork(first, run=True))
+                run(SessionWork(first, prompt=PromptUpdate("warmup, changed", "", "recache"), run=True))
+                run(SessionWork(first, reset=True, run=True))
         finally:
-            self.release(session_id, "warmup_complete")
+            for session_id in (first, second):
+                self.release(session_id, "warmup_complete")
         free_after = self.kv_manager.block_pool.num_free_blocks
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")

@@ -117,7 +117,7 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> int
     torch.cuda.reset_peak_memory_stats(device)
     probe = runner_for(bundle, KVCacheManager(spec, 1, device))
     resident = torch.cuda.memory_allocated(device)
-    probe.warmup(1)
+    probe.warmup(1, transitions=False)  # one session slot: the real warm-up covers the transitions
     activation_peak = torch.cuda.max_memory_allocated(device) - resident
     del probe
     torch.cuda.empty_cache()

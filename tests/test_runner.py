@@ -262,3 +262,33 @@ def test_warmup_restores_the_pool(runner):
     runner.warmup(blocks=2)
     assert _baseline(runner) == baseline
     assert "__warmup__" not in runner.sessions
+
+
+def test_warmup_meets_every_attention_shape_and_transition(runner):
+    """Every history length, a second session, a recache and a reset are seen before any viewer is."""
+    rope = runner.pipeline.transformer.rope
+    spec = runner.kv_manager.spec
+    widths, opened = set(), []
+    original_for_frames, original_open = rope.for_frames, runner.open
+
+    def recording_for_frames(num_frames, device):
+        widths.add(num_frames)
+        return original_for_frames(num_frames, device)
+
+    def recording_open(session_id, request):
+        opened.append(session_id)
+        return original_open(session_id, request)
+
+    rope.for_frames, runner.open = recording_for_frames, recording_open
+    recaches_before = runner.pipeline.context_kv["cond"].loads
+    try:
+        seconds = runner.warmup(blocks=1)
+    finally:
+        rope.for_frames, runner.open = original_for_frames, original_open
+    frames = spec.frames_per_block
+    assert set(range(frames, spec.context_frames + 1, frames)) <= widths
+    assert len(seconds) == -(-spec.resident_frames // frames) + 1  # enough blocks to fill and evict
+    # The first session opened twice: once at the start, once more by its reset; the second joined.
+    assert opened.count("__warmup__") == 2 and opened.count("__warmup_2__") == 1
+    assert runner.pipeline.context_kv["cond"].loads > recaches_before
+    assert not runner.sessions
