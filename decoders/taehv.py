@@ -383,6 +383,16 @@ def find_taehv_weights(model_dir: str | Path) -> Path:
     raise TAEHVWeightsError(f"{folder}: no TAEHV weights (expected {' or '.join(TAEHV_WEIGHT_NAMES)})")
 
 
+def taehv_decoder_from_model_dir(
+    model_dir: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    **options,
+) -> TAEHVStreamingDecoder:
+    """The streaming decoder over the model directory's TAEHV weights (``options``: channels_last, compile_frames)."""
+    return TAEHVStreamingDecoder(load_taehv(find_taehv_weights(model_dir), device, dtype), **options)
+
+
 def load_taehv(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -409,7 +419,9 @@ def load_taehv(
         for key, value in expected.items()
         if key in decoder_tensors and decoder_tensors[key].shape != value.shape
     )
-    not_float = sorted(f"{key} ({value.dtype})" for key, value in decoder_tensors.items() if not value.is_floating_point())
+    not_float = sorted(
+        f"{key} ({value.dtype})" for key, value in decoder_tensors.items() if not value.is_floating_point()
+    )
     problems = [
         f"{len(keys)} {label}: {_show(keys)}"
         for keys, label in (
@@ -456,7 +468,9 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
         except (SafetensorError, OSError) as error:
             raise TAEHVWeightsError(f"TAEHV weights {path}: cannot be read as safetensors ({error})") from error
     if suffix not in (".pth", ".pt"):
-        raise TAEHVWeightsError(f"TAEHV weights {path}: unknown file type {suffix or '(none)'}; use .safetensors or .pth")
+        raise TAEHVWeightsError(
+            f"TAEHV weights {path}: unknown file type {suffix or '(none)'}; use .safetensors or .pth"
+        )
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # an unpickler refusal, a truncated file: one message naming the file

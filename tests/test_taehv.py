@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -19,6 +21,7 @@ from decoders.taehv import (
     find_taehv_weights,
     load_taehv,
     random_taehv,
+    taehv_decoder_from_model_dir,
 )
 
 LATENT_H, LATENT_W = 8, 8  # 64x64 pixels
@@ -219,6 +222,10 @@ def test_published_file_with_encoder_half_loads_and_finds_in_model_dir(tmp_path,
 
     with pytest.raises(TAEHVWeightsError, match="no TAEHV weights"):
         find_taehv_weights(tmp_path / "elsewhere")
+    # The published width from a model directory: what the engine builds when TAEHV is chosen.
+    torch.save(random_taehv(seed=1).state_dict(), folder / "taew2_1.pth")
+    wan_width = taehv_decoder_from_model_dir(tmp_path, "cpu", torch.float32)
+    assert wan_width.model.config == TAEHVConfig() and wan_width.dtype == torch.float32
 
 
 def test_grow_weights_of_a_larger_stride_keep_their_last_frame(tmp_path, model):
@@ -324,3 +331,15 @@ def test_bad_inputs_are_refused(model, decoder):
         TAEHVConfig(widths=(8, 8, 4))
     with pytest.raises(TypeError, match="TAEHVDecoder"):
         TAEHVStreamingDecoder(torch.nn.Conv2d(1, 1, 1))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ARSTREAM_SLOW_TESTS"), reason="inductor compile: ~70 s on the shared CPU")
+def test_compiled_frames_match_eager_and_keep_chunking_exact(model, seven_frames):
+    """torch.compile of the per-frame function: same function, same exactness (``ARSTREAM_SLOW_TESTS=1`` runs it)."""
+    eager = decode_in_chunks(TAEHVStreamingDecoder(model), seven_frames, [1, 3, 3])
+    compiled = TAEHVStreamingDecoder(model, compile_frames=True)
+    whole = decode_in_chunks(compiled, seven_frames, [7])
+    assert not compiled.compile_failed
+    assert (whole - eager).abs().max().item() <= 1e-5
+    assert torch.equal(decode_in_chunks(compiled, seven_frames, [1, 3, 3]), whole)
