@@ -167,6 +167,7 @@ def main() -> None:
                 "load_avg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                 "torch": torch.__version__,
                 "cudnn": torch.backends.cudnn.version() if device.type == "cuda" else None,
+                "cudnn_benchmark": device.type == "cuda",
             }
         )
     )
