@@ -13,6 +13,7 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
+from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
 from decoders.video import WanStreamingDecoder, spatial_upscale
 from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
@@ -29,7 +30,7 @@ from engine.models.text_encoder import TinyTextEncoder
 class ModelBundle:
     preset: ModelPreset
     pipeline: CausalWanPipeline
-    decoder: WanStreamingDecoder
+    decoder: VideoDecoder
     height: int
     width: int
     audio_decoder: AudioStreamingDecoder | None = None
@@ -86,12 +87,28 @@ def build_models(config: EngineConfig) -> ModelBundle:
     return ModelBundle(
         preset=preset,
         pipeline=pipeline,
-        decoder=WanStreamingDecoder(vae),
+        decoder=_video_decoder(config, vae),
         height=height,
         width=width,
         audio_decoder=audio[1] if audio else None,
         audio_timing=audio[2] if audio else None,
     )
+
+
+VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
+
+
+def _video_decoder(config: EngineConfig, vae: AutoencoderKLWan) -> VideoDecoder:
+    """The configured streaming video decoder; compiled steady state on CUDA unless switched off."""
+    compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
+    if config.video_decoder == "wan":
+        return WanStreamingDecoder(vae, compile_steady_state=compile_steady)
+    if config.model_dir is not None and not config.random_weights:
+        return taehv_decoder_from_model_dir(
+            config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady
+        )
+    model = random_taehv(config.seed + 4, device=config.device, dtype=config.torch_dtype)
+    return TAEHVStreamingDecoder(model, compile_frames=compile_steady)
 
 
 def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):

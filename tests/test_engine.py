@@ -248,3 +248,21 @@ def test_paced_session_stays_within_lead_chunks_of_its_playback_clock():
             await engine.shutdown()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_next_block_may_run_while_the_previous_chunk_is_sent_only_with_overlap(overlap):
+    """With overlap the consumer holding chunk N (encoding, sending) does not hold back block N+1; one chunk waits at most."""
+    from engine.session import ChunkQueue
+
+    async def scenario():
+        queue = ChunkQueue(overlap=overlap)
+        assert queue.accepts_next
+        queue.put_nowait("chunk 0")
+        assert not queue.accepts_next  # one chunk waits at most
+        assert await queue.get() == "chunk 0"  # taken: now being encoded and sent
+        assert queue.accepts_next is overlap
+        queue.release()  # its media is on the wire
+        assert queue.accepts_next
+
+    asyncio.run(scenario())

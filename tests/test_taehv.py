@@ -343,3 +343,22 @@ def test_compiled_frames_match_eager_and_keep_chunking_exact(model, seven_frames
     assert not compiled.compile_failed
     assert (whole - eager).abs().max().item() <= 1e-5
     assert torch.equal(decode_in_chunks(compiled, seven_frames, [1, 3, 3]), whole)
+
+
+def test_engine_streams_through_taehv_when_configured():
+    """video_decoder="taehv" swaps the decoder and nothing else: same frame counts, decoder state per session."""
+    from engine.plan import OpenSession, SessionWork, StepPlan
+    from tests.engine_helpers import small_runner
+
+    runner = small_runner(video_decoder="taehv", audio=False)
+    assert isinstance(runner.decoder, TAEHVStreamingDecoder)
+    open_request = OpenSession(seed=1, prompt="a fox", negative_prompt="")
+    counts = []
+    for index in range(2):
+        result = runner.execute(StepPlan(work=[SessionWork("s", open=open_request if index == 0 else None, run=True)]))
+        assert not result.failures
+        counts.append(result.outputs[0].frames.shape[0])
+    assert counts == [9, 12]
+    assert runner.decoder_state_bytes("s") > 0
+    runner.release("s", "test")
+    assert runner.decoder_state_bytes("s") == 0
