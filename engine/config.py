@@ -60,6 +60,11 @@ class EngineConfig(BaseModel):
     audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
     lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
+    split_first_block: bool | None = Field(
+        default=None,
+        description="send a session's first block as two chunks, its opening frame as soon as it is denoised "
+        "(shorter time to first media); None: on CUDA",
+    )
     overlap_encode: bool = Field(
         default=True,
         description="a session's next block may run while its previous chunk is encoded and sent "
@@ -118,6 +123,12 @@ class EngineConfig(BaseModel):
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         return self
+
+    @property
+    def splits_first_block(self) -> bool:
+        if self.split_first_block is None:
+            return self.device.startswith("cuda")
+        return self.split_first_block
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -85,7 +85,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         )
     manager = KVCacheManager(spec, int(capacity), config.device)
     stepwise = config.step_mode == "stepwise"
-    runner = runner_for(bundle, manager, stepwise=stepwise)
+    runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
     warmup = runner.warmup(config.warmup_blocks) if config.warmup_blocks else []

@@ -292,3 +292,31 @@ def test_warmup_meets_every_attention_shape_and_transition(runner):
     assert opened.count("__warmup__") == 2 and opened.count("__warmup_2__") == 1
     assert runner.pipeline.context_kv["cond"].loads > recaches_before
     assert not runner.sessions
+
+
+@pytest.mark.parametrize("stepwise", [False, True])
+def test_split_first_block_sends_the_opening_frame_first_and_the_same_media(stepwise):
+    """Opening frame ahead of the commit pass, then the rest: the same frames and audio as unsplit."""
+    outputs = {}
+    for split in (False, True):
+        config, bundle = build_small(sink_frames=3, window_frames=3)
+        manager = KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu")
+        runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=split)
+        open_session(runner, "s", seed=4, prompt="a lantern")
+        produced = []
+        while len(produced) < (4 if split else 3):
+            result = runner.execute(StepPlan(work=[SessionWork("s", run=True)]))
+            assert not result.failures, result.failures
+            produced += result.outputs
+        outputs[split] = produced
+    whole, split = outputs[False], outputs[True]
+    assert [o.frames.shape[0] for o in whole] == [9, 12, 12]
+    assert [o.frames.shape[0] for o in split] == [1, 8, 12, 12]
+    assert [o.opening_frame for o in split] == [True, False, False, False]
+    assert [o.block_index for o in split] == [0, 0, 1, 2]
+    assert split[0].audio is None
+    np.testing.assert_array_equal(np.concatenate([o.frames for o in split]), np.concatenate([o.frames for o in whole]))
+    if whole[0].audio is not None:
+        np.testing.assert_array_equal(
+            np.concatenate([o.audio for o in split[1:]], axis=1), np.concatenate([o.audio for o in whole], axis=1)
+        )
