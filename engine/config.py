@@ -60,11 +60,38 @@ class EngineConfig(BaseModel):
     audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
     lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
+    split_first_block: bool | None = Field(
+        default=None,
+        description="send a session's first block as two chunks, its opening frame as soon as it is denoised "
+        "(shorter time to first media); None: on CUDA",
+    )
+    overlap_encode: bool = Field(
+        default=True,
+        description="a session's next block may run while its previous chunk is encoded and sent "
+        "(off: the next block waits until that chunk's media is on the wire)",
+    )
     detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")
     idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
     cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
-    warmup_blocks: int = Field(default=1, ge=0, le=16)
+    warmup_blocks: int = Field(default=1, ge=0, le=16, description="throwaway blocks at start; they seed the block cost")
+    video_decoder: Literal["wan", "taehv"] = Field(
+        default="wan",
+        description="wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random "
+        "weights with random_weights), many times faster, lower quality",
+    )
+    compile_decoder: bool = Field(
+        default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
+    )
+    realtime_admission: bool = Field(
+        default=True, description="admit a live (paced) session only while every live session keeps real time"
+    )
+    realtime_headroom: float = Field(
+        default=1.1, ge=1.0, le=100.0, description="live sessions' summed block cost x this must fit one block's playback time"
+    )
+    deadline_tolerance_s: float = Field(
+        default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -96,6 +123,12 @@ class EngineConfig(BaseModel):
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         return self
+
+    @property
+    def splits_first_block(self) -> bool:
+        if self.split_first_block is None:
+            return self.device.startswith("cuda")
+        return self.split_first_block
 
     @property
     def torch_dtype(self) -> torch.dtype:

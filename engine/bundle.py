@@ -1,4 +1,8 @@
-"""Build a preset's modules (seeded random weights, or a local model directory) into a pipeline + decoder."""
+"""Build the model bundle the runner drives, from the engine's config.
+
+This is the engine's job, not the model code's: the modules under ``engine/models/`` take plain values
+(sizes, dtypes, paths) and never see :class:`~engine.config.EngineConfig`.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +13,12 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
+from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
 from decoders.video import WanStreamingDecoder, spatial_upscale
 from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.dtypes import cast_keeping_fp32_modules
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
@@ -20,11 +26,12 @@ from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
 from engine.models.trained import trained_weights
 
+
 @dataclass
 class ModelBundle:
     preset: ModelPreset
     pipeline: CausalWanPipeline
-    decoder: WanStreamingDecoder
+    decoder: VideoDecoder
     height: int
     width: int
     audio_decoder: AudioStreamingDecoder | None = None
@@ -35,20 +42,6 @@ class ModelBundle:
         return None if self.audio_decoder is None else self.audio_decoder.channels
 
 
-def cast_keeping_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model.to(dtype)`` except the submodules diffusers keeps in float32 (time embedder, norms, tables)."""
-    if dtype == torch.float32:
-        return model
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, parameter in model.named_parameters():
-        if not any(part in keep for part in name.split(".")):
-            parameter.data = parameter.data.to(dtype)
-    for name, buffer in model.named_buffers():
-        if buffer.is_floating_point() and not any(part in keep for part in name.split(".")):
-            buffer.data = buffer.data.to(dtype)
-    return model
-
-
 def build_models(config: EngineConfig) -> ModelBundle:
     """Everything the runner drives, on ``config.device`` in ``config.dtype``; nothing is downloaded."""
     preset = get_preset(config.preset)
@@ -57,7 +50,13 @@ def build_models(config: EngineConfig) -> ModelBundle:
     trained = None
     if config.model_dir is not None:
         # A local model directory (+ causal weights): its configs decide the geometry, the preset only the frame size.
-        loaded = load_model_dir(config, text_len=preset.text_len)
+        loaded = load_model_dir(
+            config.model_dir,
+            device=device,
+            dtype=config.torch_dtype,
+            causal_weights=config.causal_weights,
+            text_len=preset.text_len,
+        )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
         trained = trained_weights(preset.weights, config.random_weights)
@@ -99,12 +98,28 @@ def build_models(config: EngineConfig) -> ModelBundle:
     return ModelBundle(
         preset=preset,
         pipeline=pipeline,
-        decoder=WanStreamingDecoder(vae),
+        decoder=_video_decoder(config, vae),
         height=height,
         width=width,
         audio_decoder=audio[1] if audio else None,
         audio_timing=audio[2] if audio else None,
     )
+
+
+VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
+
+
+def _video_decoder(config: EngineConfig, vae: AutoencoderKLWan) -> VideoDecoder:
+    """The configured streaming video decoder; compiled steady state on CUDA unless switched off."""
+    compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
+    if config.video_decoder == "wan":
+        return WanStreamingDecoder(vae, compile_steady_state=compile_steady)
+    if config.model_dir is not None and not config.random_weights:
+        return taehv_decoder_from_model_dir(
+            config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady
+        )
+    model = random_taehv(config.seed + 4, device=config.device, dtype=config.torch_dtype)
+    return TAEHVStreamingDecoder(model, compile_frames=compile_steady)
 
 
 def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config, trained=None):
