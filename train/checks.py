@@ -16,7 +16,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.builder import ModelBundle, build_models
+from engine.bundle import ModelBundle, build_models
 from world import measure
 from world.grammar import parse_caption
 
