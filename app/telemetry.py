@@ -67,9 +67,13 @@ class ServiceMetrics:
         self.bytes_sent = 0
         self.connections_open = 0
         self.connections_total = 0
+        self.stalled_sockets = 0  # detached because a media send stayed blocked past the stall bound
         self.refused: dict[str, int] = {}  # reason -> count
         self.client_messages: dict[str, int] = {}  # type -> count
         self.errors: dict[str, int] = {}  # protocol code -> count
+        # Client input refused before it reached the engine: (via, code) -> count; via is socket or rest,
+        # code a protocol error code, so the label set stays bounded.
+        self.rejected_messages: dict[tuple[str, str], int] = {}
         self._recent_frames: deque[tuple[float, int]] = deque()
 
     def chunk_sent(self, frames: int, segment_bytes: int, latency_s: float, encode_s: float) -> None:
@@ -82,8 +86,11 @@ class ServiceMetrics:
         self._recent_frames.append((now, frames))
         self._forget_old(now)
 
-    def count(self, table: dict[str, int], key: str) -> None:
+    def count(self, table: dict, key) -> None:
         table[key] = table.get(key, 0) + 1
+
+    def message_rejected(self, via: str, code: str) -> None:
+        self.count(self.rejected_messages, (via, code))
 
     def frames_per_second(self) -> float:
         """Frames sent per second over the last ``FPS_WINDOW_S``, all sessions together."""
@@ -122,11 +129,16 @@ class ServiceMetrics:
         counter("arstream_media_bytes_sent_total", "Media segment bytes sent.", [("", self.bytes_sent)])
         gauge("arstream_websockets_open", "Attached stream sockets.", [("", self.connections_open)])
         counter("arstream_websockets_total", "Stream sockets accepted.", [("", self.connections_total)])
+        counter("arstream_websockets_stalled_total", "Stream sockets detached because their client stopped reading.",
+                [("", self.stalled_sockets)])
         counter("arstream_websockets_refused_total", "Stream sockets refused, by reason.",
                 _labelled("reason", self.refused))
         counter("arstream_client_messages_total", "Client control messages, by type.",
                 _labelled("type", self.client_messages))
         counter("arstream_errors_total", "Error messages sent, by protocol code.", _labelled("code", self.errors))
+        counter("arstream_client_messages_rejected_total", "Client messages and requests refused as invalid.",
+                [(f'via="{via}",code="{code}"', value) for (via, code), value in sorted(self.rejected_messages.items())]
+                or [("", 0)])
         for histogram in (self.chunk_latency, self.time_to_first_chunk, self.encode):
             lines.extend(histogram.render())
         return "\n".join(lines) + "\n"
