@@ -167,6 +167,8 @@ def parse_client_message(text: str) -> AnyClientMessage:
     if not isinstance(payload, dict):
         raise ProtocolError("bad_json", "a message is a JSON object with a 'type'")
     message_id = readable_id(payload)
+    if _has_invalid_key(payload):
+        raise ProtocolError("invalid_field", "<field>: a field name is not valid Unicode", message_id)
     kind = payload.get("type")
     model = CLIENT_MESSAGES.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -176,6 +178,22 @@ def parse_client_message(text: str) -> AnyClientMessage:
         return model.model_validate(payload)
     except ValidationError as error:
         raise validation_to_protocol_error(error, message_id) from None
+
+
+def _has_invalid_key(payload: dict) -> bool:
+    """A key anywhere in the object that is not valid Unicode (pydantic would only say "not a string")."""
+    pending = [payload]
+    while pending:
+        current = pending.pop()
+        for key, value in current.items():
+            if not key.isascii():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+            if isinstance(value, dict):
+                pending.append(value)
+    return False
 
 
 def validation_to_protocol_error(error: ValidationError, message_id: str | None = None) -> ProtocolError:

@@ -216,6 +216,34 @@ def fuzz(server, witness: Witness, fuzzed) -> None:
     assert rejected >= sum(count for code, count in codes.items() if code != "ack")  # every refusal counted
 
 
+def test_lone_surrogate_and_coerced_types_are_invalid_field_and_the_session_streams_on(server):
+    with connect(f"{server.ws_url}/v1/stream", compression=None, max_size=2**24) as ws:
+        session_id = json.loads(ws.recv(REPLY_TIMEOUT_S))["session_id"]
+        ws.recv(REPLY_TIMEOUT_S)
+        ws.send(json.dumps({"type": "start", "prompt": "still here", "options": {"pace": False}, "id": "s"}))
+        assert answers(ws, 1)[0] == {"type": "ack", "id": "s", "of": "start"}
+        refused = []
+        for text in ['{"type":"pause","id":"\\ud800"}',  # the lone surrogate that used to end the session
+                     '{"type":"prompt","prompt":"x\\udfff","id":"p"}',
+                     '{"type":"start","prompt":"x","options":{"pace":"false"},"id":"b"}',
+                     '{"type":"start","prompt":"x","seed":"1","id":"i"}',
+                     '{"type":"pause","\\ud800":1,"id":"k"}']:
+            ws.send(text)
+            refused.extend(answers(ws, 1))
+        assert [r["code"] for r in refused] == ["invalid_field"] * 5
+        assert "id" not in refused[0]  # an id that is not valid Unicode is never echoed
+        assert [r.get("id") for r in refused[1:]] == ["p", "b", "i", "k"]
+        assert refused[4]["message"].startswith("<field>")  # nor is a field name that is not
+        chunks_before = get_json(server.base_url, f"/v1/sessions/{session_id}")["counters"]["chunks"]
+        deadline = time.monotonic() + REPLY_TIMEOUT_S
+        while get_json(server.base_url, f"/v1/sessions/{session_id}")["counters"]["chunks"] <= chunks_before:
+            assert time.monotonic() < deadline, "the session stopped streaming"
+            answers_or_chunk = json.loads(ws.recv(REPLY_TIMEOUT_S))
+            if answers_or_chunk["type"] == "chunk":
+                ws.recv(REPLY_TIMEOUT_S)
+        assert get_json(server.base_url, f"/v1/sessions/{session_id}")["state"] == "active"
+
+
 def test_invalid_utf8_in_a_text_frame_closes_1007_and_only_detaches(server):
     raw = RawWebSocket(f"{server.ws_url}/v1/stream")
     session_id = json.loads(raw.receive())["session_id"]
