@@ -309,6 +309,7 @@ class StreamConnection:
                                            "chunks_sent": self._chunks_sent})
         if self._media is not None:
             await self._media.close()
+        self.service.freed_memory.request()  # its encoders and buffers are free now
 
     async def _tell_already_closed(self, error: SessionClosed) -> None:
         """Attaching to a session that has ended (still listed for a while): say so, and why it ended."""
