@@ -86,7 +86,7 @@ async def generate(args: argparse.Namespace) -> int:
                     break
         status = engine.status(session.session_id)
         if status.close_reason == "failed":
-            print(f"generation failed: {engine.get(session.session_id).error}", file=sys.stderr)
+            print(f"generation failed: {status.error}", file=sys.stderr)
             return 1
         print(f"wrote {written} frames ({written / geometry.fps:.2f} s) to {args.out}")
         return 0

@@ -1,9 +1,12 @@
 """The service's session table: who owns each session, which socket is attached, and the controls.
 
-The engine knows sessions; the service adds what only it knows: the caller that created a session
-(for listing and per-client limits), the one socket attached to it (a second one replaces the first),
-a start deferred until a socket attaches (REST create with a prompt), and how long a closed session
-stays visible. Socket and REST controls both go through here, so they behave the same.
+The engine owns sessions; the service keeps only what only it knows: the caller that created a session
+(for listing and per-client limits), its REST rate bucket, and the one socket attached to it (a second
+one replaces the first). Sessions are read as the engine's immutable snapshots. Socket and REST
+controls both go through here, so they behave the same.
+
+An ended session stays listed for ``closed_retention_s`` from the moment it ended — whatever ended it
+and whether or not a socket was attached then — and is then forgotten by both the table and the engine.
 """
 
 from __future__ import annotations
@@ -11,17 +14,13 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.schemas import SessionOptions
 from app.security import Caller, TokenBucket
 from app.settings import Settings
 from engine.api import Engine, SessionStatus
 from engine.errors import CapacityFull, EngineError, InvalidRequest, SessionClosed, UnknownSession
-from engine.session import Session, SessionState
-
-if TYPE_CHECKING:
-    from app.streaming import StreamConnection
 
 log = logging.getLogger("arstream.sessions")
 
@@ -32,35 +31,49 @@ class TooManySessions(EngineError):
     code = "rate_limited"
 
 
-@dataclass(frozen=True)
-class DeferredStart:
-    """A REST create with a prompt: generation starts when a socket attaches, not before."""
+class AttachedSocket(Protocol):
+    """What the table needs of an attached socket (``app.streaming.StreamConnection``)."""
 
-    prompt: str
-    seed: int | None
-    options: SessionOptions
+    async def replace(self) -> None: ...
+
+    def post_state(self, state: str, reason: str | None = None) -> None: ...
 
 
-@dataclass
+@dataclass(eq=False)
 class SessionRecord:
-    session: Session  # the engine's record; kept here so a socket can read why it ended after forget()
+    session_id: str
     owner: str | None
     address: str
     rest_bucket: TokenBucket
-    deferred_start: DeferredStart | None = None
-    connection: StreamConnection | None = None
-    closed_seen_at: float | None = None
+    engine: Engine = field(repr=False)
+    connection: AttachedSocket | None = None
+    _last: SessionStatus | None = field(default=None, repr=False)
 
     @property
-    def session_id(self) -> str:
-        return self.session.session_id
+    def session(self) -> SessionStatus:
+        """The session's latest snapshot; once the engine forgot it, the last one taken (a socket still
+        attached to a deleted session reads why it ended from here)."""
+        try:
+            self._last = self.engine.status(self.session_id)
+        except UnknownSession:
+            if self._last is None:
+                raise
+        return self._last
+
+    def remember(self) -> None:
+        """Take a last snapshot before the engine forgets the session."""
+        self._last = self.engine.status(self.session_id)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Attachment:
-    session: Session
+    record: SessionRecord
     start_pts: int  # the next chunk's first frame: where this socket's media timeline begins
     audio_start: int = 0  # the next chunk's first audio sample on the session timeline
+
+    @property
+    def session(self) -> SessionStatus:
+        return self.record.session
 
 
 @dataclass
@@ -82,21 +95,25 @@ class SessionRegistry:
             held = sum(1 for r in self.records.values() if r.address == caller.address and r.session.is_open)
             if held >= limit:
                 raise TooManySessions(f"this client already holds {held} open sessions (limit {limit})")
-        session = self.engine.create_session(
-            seed=seed, negative_prompt=options.negative_prompt or "", pace=options.pace
+        status = self.engine.create_session(
+            seed=seed,
+            prompt=prompt,
+            negative_prompt=options.negative_prompt or "",
+            pace=options.pace,
+            start_on_attach=True,
         )
-        if isinstance(session, CapacityFull):
-            log.info("session refused", extra={"reason": "capacity", "via": via})
-            return session
+        if isinstance(status, CapacityFull):
+            log.info("session refused", extra={"reason": "capacity", "via": via, "pace": options.pace})
+            return status
         record = SessionRecord(
-            session=session,
+            session_id=status.session_id,
             owner=caller.principal,
             address=caller.address,
             rest_bucket=TokenBucket(self.settings.control_rate_per_s, self.settings.control_burst),
-            deferred_start=DeferredStart(prompt, seed, options) if prompt is not None else None,
+            engine=self.engine,
         )
-        self.records[session.session_id] = record
-        log.info("session created", extra={"session_id": session.session_id, "via": via, "pace": options.pace})
+        self.records[status.session_id] = record
+        log.info("session created", extra={"session_id": status.session_id, "via": via, "pace": options.pace})
         return record
 
     def get(self, session_id: str) -> SessionRecord:
@@ -106,14 +123,13 @@ class SessionRegistry:
         return record
 
     def status(self, session_id: str) -> SessionStatus:
-        self.get(session_id)
-        return self.engine.status(session_id)
+        return self.get(session_id).session
 
     def visible(self, caller: Caller) -> list[SessionRecord]:
         """With auth on, only the caller's sessions; without it, all of them."""
         return [r for r in self.records.values() if caller.principal is None or r.owner == caller.principal]
 
-    async def attach(self, session_id: str, connection: StreamConnection) -> Attachment:
+    async def attach(self, session_id: str, connection: AttachedSocket) -> Attachment:
         """Attach ``connection``; a socket already attached is replaced (it is told ``replaced``) first."""
         record = self.get(session_id)
         while record.connection is not None and record.connection is not connection:
@@ -121,18 +137,15 @@ class SessionRegistry:
             await previous.replace()  # returns once it no longer consumes chunks
             if record.connection is previous:
                 record.connection = None
-        if not record.session.is_open:
-            raise SessionClosed(f"session is closed ({record.session.close_reason})")
+        status = record.session
+        if not status.is_open:
+            raise SessionClosed(f"session is closed ({status.close_reason})")
         # From here to the return nothing awaits: the engine's attach and the timeline start agree.
-        session = self.engine.attach(session_id)
+        status = self.engine.attach(session_id)
         record.connection = connection
-        if record.deferred_start is not None:
-            deferred, record.deferred_start = record.deferred_start, None
-            self.start(session_id, deferred.prompt, deferred.seed, deferred.options)
-        status = self.engine.status(session_id)
-        return Attachment(session=session, start_pts=status.frames, audio_start=status.audio_samples)
+        return Attachment(record=record, start_pts=status.frames, audio_start=status.audio_samples)
 
-    def detach(self, session_id: str, connection: StreamConnection) -> None:
+    def detach(self, session_id: str, connection: AttachedSocket) -> None:
         """The socket went away: the session waits the engine's grace period for a reconnect."""
         record = self.records.get(session_id)
         if record is None or record.connection is not connection:
@@ -142,30 +155,37 @@ class SessionRegistry:
 
     def delete(self, session_id: str) -> None:
         """Close now and forget at once (GET answers 404); an attached socket is still told ``closed``."""
-        self.get(session_id)
-        self.engine.close(session_id, "client")
-        self.engine.forget(session_id)
-        del self.records[session_id]
+        record = self.get(session_id)
+        self.engine.end(session_id, "client")
+        self._forget(record)
         log.info("session deleted", extra={"session_id": session_id})
 
     def sweep(self, now: float | None = None) -> None:
-        """Forget closed sessions no socket still reports on, once they were visible for the retention time."""
+        """Forget sessions that ended at least ``closed_retention_s`` ago, however they ended."""
         now = time.monotonic() if now is None else now
-        for session_id, record in list(self.records.items()):
-            if record.session.is_open or record.connection is not None:
+        retention = self.settings.closed_retention_s
+        for record in list(self.records.values()):
+            try:
+                status = record.session
+            except UnknownSession:  # the engine forgot it on its own: so do we
+                del self.records[record.session_id]
                 continue
-            if record.closed_seen_at is None:
-                record.closed_seen_at = now
-            if now - record.closed_seen_at >= self.settings.closed_retention_s:
-                self.engine.forget(session_id)
-                del self.records[session_id]
+            if not status.is_open and status.ended_at is not None and now - status.ended_at >= retention:
+                self._forget(record)
+
+    def _forget(self, record: SessionRecord) -> None:
+        # The socket, if one is still finishing, keeps its record and reads the last snapshot from it.
+        record.remember()
+        record.connection = None
+        self.engine.forget(record.session_id)
+        self.records.pop(record.session_id, None)
 
     # --- controls: each returns the new state when it changed, for the caller to announce ------------
     def start(self, session_id: str, prompt: str, seed: int | None, options: SessionOptions | None) -> str:
         record = self.get(session_id)
         if options is not None:
             self._check_options(options)
-        self.engine.start_session(
+        state = self.engine.start_session(
             session_id,
             prompt,
             seed=seed,
@@ -176,7 +196,7 @@ class SessionRegistry:
             "session started",
             extra={"session_id": session_id, "prompt_length": len(prompt), "pace": record.session.pace},
         )
-        return "active"
+        return state
 
     def set_prompt(self, session_id: str, prompt: str, policy: str) -> None:
         self.get(session_id)
@@ -184,16 +204,14 @@ class SessionRegistry:
         log.info("prompt changed", extra={"session_id": session_id, "prompt_length": len(prompt), "policy": policy})
 
     def pause(self, session_id: str) -> str | None:
-        record = self.get(session_id)
-        was = record.session.state
+        was = self.get(session_id).session.state
         self.engine.pause(session_id)
-        return "paused" if was is not SessionState.PAUSED else None
+        return "paused" if was != "paused" else None
 
     def resume(self, session_id: str) -> str | None:
-        record = self.get(session_id)
-        was = record.session.state
+        was = self.get(session_id).session.state
         self.engine.resume(session_id)
-        return "active" if was is SessionState.PAUSED else None
+        return "active" if was == "paused" else None
 
     def reset(self, session_id: str) -> None:
         self.get(session_id)

@@ -338,6 +338,18 @@ class SessionCounters(BaseModel):
     frames: int
     blocks_since_reset: int
     queue_depth: int
+    decoder_state_bytes: int = Field(description="the session's streaming decoder caches on the device")
+
+
+class SessionRealtime(BaseModel):
+    """How the session keeps up with its playback clock (docs/ENGINE.md: realtime admission)."""
+
+    live: bool = Field(description="pacing on: the session has a playback clock and deadlines")
+    frames_per_second: float = Field(description="frames emitted per second over the last few chunks")
+    deadline_misses: int = Field(description="chunks emitted later than their playback time")
+    block_cost_ms: float | None = Field(description="running estimate of device time per block")
+    below_realtime: bool = Field(description="the live sessions together need more device time than there is")
+    live_capacity: int | None = Field(description="live sessions this engine keeps in real time, at the measured cost")
 
 
 class SessionTimings(BaseModel):
@@ -360,6 +372,7 @@ class SessionDetail(BaseModel):
     pace: bool
     created_at: float = Field(description="epoch seconds")
     counters: SessionCounters
+    realtime: SessionRealtime
     last_timings: SessionTimings | None
     time_to_first_chunk_ms: float | None
     close_reason: str | None

@@ -12,7 +12,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from app.memory import FreedMemoryReleaser
 from app.registry import SessionRegistry
@@ -20,8 +20,12 @@ from app.settings import Settings
 from app.telemetry import ServiceMetrics
 from engine.api import Engine
 
-if TYPE_CHECKING:
-    from app.streaming import StreamConnection
+
+class OpenSocket(Protocol):
+    """What the drain needs of a stream socket (``app.streaming.StreamConnection``)."""
+
+    finished: asyncio.Event  # set once the socket is fully done
+
 
 log = logging.getLogger("arstream.service")
 
@@ -36,7 +40,7 @@ class Service:
         self.metrics = ServiceMetrics()
         # Encoding is CPU-bound and synchronous: it runs here, never on the event loop.
         self.encoder_pool = ThreadPoolExecutor(settings.encode_threads, thread_name_prefix="arstream-encode")
-        self.connections: set[StreamConnection] = set()
+        self.connections: set[OpenSocket] = set()
         self.freed_memory = FreedMemoryReleaser()  # ended sockets ask it to return freed memory to the OS
         self.draining = False
         self.exit_code = 0

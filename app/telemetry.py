@@ -1,16 +1,20 @@
-"""Service metrics in the Prometheus text exposition format (0.0.4), written by hand.
+"""Service metrics, exposed through ``prometheus-client`` from a registry owned by the service.
 
-No client library: the set is small, everything is updated on the event loop (no locks), and the
-format is a few lines per metric. Session ids never appear as labels: an id is a capability.
+Everything is updated on the event loop. Counts the service makes (chunks sent, refusals, client
+messages, errors) live here; the engine's are read from its counters snapshot at scrape time. Label
+sets are bounded: session ids never appear (an id is a capability, and the set is unbounded); a
+labelled table takes at most ``MAX_LABEL_VALUES`` values, the rest count under ``other``. Per-session
+figures are exported as aggregates over the open sessions (min / max / sum).
 """
 
 from __future__ import annotations
 
-import bisect
-import math
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from engine.api import EngineCounters
 
@@ -18,50 +22,27 @@ LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 FIRST_CHUNK_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ENCODE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 FPS_WINDOW_S = 10.0
-
-
-class Histogram:
-    """Cumulative-bucket histogram, as Prometheus expects."""
-
-    def __init__(self, name: str, help_text: str, buckets: Sequence[float]) -> None:
-        self.name = name
-        self.help_text = help_text
-        self.buckets = tuple(sorted(buckets))
-        self.counts = [0] * (len(self.buckets) + 1)  # the last one is +Inf
-        self.total = 0.0
-        self.count = 0
-
-    def observe(self, value: float) -> None:
-        if math.isnan(value):
-            return
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.count += 1
-
-    def render(self) -> list[str]:
-        lines = [f"# HELP {self.name} {self.help_text}", f"# TYPE {self.name} histogram"]
-        cumulative = 0
-        for bound, count in zip(self.buckets, self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{_number(bound)}"}} {cumulative}')
-        lines.append(f'{self.name}_bucket{{le="+Inf"}} {self.count}')
-        lines.append(f"{self.name}_sum {_number(self.total)}")
-        lines.append(f"{self.name}_count {self.count}")
-        return lines
+MAX_LABEL_VALUES = 32
+OTHER_LABEL = "other"
 
 
 class ServiceMetrics:
     """What the socket senders and routes count; :meth:`render` adds the engine's counters."""
 
     def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
         self.chunk_latency = Histogram(
-            "arstream_chunk_latency_seconds", "Block denoise start to its media segment sent.", LATENCY_BUCKETS_S
+            "arstream_chunk_latency_seconds", "Block denoise start to its media segment sent.",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.time_to_first_chunk = Histogram(
             "arstream_time_to_first_chunk_seconds", "Start accepted to the first media segment sent.",
-            FIRST_CHUNK_BUCKETS_S,
+            buckets=FIRST_CHUNK_BUCKETS_S, registry=self.registry,
         )
-        self.encode = Histogram("arstream_encode_seconds", "Encoding one block into a media segment.", ENCODE_BUCKETS_S)
+        self.encode = Histogram(
+            "arstream_encode_seconds", "Encoding one block into a media segment.",
+            buckets=ENCODE_BUCKETS_S, registry=self.registry,
+        )
         self.chunks_sent = 0
         self.frames_sent = 0
         self.bytes_sent = 0
@@ -72,9 +53,12 @@ class ServiceMetrics:
         self.client_messages: dict[str, int] = {}  # type -> count
         self.errors: dict[str, int] = {}  # protocol code -> count
         # Client input refused before it reached the engine: (via, code) -> count; via is socket or rest,
-        # code a protocol error code, so the label set stays bounded.
+        # code a protocol error code (bounded like every label set).
         self.rejected_messages: dict[tuple[str, str], int] = {}
         self._recent_frames: deque[tuple[float, int]] = deque()
+        self._engine: EngineCounters | None = None
+        self._draining = False
+        self.registry.register(_Snapshot(self))
 
     def chunk_sent(self, frames: int, segment_bytes: int, latency_s: float, encode_s: float) -> None:
         self.chunks_sent += 1
@@ -86,11 +70,16 @@ class ServiceMetrics:
         self._recent_frames.append((now, frames))
         self._forget_old(now)
 
-    def count(self, table: dict, key) -> None:
+    def count(self, table: dict[str, int], key: str) -> None:
+        if key not in table and len(table) >= MAX_LABEL_VALUES:
+            key = OTHER_LABEL
         table[key] = table.get(key, 0) + 1
 
     def message_rejected(self, via: str, code: str) -> None:
-        self.count(self.rejected_messages, (via, code))
+        key = (via, code)
+        if key not in self.rejected_messages and len(self.rejected_messages) >= MAX_LABEL_VALUES:
+            key = (via, OTHER_LABEL)
+        self.rejected_messages[key] = self.rejected_messages.get(key, 0) + 1
 
     def frames_per_second(self) -> float:
         """Frames sent per second over the last ``FPS_WINDOW_S``, all sessions together."""
@@ -102,65 +91,104 @@ class ServiceMetrics:
         while self._recent_frames and now - self._recent_frames[0][0] > FPS_WINDOW_S:
             self._recent_frames.popleft()
 
-    def render(self, engine: EngineCounters, *, draining: bool) -> str:
-        lines: list[str] = []
-        gauge = _family(lines, "gauge")
-        counter = _family(lines, "counter")
-
-        gauge("arstream_ready", "1 when the engine is warm, alive and not draining.",
-              [("", int(engine.ready and engine.alive and not draining))])
-        gauge("arstream_engine_alive", "0 once the engine's device failed.", [("", int(engine.alive))])
-        gauge("arstream_draining", "1 while shutting down.", [("", int(draining or engine.draining))])
-        gauge("arstream_session_capacity", "Sessions the engine admits at once.", [("", engine.capacity)])
-        gauge("arstream_sessions", "Sessions by protocol state.",
-              [(f'state="{state}"', count) for state, count in sorted(engine.sessions_by_state.items())] or [("", 0)])
-        counter("arstream_engine_ticks_total", "Engine loop ticks that ran work.", [("", engine.ticks)])
-        counter("arstream_engine_blocks_total", "AR blocks generated.", [("", engine.blocks)])
-        gauge("arstream_kv_blocks_total", "KV cache blocks in the pool.", [("", engine.kv_blocks_total)])
-        gauge("arstream_kv_blocks_in_use", "KV cache blocks held by sessions.", [("", engine.kv_blocks_in_use)])
-        depths = list(engine.queue_depths.values())
-        gauge("arstream_queue_depth_total", "Chunks waiting for their consumer, all sessions.", [("", sum(depths))])
-        gauge("arstream_queue_depth_max", "Chunks waiting for their consumer, worst session.",
-              [("", max(depths, default=0))])
-        gauge("arstream_frames_per_second", f"Frames sent per second over the last {FPS_WINDOW_S:g} s.",
-              [("", self.frames_per_second())])
-        counter("arstream_chunks_sent_total", "Chunks sent to clients.", [("", self.chunks_sent)])
-        counter("arstream_frames_sent_total", "Video frames sent to clients.", [("", self.frames_sent)])
-        counter("arstream_media_bytes_sent_total", "Media segment bytes sent.", [("", self.bytes_sent)])
-        gauge("arstream_websockets_open", "Attached stream sockets.", [("", self.connections_open)])
-        counter("arstream_websockets_total", "Stream sockets accepted.", [("", self.connections_total)])
-        counter("arstream_websockets_stalled_total", "Stream sockets detached because their client stopped reading.",
-                [("", self.stalled_sockets)])
-        counter("arstream_websockets_refused_total", "Stream sockets refused, by reason.",
-                _labelled("reason", self.refused))
-        counter("arstream_client_messages_total", "Client control messages, by type.",
-                _labelled("type", self.client_messages))
-        counter("arstream_errors_total", "Error messages sent, by protocol code.", _labelled("code", self.errors))
-        counter("arstream_client_messages_rejected_total", "Client messages and requests refused as invalid.",
-                [(f'via="{via}",code="{code}"', value) for (via, code), value in sorted(self.rejected_messages.items())]
-                or [("", 0)])
-        for histogram in (self.chunk_latency, self.time_to_first_chunk, self.encode):
-            lines.extend(histogram.render())
-        return "\n".join(lines) + "\n"
+    def render(self, engine: EngineCounters, *, draining: bool) -> bytes:
+        """The exposition text (format 0.0.4) of everything, with ``engine`` as the engine's state."""
+        self._engine, self._draining = engine, draining
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._engine = None
 
 
-def _labelled(label: str, table: dict[str, int]) -> list[tuple[str, float]]:
-    return [(f'{label}="{key}"', value) for key, value in sorted(table.items())] or [("", 0)]
+class _Snapshot:
+    """A collector over the service's plain counts and the engine counters given to ``render``."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        m, engine = self.metrics, self.metrics._engine
+        if engine is None:
+            return
+        draining = m._draining or engine.draining
+        yield _gauge("arstream_ready", "1 when the engine is warm, alive and not draining.",
+                     int(engine.ready and engine.alive and not draining))
+        yield _gauge("arstream_engine_alive", "0 once the engine's device failed.", int(engine.alive))
+        yield _gauge("arstream_draining", "1 while shutting down.", int(draining))
+        yield _gauge("arstream_session_capacity", "Sessions the memory holds at once.", engine.capacity)
+        by_state = GaugeMetricFamily("arstream_sessions", "Sessions by protocol state.", labels=["state"])
+        for state, count in sorted(engine.sessions_by_state.items()):
+            by_state.add_metric([state], count)
+        yield by_state
+        yield _counter("arstream_engine_ticks", "Engine loop ticks that ran work.", engine.ticks)
+        yield _counter("arstream_engine_blocks", "AR blocks generated.", engine.blocks)
+        yield _gauge("arstream_kv_blocks_total", "KV cache blocks in the pool.", engine.kv_blocks_total)
+        yield _gauge("arstream_kv_blocks_in_use", "KV cache blocks held by sessions.", engine.kv_blocks_in_use)
+        yield _gauge("arstream_decoder_state_bytes", "Streaming decoder caches held by sessions on the device.",
+                     engine.decoder_state_bytes)
+        depths = engine.queue_depths
+        yield _gauge("arstream_queue_depth_total", "Chunks waiting for their consumer, all sessions.", sum(depths))
+        yield _gauge("arstream_queue_depth_max", "Chunks waiting for their consumer, worst session.",
+                     max(depths, default=0))
+        # Realtime admission (docs/ENGINE.md).
+        yield _gauge("arstream_realtime_admission", "1 when live sessions are admitted only while all keep real time.",
+                     int(engine.realtime_admission))
+        yield _gauge("arstream_live_session_capacity",
+                     "Live sessions the device keeps in real time at the measured block cost (NaN: not measured).",
+                     engine.live_capacity if engine.live_capacity is not None else float("nan"))
+        yield _gauge("arstream_block_cost_seconds", "Running estimate of device time per block (NaN: not measured).",
+                     engine.block_cost_ms / 1000.0 if engine.block_cost_ms is not None else float("nan"))
+        yield _gauge("arstream_realtime_utilisation",
+                     "Device time the running live sessions need per second (above 1 they fall behind).",
+                     engine.realtime_utilisation)
+        yield _gauge("arstream_live_sessions", "Open sessions with pacing on.", engine.live_sessions)
+        yield _gauge("arstream_live_sessions_below_realtime", "Running live sessions the device cannot keep in real time.",
+                     engine.live_sessions_below_realtime)
+        yield _counter("arstream_deadline_misses", "Live chunks emitted later than their playback time.",
+                       engine.deadline_misses)
+        yield _counter("arstream_realtime_refusals", "Live sessions refused because the device had no time left.",
+                       engine.refused_realtime)
+        misses = engine.session_deadline_misses
+        yield _gauge("arstream_session_deadline_misses_max", "Deadline misses of the worst open live session.",
+                     max(misses, default=0))
+        rates = GaugeMetricFamily("arstream_session_frames_per_second",
+                                  "Frames per second of the active sessions (min, max, mean; no ids).", labels=["stat"])
+        fps = engine.session_frames_per_second
+        rates.add_metric(["min"], min(fps, default=0.0))
+        rates.add_metric(["max"], max(fps, default=0.0))
+        rates.add_metric(["mean"], sum(fps) / len(fps) if fps else 0.0)
+        yield rates
+        # What the service itself counted.
+        yield _gauge("arstream_frames_per_second", f"Frames sent per second over the last {FPS_WINDOW_S:g} s.",
+                     m.frames_per_second())
+        yield _counter("arstream_chunks_sent", "Chunks sent to clients.", m.chunks_sent)
+        yield _counter("arstream_frames_sent", "Video frames sent to clients.", m.frames_sent)
+        yield _counter("arstream_media_bytes_sent", "Media segment bytes sent.", m.bytes_sent)
+        yield _gauge("arstream_websockets_open", "Attached stream sockets.", m.connections_open)
+        yield _counter("arstream_websockets", "Stream sockets accepted.", m.connections_total)
+        yield _labelled("arstream_websockets_refused", "Stream sockets refused, by reason.", "reason", m.refused)
+        yield _labelled("arstream_client_messages", "Client control messages, by type.", "type", m.client_messages)
+        yield _labelled("arstream_errors", "Error messages sent, by protocol code.", "code", m.errors)
+        yield _counter("arstream_websockets_stalled", "Stream sockets detached because their client stopped reading.",
+                       m.stalled_sockets)
+        rejected = CounterMetricFamily("arstream_client_messages_rejected",
+                                       "Client messages and requests refused for their input, before the engine.",
+                                       labels=["via", "code"])
+        for (via, code), value in sorted(m.rejected_messages.items()):
+            rejected.add_metric([via, code], value)
+        yield rejected
 
 
-def _family(lines: list[str], kind: str):
-    def write(name: str, help_text: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP {name} {help_text}")
-        lines.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            lines.append(f"{name}{{{labels}}} {_number(value)}" if labels else f"{name} {_number(value)}")
-
-    return write
+def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, help_text, value=value)
 
 
-def _number(value: float) -> str:
-    if isinstance(value, int):
-        return str(value)
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
+def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, help_text, value=value)
+
+
+def _labelled(name: str, help_text: str, label: str, table: dict[str, int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(name, help_text, labels=[label])
+    for key, value in sorted(table.items()):
+        family.add_metric([key], value)
+    return family

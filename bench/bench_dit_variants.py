@@ -21,7 +21,7 @@ import engine.models.rope as rope
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.models.attention import SelfAttentionContext
-from engine.models.builder import build_models
+from engine.bundle import build_models
 
 
 def rotate_in_model_dtype(x, cos, sin):

@@ -22,7 +22,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.models.attention import SelfAttentionContext
-from engine.models.builder import build_models
+from engine.bundle import build_models
 from engine.models.pipeline import draw_noise
 
 

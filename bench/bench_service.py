@@ -69,7 +69,7 @@ async def engine_idle(url: str, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         text = await asyncio.to_thread(lambda: urllib.request.urlopen(metrics_url, timeout=5).read().decode())
-        if re.search(r"^arstream_kv_blocks_in_use 0$", text, re.MULTILINE):
+        if re.search(r"^arstream_kv_blocks_in_use 0(\.0)?$", text, re.MULTILINE):
             return
         await asyncio.sleep(0.05)
     raise RuntimeError("the engine did not go idle")

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.builder import build_models
+from engine.bundle import build_models
 from engine.models.reference import reference_generate
 
 

@@ -38,15 +38,24 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from diffusers import AutoencoderOobleck
 from diffusers.models.autoencoders.autoencoder_oobleck import OobleckResidualUnit, Snake1d
 from torch import nn
 
-if TYPE_CHECKING:
-    from decoders.audio_graphs import AudioDecodeGraphs
+
+
+class WindowGraphs(Protocol):
+    """A faster decode of one window (``decoders.audio_graphs.AudioDecodeGraphs``); named here by shape
+    only, so that module, which builds on this one, is not imported back."""
+
+    vae: AutoencoderOobleck
+
+    def decode(self, latents: torch.Tensor, *, tail_is_clip_end: bool = True) -> torch.Tensor: ...
+
+    def warmup(self, device: torch.device | str) -> None: ...
 
 # Modules that act on each time step alone, so they leave the receptive field unchanged.
 _POINTWISE_MODULES = (Snake1d, nn.Identity, nn.ELU, nn.GELU, nn.SiLU, nn.Tanh, nn.ReLU, nn.LeakyReLU)
@@ -323,7 +332,7 @@ class AudioStreamingDecoder:
     (CUDA graphs / compiled buckets) instead of the eager decoder.
     """
 
-    def __init__(self, vae: AutoencoderOobleck, *, graphs: AudioDecodeGraphs | None = None) -> None:
+    def __init__(self, vae: AutoencoderOobleck, *, graphs: WindowGraphs | None = None) -> None:
         self.vae = vae
         self.graphs = graphs
         if graphs is not None and graphs.vae is not vae:

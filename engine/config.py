@@ -64,7 +64,16 @@ class EngineConfig(BaseModel):
     idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
     cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
-    warmup_blocks: int = Field(default=1, ge=0, le=16)
+    warmup_blocks: int = Field(default=1, ge=0, le=16, description="throwaway blocks at start; they seed the block cost")
+    realtime_admission: bool = Field(
+        default=True, description="admit a live (paced) session only while every live session keeps real time"
+    )
+    realtime_headroom: float = Field(
+        default=1.1, ge=1.0, le=100.0, description="live sessions' summed block cost x this must fit one block's playback time"
+    )
+    deadline_tolerance_s: float = Field(
+        default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -39,6 +39,18 @@ class PromptTooLong(InvalidRequest):
     code = "prompt_too_long"
 
 
+class TooManyControls(EngineError):
+    """A session's controls arrive faster than ticks apply them."""
+
+    code = "rate_limited"
+
+
+class NoRealtimeCapacity(EngineError):
+    """A session switching to pacing on at ``start`` would make the live sessions fall behind real time."""
+
+    code = "capacity"
+
+
 class EngineUnavailable(EngineError):
     """The engine is not ready, is draining, or is dead."""
 
@@ -47,7 +59,11 @@ class EngineUnavailable(EngineError):
 
 @dataclass(frozen=True)
 class CapacityFull:
-    """Admission refused: every slot holds a session that may not be evicted."""
+    """Admission refused: every memory slot, or the device's time for live sessions, is taken.
+
+    ``retry_after_s``: when the soonest blocking session must end on its own (a detached one's grace
+    period, an idle one's timeout, anyone's maximum duration), clamped to [one block, 60 s].
+    """
 
     retry_after_s: float
     message: str = "all session slots are in use; try again later"

@@ -54,6 +54,17 @@ class BlockOutput:
     queued_ms: float
     denoise_ms: float
     decode_ms: float
+    decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
+
+
+@dataclass(frozen=True)
+class WorkCost:
+    """Device seconds one session's work took this tick: its controls (open, reset, prompt) and its block."""
+
+    session_id: str
+    control_s: float
+    block_s: float
+    controls: tuple[str, ...]  # which controls ran: open, reset, soft, recache
 
 
 @dataclass(frozen=True)
@@ -66,6 +77,7 @@ class SessionFailure:
 class StepResult:
     outputs: list[BlockOutput] = field(default_factory=list)
     failures: list[SessionFailure] = field(default_factory=list)
+    costs: list[WorkCost] = field(default_factory=list)
     fatal: str | None = None  # a device-fatal error: the engine is dead
 
 
@@ -192,8 +204,10 @@ class Runner:
             except Exception as error:
                 result.failures.append(SessionFailure(finished.session_id, f"release failed: {error}"))
         for work in plan.work:
+            started = time.perf_counter()
+            controls_done = [0.0]  # perf_counter when the controls were done (set by _do)
             try:
-                output = self._do(work, plan.planned_at)
+                output = self._do(work, plan.planned_at, controls_done)
             except Exception as error:
                 log.warning("session step failed", extra={"session_id": work.session_id, "error": repr(error)})
                 try:
@@ -206,11 +220,16 @@ class Runner:
                     self.close_all("failed")
                     return result
                 continue
+            ended = time.perf_counter()
+            control_end = controls_done[0] or ended
+            result.costs.append(
+                WorkCost(work.session_id, control_end - started, ended - control_end, _controls_of(work))
+            )
             if output is not None:
                 result.outputs.append(output)
         return result
 
-    def _do(self, work: SessionWork, planned_at: float) -> BlockOutput | None:
+    def _do(self, work: SessionWork, planned_at: float, controls_done: list[float]) -> BlockOutput | None:
         if work.open is not None:
             self.open(work.session_id, work.open)
         if work.session_id not in self.sessions:
@@ -219,6 +238,7 @@ class Runner:
             self.reset(work.session_id)
         if work.prompt is not None:
             self._change_prompt(work)
+        controls_done[0] = time.perf_counter()
         if not work.run:
             return None
         with self.bound(work.session_id) as device_session:
@@ -265,9 +285,18 @@ class Runner:
             queued_ms=device_session.queued_ms,
             denoise_ms=device_session.denoise_s * 1000.0,
             decode_ms=decode_s * 1000.0,
+            decoder_state_bytes=self.decoder_state_bytes(session_id),
         )
         device_session.block_started_at = None
         return output
+
+    def decoder_state_bytes(self, session_id: str) -> int:
+        """Bytes the session's streaming decoder caches (video and audio) hold on the device now."""
+        device_session = self.sessions.get(session_id)
+        if device_session is None:
+            return 0
+        audio = device_session.audio_state.nbytes() if device_session.audio_state is not None else 0
+        return device_session.decode_state.nbytes() + audio
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> np.ndarray:
         """The samples this block made decodable, minus the part of the opening frame before t = 0."""
@@ -281,25 +310,32 @@ class Runner:
         return pcm.float().cpu().numpy()
 
     # --- warmup -----------------------------------------------------------
-    def warmup(self, blocks: int = 2) -> None:
-        """Run a throwaway session so kernels, allocators and caches are warm; the pool must come back whole."""
+    def warmup(self, blocks: int = 2) -> list[float]:
+        """Run a throwaway session so kernels, allocators and caches are warm; the pool must come back whole.
+
+        Returns each block's device seconds (the engine seeds its per-block cost estimate with them).
+        """
         session_id = "__warmup__"
         free_before = self.kv_manager.block_pool.num_free_blocks
+        seconds = []
         try:
             self.open(session_id, OpenSession(seed=0, prompt="warmup", negative_prompt=""))
             for _ in range(blocks):
+                started = time.perf_counter()
                 with self.bound(session_id) as device_session:
                     while self._advance(session_id, device_session, now_ms()) is None:
                         pass
+                seconds.append(time.perf_counter() - started)
         finally:
             self.release(session_id, "warmup_complete")
         free_after = self.kv_manager.block_pool.num_free_blocks
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
+        return seconds
 
 
 def runner_for(bundle, kv_manager: KVCacheManager, *, stepwise: bool = False) -> Runner:
-    """A runner over a built :class:`~engine.models.builder.ModelBundle` (audio wired when the model has it)."""
+    """A runner over a built :class:`~engine.bundle.ModelBundle` (audio wired when the model has it)."""
     timing = bundle.audio_timing
     return Runner(
         bundle.pipeline,
@@ -309,6 +345,17 @@ def runner_for(bundle, kv_manager: KVCacheManager, *, stepwise: bool = False) ->
         audio_decoder=bundle.audio_decoder,
         audio_trim_samples=timing.samples_before_start if timing is not None else 0,
     )
+
+
+def _controls_of(work: SessionWork) -> tuple[str, ...]:
+    kinds = []
+    if work.open is not None:
+        kinds.append("open")
+    if work.reset:
+        kinds.append("reset")
+    if work.prompt is not None:
+        kinds.append(work.prompt.policy)
+    return tuple(kinds)
 
 
 def _synchronize(tensor: torch.Tensor | None) -> None:

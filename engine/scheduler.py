@@ -1,34 +1,60 @@
-"""Which sessions run this tick: fair round-robin, skipping paused, full and paced-ahead sessions."""
+"""Which sessions run this tick: live sessions by deadline, best-effort sessions in what is left.
+
+The scheduler reads the core's session records and cost estimates and returns
+a :class:`StepPlan`; it changes nothing (the core marks what the plan carried).
+
+A session runs at most one block per tick. It is skipped while paused, until
+its consumer has taken its previous chunk and asked for the next (a slow client
+pauses itself, not the engine; see ``ChunkQueue``), and, with pacing on, while
+its media runs ``lead_chunks`` blocks ahead of its playback clock.
+
+A tick's blocks are delivered together when the tick ends, so every block of a
+tick waits for the others. Hence:
+
+* live sessions (pacing on) always run when due, nearest deadline first;
+* a best-effort session (pacing off) joins a tick only if, with its block
+  added, every live session still meets its next deadline — this tick's
+  members at the tick's end (a late member blocks it), the others one block
+  after it. Best-effort sessions are what slows down first;
+* a live session's expensive control (a ``recache`` prompt change, a reset)
+  is held back a tick when it would make another member of the tick miss,
+  unless holding it would make its own session miss.
+
+Best-effort sessions rotate so none is always served last.
+"""
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
+from engine.controls import SessionState
 from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
-from engine.session import Session, SessionState, now_ms
+from engine.session import now_ms
+from engine.session_record import SessionRecord
+
+
+@dataclass
+class _Candidate:
+    record: SessionRecord
+    work: SessionWork
+    cost_s: float  # expected device time of this work
+    extra_s: float  # of which controls (open, reset, prompt)
+    deadline: float | None
 
 
 class Scheduler:
-    """Builds a :class:`StepPlan` from the session table; never touches device state.
-
-    A session runs at most one block per tick. It is skipped while paused,
-    until its consumer has taken its previous chunk and asked for the next (a
-    slow client pauses itself, not the engine; see ``ChunkQueue``), and, with pacing on, while its media runs ``lead_chunks`` blocks
-    ahead of its playback clock. The starting point of each tick rotates so no
-    session is always served last.
-    """
-
-    def __init__(self, *, fps: int, frames_per_chunk: int, lead_chunks: int) -> None:
+    def __init__(self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1) -> None:
         self.fps = fps
         self.lead_seconds = lead_chunks * frames_per_chunk / fps
+        self.ticks_per_block = ticks_per_block  # stepwise mode: a block takes several ticks
         self._cursor = 0
 
-    def pacing_allows(self, session: Session, now: float) -> bool:
+    def pacing_allows(self, session: SessionRecord, now: float) -> bool:
         return not session.pace or session.media_seconds_ahead(now, self.fps) < self.lead_seconds
 
-    def next_wakeup(self, sessions: Sequence[Session], now: float) -> float:
+    def next_wakeup(self, sessions: Sequence[SessionRecord], now: float) -> float:
         """Seconds until a paced session may run again (inf if none is waiting on pacing)."""
         waits = [
             session.media_seconds_ahead(now, self.fps) - self.lead_seconds
@@ -38,42 +64,87 @@ class Scheduler:
         positive = [w for w in waits if w >= 0]
         return max(min(positive), 0.001) if positive else math.inf
 
-    def plan(self, sessions: Sequence[Session], finished: list[FinishedSession]) -> StepPlan:
-        now = time.monotonic()
-        work: list[SessionWork] = []
-        if sessions:
-            start = self._cursor % len(sessions)
-            ordered = list(sessions[start:]) + list(sessions[:start])
+    def plan(
+        self,
+        sessions: Sequence[SessionRecord],
+        finished: list[FinishedSession],
+        now: float,
+        *,
+        block_cost: Callable[[SessionRecord], float],
+        control_cost: Callable[[SessionWork], float],
+    ) -> StepPlan:
+        candidates = []
+        for session in sessions:
+            work = self._work_for(session, now)
+            if work is None:
+                continue
+            extra = control_cost(work)
+            cost = extra + (block_cost(session) / self.ticks_per_block if work.run else 0.0)
+            candidates.append(_Candidate(session, work, cost, extra, session.next_deadline(self.fps)))
+        live = sorted((c for c in candidates if c.record.pace), key=lambda c: -math.inf if c.deadline is None else c.deadline)
+        best_effort = [c for c in candidates if not c.record.pace]
+        if best_effort:
+            start = self._cursor % len(best_effort)
+            best_effort = best_effort[start:] + best_effort[:start]
             self._cursor += 1
-        else:
-            ordered = []
-        for session in ordered:
-            item = self._work_for(session, now)
-            if item is not None:
-                work.append(item)
-        return StepPlan(finished=list(finished), work=work, planned_at=now_ms())
+        waiting_live = [
+            s
+            for s in sessions
+            if s.pace and s.state is SessionState.ACTIVE and s.detached_at is None and s.next_deadline(self.fps) is not None
+        ]
 
-    def _work_for(self, session: Session, now: float) -> SessionWork | None:
+        members: list[_Candidate] = []
+        for candidate in live:
+            members.append(candidate)
+            if candidate.extra_s > 0 and not self._fits(members, waiting_live, now, block_cost):
+                own_block = block_cost(candidate.record) / self.ticks_per_block
+                later = candidate.deadline is None or now + self._length(members) + own_block <= candidate.deadline
+                if later and self._fits(members[:-1], waiting_live, now, block_cost):
+                    members.pop()  # held back a tick; the others keep their deadlines
+        for candidate in best_effort:
+            members.append(candidate)
+            if not self._fits(members, waiting_live, now, block_cost):
+                members.pop()
+        return StepPlan(finished=list(finished), work=[c.work for c in members], planned_at=now_ms())
+
+    @staticmethod
+    def _length(members: list[_Candidate]) -> float:
+        return sum(c.cost_s for c in members)
+
+    def _fits(
+        self, members: list[_Candidate], live: list[SessionRecord], now: float, block_cost: Callable[[SessionRecord], float]
+    ) -> bool:
+        """Every live session still makes its next deadline with this tick.
+
+        A live member of the tick that is late already must not be made later still. A live session
+        outside the tick counts only while it can still be saved (it runs one block after the tick);
+        one that cannot — its consumer stalled, say — must not hold the others back forever.
+        """
+        tick_end = now + self._length(members)
+        in_tick = {c.record.session_id for c in members if c.work.run}
+        for session in live:
+            deadline = session.next_deadline(self.fps)
+            own = block_cost(session)
+            if session.session_id in in_tick:
+                if tick_end > deadline:
+                    return False
+            elif tick_end + own > deadline and now + own <= deadline:
+                return False
+        return True
+
+    def _work_for(self, session: SessionRecord, now: float) -> SessionWork | None:
         if session.state not in (SessionState.ACTIVE, SessionState.PAUSED) or session.prompt is None:
             return None
         open_request = None
         if not session.opened_on_device:
             open_request = OpenSession(session.seed, session.prompt, session.negative_prompt)
-            session.opened_on_device = True
-            session.pending_prompt = None  # the open already carries the current prompt
-            session.pending_reset = False
-        reset = session.pending_reset
-        session.pending_reset = False
+        # The open already carries the current prompt and a fresh start.
+        reset = session.pending_reset and open_request is None
         prompt = None
-        if session.pending_prompt is not None:
+        if session.pending_prompt is not None and open_request is None:
             change = session.pending_prompt
             prompt = PromptUpdate(change.prompt, change.negative_prompt, change.policy)
-            session.pending_prompt = None
-        run = (
-            session.state is SessionState.ACTIVE
-            and session.queue.accepts_next
-            and self.pacing_allows(session, now)
-        )
+        run = session.state is SessionState.ACTIVE and session.queue.accepts_next and self.pacing_allows(session, now)
         if open_request is None and not reset and prompt is None and not run:
             return None
         return SessionWork(session.session_id, open=open_request, reset=reset, prompt=prompt, run=run)

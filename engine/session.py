@@ -1,7 +1,7 @@
-"""Host-side session records: state, conditioning, counters, clocks, output queue.
+"""What a session hands its consumer: chunks, their timings, and the one-chunk queue between them.
 
-Everything here lives on the event loop. Device-side state (KV, decoder cache,
-RNG) belongs to the runner and is reached only through the step plan.
+The session records themselves belong to the engine core (``engine/core.py``);
+the outside sees them only as snapshots (``engine/status.py``).
 """
 
 from __future__ import annotations
@@ -10,19 +10,9 @@ import asyncio
 import base64
 import secrets
 import time
-from collections import deque
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
 
 import numpy as np
-
-
-class SessionState(str, Enum):
-    CREATED = "created"
-    ACTIVE = "active"
-    PAUSED = "paused"
-    CLOSED = "closed"
-    DRAINING = "draining"
 
 
 def new_session_id() -> str:
@@ -119,46 +109,3 @@ class ChunkQueue:
         return chunk
 
 
-@dataclass
-class Session:
-    """One client's stream."""
-
-    session_id: str
-    seed: int
-    pace: bool
-    queue: ChunkQueue
-    prompt: str | None = None
-    negative_prompt: str = ""
-    state: SessionState = SessionState.CREATED
-    attached: bool = False
-    created_at: float = field(default_factory=time.monotonic)
-    last_active: float = field(default_factory=time.monotonic)
-    detached_at: float | None = None
-    started_at: float | None = None  # monotonic, when `start` was accepted
-    close_reason: str | None = None
-    error: str | None = None
-    # device-side work the next plan must carry
-    opened_on_device: bool = False
-    pending_prompt: PromptChange | None = None
-    pending_reset: bool = False
-    # counters and clocks
-    chunks_emitted: int = 0
-    frames_emitted: int = 0
-    audio_samples_emitted: int = 0
-    blocks_since_reset: int = 0
-    first_chunk_at: float | None = None  # monotonic; the playback clock starts here
-    time_to_first_chunk_ms: float | None = None
-    last_timings: ChunkTimings | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self.state not in (SessionState.CLOSED,)
-
-    def touch(self) -> None:
-        self.last_active = time.monotonic()
-
-    def media_seconds_ahead(self, now: float, fps: int) -> float:
-        """How far the emitted media runs ahead of the playback clock (0 before the first chunk)."""
-        if self.first_chunk_at is None:
-            return 0.0
-        return self.frames_emitted / fps - (now - self.first_chunk_at)

@@ -6,7 +6,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.builder import ModelBundle, build_models
+from engine.bundle import ModelBundle, build_models
 from engine.runner import Runner, runner_for
 
 # Toy models on a 2-core machine shared with servers the tests start: one intra-op thread is

@@ -157,7 +157,7 @@ def test_a_failing_session_costs_no_other_session_anything():
             assert len(good_chunks) == 3 and bad_chunks == []
             status = engine.status(bad)
             assert status.close_reason == "failed"
-            assert "injected forward failure" in engine.get(bad).error
+            assert "injected forward failure" in status.error
             assert engine.alive
             assert bad not in engine.runner.sessions
         finally:

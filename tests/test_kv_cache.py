@@ -77,7 +77,7 @@ def test_manager_full_is_none_and_close_and_reset_release_everything():
     layers = [(torch.zeros(5, 2, 4), torch.zeros(5, 2, 4))] * 2
     for branch in ("cond", "uncond"):
         a.populate_cross(branch, "text", layers)
-        a.manager.staging_for(branch).normal_()
+        a.staging(branch).normal_()
         a.commit(branch, 3)
     assert a.nbytes() == 2 * (3 * manager.spec.block_bytes + manager.spec.cross_cache_bytes("text"))
     a.reset(keep_cross_attention=["text"])

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 from decoders.video import WanStreamingDecoder
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.builder import build_models
+from engine.bundle import build_models
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.loading import (
     ModelLoadError,
@@ -404,7 +404,7 @@ def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
 
     def fails(directory: Path, message: str, **update) -> None:
         with pytest.raises(ModelLoadError) as error:
-            load_model_dir(config.model_copy(update={"model_dir": directory, **update}))
+            load_model_dir(directory, **{"device": config.device, "dtype": config.torch_dtype, **update})
         assert message in str(error.value), str(error.value)
 
     fails(tmp_path / "absent", f"model directory {tmp_path / 'absent'}: no such directory")
@@ -443,7 +443,7 @@ def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
     # a dtype this device cannot run: the config refuses it, and so does the loader on its own
     with pytest.raises(ValidationError, match="dtype bfloat16 needs a CUDA device"):
         EngineConfig(model_dir=model_dir, dtype="bfloat16")
-    fails(model_dir, "dtype torch.bfloat16 is not supported on the CPU", dtype="bfloat16")
+    fails(model_dir, "dtype torch.bfloat16 is not supported on the CPU", dtype=torch.bfloat16)
 
 
 def test_config_errors_for_model_settings(model_dir, tmp_path):

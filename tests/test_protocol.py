@@ -193,7 +193,7 @@ def test_every_error_code_leaves_the_socket_open(make_client):
         assert again["code"] == "already_started" and again["id"] == "again"
         next_chunk(ws)  # still streaming after all of that
     metrics = client.get("/metrics").text
-    assert 'arstream_errors_total{code="prompt_too_long"} 1' in metrics
+    assert 'arstream_errors_total{code="prompt_too_long"} 1.0' in metrics
 
 
 def test_rate_limited_messages_are_refused_not_applied(make_client):
@@ -471,7 +471,7 @@ def test_health_readiness_metrics_and_docs(make_client):
         ):
             assert family in text, family
         samples = dict(line.split() for line in text.splitlines() if line and not line.startswith("#"))
-        chunks_sent = int(samples["arstream_chunks_sent_total"])
+        chunks_sent = float(samples["arstream_chunks_sent_total"])
         assert chunks_sent >= 2
         assert client.get("/docs").status_code == 200
         paths = client.get("/openapi.json").json()["paths"]
@@ -497,17 +497,18 @@ def test_drain_tells_every_client_then_refuses(make_client):
 
 
 def test_dead_engine_fails_sessions_and_asks_the_process_to_exit(make_client):
-    from engine.runner import StepResult
-
     exits = []
     with make_client() as client:
         client.app.state.on_engine_dead = lambda: exits.append(True)
         service = client.app.state.service
+        def device_fatal(*args, **kwargs):
+            raise RuntimeError("CUDA error: simulated")
+
+        # The engine's own path for a device-fatal error in a step.
+        service.engine.runner.pipeline._forward = device_fatal
         with client.websocket_connect("/v1/stream") as ws:
             hello(ws)
             start(ws)
-            # The engine's own path for a device-fatal step result.
-            client.portal.call(lambda: service.engine.apply_result(StepResult(fatal="CUDA error: simulated")))
             texts, code = until_closed(ws)
         assert texts[-2]["type"] == "error" and texts[-2]["code"] == "internal"
         assert "CUDA" not in texts[-2]["message"]  # no internals leak to clients
@@ -521,19 +522,29 @@ def test_dead_engine_fails_sessions_and_asks_the_process_to_exit(make_client):
 
 
 def test_histogram_exposition_is_cumulative_with_inclusive_bounds():
-    from app.telemetry import Histogram
+    from app.telemetry import ENCODE_BUCKETS_S, ServiceMetrics
+    from engine.api import EngineCounters
 
-    histogram = Histogram("demo_seconds", "A demo.", (0.1, 1.0))
-    for value in (0.05, 0.1, 0.5, 5.0):
-        histogram.observe(value)
-    lines = histogram.render()
-    assert lines[:2] == ["# HELP demo_seconds A demo.", "# TYPE demo_seconds histogram"]
-    assert lines[2:5] == [
-        'demo_seconds_bucket{le="0.1"} 2',
-        'demo_seconds_bucket{le="1.0"} 3',
-        'demo_seconds_bucket{le="+Inf"} 4',
-    ]
-    assert float(lines[5].split()[1]) == pytest.approx(5.65) and lines[6] == "demo_seconds_count 4"
+    metrics = ServiceMetrics()
+    for value in (0.0005, 0.001, 0.002, 5.0):  # the first bound is 0.001: inclusive
+        metrics.encode.observe(value)
+    counters = EngineCounters(
+        ready=True, alive=True, draining=False, ticks=0, blocks=0, capacity=1, live_capacity=None,
+        realtime_admission=True, block_cost_ms=None, realtime_utilisation=0.0, sessions_by_state={},
+        live_sessions=0, live_sessions_below_realtime=0, deadline_misses=0, refused_realtime=0, kv_blocks_total=0,
+        kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(), session_frames_per_second=(),
+        session_deadline_misses=(),
+    )
+    lines = metrics.render(counters, draining=False).decode().splitlines()
+    assert "# TYPE arstream_encode_seconds histogram" in lines
+    assert ENCODE_BUCKETS_S[:2] == (0.001, 0.0025)
+    assert 'arstream_encode_seconds_bucket{le="0.001"} 2.0' in lines
+    assert 'arstream_encode_seconds_bucket{le="0.0025"} 3.0' in lines
+    assert 'arstream_encode_seconds_bucket{le="1.0"} 3.0' in lines
+    assert 'arstream_encode_seconds_bucket{le="+Inf"} 4.0' in lines
+    assert "arstream_encode_seconds_count 4.0" in lines
+    total = next(line for line in lines if line.startswith("arstream_encode_seconds_sum "))
+    assert float(total.split()[1]) == pytest.approx(5.0035)
 
 
 def test_health_answers_and_readiness_is_503_while_the_engine_warms_up():

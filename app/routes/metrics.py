@@ -1,20 +1,20 @@
-"""Prometheus metrics (text exposition format 0.0.4)."""
+"""Prometheus metrics (text exposition format 0.0.4, written by ``prometheus-client``)."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter
-from fastapi.responses import PlainTextResponse
+from fastapi.responses import Response
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from app.deps import ServiceDep
 
 router = APIRouter(tags=["metrics"])
 
-PROMETHEUS_TEXT = "text/plain; version=0.0.4; charset=utf-8"
 
-
-@router.get("/metrics", response_class=PlainTextResponse)
-async def metrics(service: ServiceDep) -> PlainTextResponse:
-    """Sessions by state, ticks, blocks, KV use, queue depths, fps, chunk latency, time to first chunk,
-    encode time. No session ids: an id is a capability."""
-    text = service.metrics.render(service.engine.counters(), draining=service.draining)
-    return PlainTextResponse(text, media_type=PROMETHEUS_TEXT)
+@router.get("/metrics", response_class=Response)
+async def metrics(service: ServiceDep) -> Response:
+    """Sessions by state, ticks, blocks, KV and decoder memory, realtime admission (live capacity,
+    utilisation, deadline misses), frame rates, chunk latency, time to first chunk, encode time.
+    No session ids: an id is a capability."""
+    body = service.metrics.render(service.engine.counters(), draining=service.draining)
+    return Response(body, media_type=CONTENT_TYPE_PLAIN_0_0_4)

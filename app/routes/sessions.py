@@ -17,6 +17,7 @@ from app.schemas import (
     SessionCreated,
     SessionDetail,
     SessionList,
+    SessionRealtime,
     SessionStateResponse,
     SessionSummary,
     SessionTimings,
@@ -82,7 +83,7 @@ async def list_sessions(caller: CallerDep, registry: RegistryDep) -> SessionList
 
 @router.get("/{session_id}", response_model=SessionDetail)
 async def get_session(session_id: SessionId, caller: CallerDep, registry: RegistryDep) -> SessionDetail:
-    """State, counters and timings; of the prompt only its length."""
+    """State, counters, timings and how it keeps real time; of the prompt only its length."""
     status = registry.status(session_id)
     timings = status.last_timings
     return SessionDetail(
@@ -98,6 +99,15 @@ async def get_session(session_id: SessionId, caller: CallerDep, registry: Regist
             frames=status.frames,
             blocks_since_reset=status.blocks_since_reset,
             queue_depth=status.queue_depth,
+            decoder_state_bytes=status.decoder_state_bytes,
+        ),
+        realtime=SessionRealtime(
+            live=status.realtime.live,
+            frames_per_second=round(status.realtime.frames_per_second, 3),
+            deadline_misses=status.realtime.deadline_misses,
+            block_cost_ms=status.realtime.block_cost_ms,
+            below_realtime=status.realtime.below_realtime,
+            live_capacity=registry.engine.live_capacity,
         ),
         last_timings=SessionTimings(
             started_at=timings.started_at,

@@ -18,6 +18,14 @@ class KVCacheManager:
     maximum residency (``sink + window`` blocks per branch, one cross cache per
     name and branch), so a running session can never hit an empty pool mid
     stream. A full manager answers ``None``, never an exception.
+
+    Two sides, two threads:
+    * admission (the event loop) *reserves* a slot when a session is admitted
+      and gives it back when the session ends (:meth:`reserve`, :meth:`unreserve`);
+    * the device thread opens and closes the session's state
+      (:meth:`open_session`, ``SessionKVState.close``). A step plan releases
+      ended sessions before it opens new ones, so a reservation handed from an
+      ended session to a newcomer never finds its blocks still taken.
     """
 
     def __init__(self, spec: KVSpec, max_sessions: int, device: torch.device | str) -> None:
@@ -44,10 +52,35 @@ class KVCacheManager:
             device=device,
         )
         self._sessions: dict[str, SessionKVState] = {}
+        self._reserved: set[str] = set()
 
     @property
     def num_sessions(self) -> int:
         return len(self._sessions)
+
+    def reserve(self, session_id: str) -> int | None:
+        """Reserve a session's residency: the slots still free afterwards, or ``None`` (nothing reserved) when full.
+
+        Event loop only. This is the one capacity number admission asks for.
+        """
+        if session_id in self._reserved:
+            raise ValueError(f"session {session_id!r} already holds a reservation")
+        if len(self._reserved) >= self.max_sessions:
+            return None
+        self._reserved.add(session_id)
+        return self.max_sessions - len(self._reserved)
+
+    def unreserve(self, session_id: str) -> None:
+        """Give an ended session's reservation back (event loop only; idempotent)."""
+        self._reserved.discard(session_id)
+
+    @property
+    def num_reserved(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def blocks_in_use(self) -> int:
+        return self.block_pool.num_blocks - self.block_pool.num_free_blocks
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +92,15 @@ class KVCacheManager:
             raise ValueError(f"session {session_id!r} already has KV state")
         if len(self._sessions) >= self.max_sessions:
             return None
-        state = SessionKVState(self, session_id, self._new_tables())
+        state = SessionKVState(
+            session_id,
+            self._new_tables(),
+            spec=self.spec,
+            block_pool=self.block_pool,
+            cross_cache=self.cross_cache,
+            staging=self.staging,
+            on_close=self._forget,
+        )
         self._sessions[session_id] = state
         return state
 
@@ -73,4 +114,5 @@ class KVCacheManager:
         self._sessions.pop(session_id, None)
 
     def staging_for(self, branch: str) -> torch.Tensor:
+        """The staging buffer a commit forward of ``branch`` writes (for tests and tools; handles hold their own view)."""
         return self.staging[self.spec.branch_names.index(branch)]

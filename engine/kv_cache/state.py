@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Collection, Iterable
 
 import torch
 
+from engine.kv_cache.block_pool import BlockPool
 from engine.kv_cache.block_table import BranchBlockTable
-
-if TYPE_CHECKING:
-    from engine.kv_cache.manager import KVCacheManager
+from engine.kv_cache.cross_cache import CrossAttentionCache
+from engine.kv_cache.spec import KVSpec
 
 
 class SessionKVState:
@@ -24,17 +23,31 @@ class SessionKVState:
     * :meth:`clear_cross_attention` drops text K/V but keeps self-KV (prompt change);
     * :meth:`reset` can keep named cross caches; :meth:`close` releases everything
       and is idempotent.
+
+    The handle holds the storage it works on (pool, cross caches, staging),
+    never the manager that made it: the manager hears of a close only through
+    ``on_close``.
     """
 
-    def __init__(self, manager: "KVCacheManager", session_id: str, tables: dict[str, BranchBlockTable]) -> None:
-        self.manager = manager
+    def __init__(
+        self,
+        session_id: str,
+        tables: dict[str, BranchBlockTable],
+        *,
+        spec: KVSpec,
+        block_pool: BlockPool,
+        cross_cache: CrossAttentionCache,
+        staging: torch.Tensor,
+        on_close: Callable[[str], None],
+    ) -> None:
         self.session_id = session_id
         self.tables = tables
+        self.spec = spec
+        self._block_pool = block_pool
+        self._cross_cache = cross_cache
+        self._staging = staging  # [branches, layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]
+        self._on_close = on_close
         self.closed = False
-
-    @property
-    def spec(self):
-        return self.manager.spec
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -43,7 +56,7 @@ class SessionKVState:
     @property
     def pool(self) -> torch.Tensor:
         """The block pool's storage ``[layers, 2, blocks, tokens_per_frame, heads, head_dim]`` that history ids index."""
-        return self.manager.block_pool.storage
+        return self._block_pool.storage
 
     def table(self, branch: str) -> BranchBlockTable:
         if self.closed:
@@ -73,7 +86,10 @@ class SessionKVState:
     def staging(self, branch: str) -> torch.Tensor:
         """``[layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]`` written by a commit forward."""
         self.table(branch)
-        return self.manager.staging_for(branch)
+        return self._staging_for(branch)
+
+    def _staging_for(self, branch: str) -> torch.Tensor:
+        return self._staging[self.spec.branch_names.index(branch)]
 
     def commit(self, branch: str, num_frames: int) -> None:
         """Move ``num_frames`` staged frames into blocks (evicting old window frames)."""
@@ -92,29 +108,32 @@ class SessionKVState:
 
     def _write_blocks(self, branch: str, block_ids: list[int]) -> None:
         spec = self.spec
-        staged = self.manager.staging_for(branch)[:, :, : len(block_ids) * spec.tokens_per_frame]
+        staged = self._staging_for(branch)[:, :, : len(block_ids) * spec.tokens_per_frame]
         staged = staged.unflatten(2, (len(block_ids), spec.tokens_per_frame))
-        index = torch.tensor(block_ids, dtype=torch.long, device=staged.device)
-        self.manager.block_pool.storage.index_copy_(2, index, staged)
+        storage = self._block_pool.storage
+        # One copy per block with host-side ids: an index tensor built on the host would make the
+        # host wait for the device (a pageable copy) at every commit.
+        for position, block in enumerate(block_ids):
+            storage[:, :, block].copy_(staged[:, :, position])
 
     # --- cross-attention ------------------------------------------------
     def is_cross_populated(self, branch: str, name: str) -> bool:
         self.table(branch)
-        return self.manager.cross_cache.is_populated(self.session_id, branch, name)
+        return self._cross_cache.is_populated(self.session_id, branch, name)
 
     def populate_cross(self, branch: str, name: str, layer_kv: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
         self.table(branch)
-        self.manager.cross_cache.populate(self.session_id, branch, name, layer_kv)
+        self._cross_cache.populate(self.session_id, branch, name, layer_kv)
 
     def read_cross(self, branch: str, name: str) -> torch.Tensor:
         self.table(branch)
-        return self.manager.cross_cache.read(self.session_id, branch, name)
+        return self._cross_cache.read(self.session_id, branch, name)
 
     def clear_cross_attention(self) -> None:
         """Invalidate text K/V, keeping every self-attention block (soft prompt switch)."""
         if self.closed:
             raise RuntimeError(f"KV state of session {self.session_id!r} is closed")
-        self.manager.cross_cache.release(self.session_id)
+        self._cross_cache.release(self.session_id)
 
     # --- lifetime -------------------------------------------------------
     def reset(self, *, keep_cross_attention: Collection[str] = ()) -> None:
@@ -126,16 +145,16 @@ class SessionKVState:
             raise KeyError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
         for table in self.tables.values():
             table.release()
-        self.manager.cross_cache.release(self.session_id, keep=keep_cross_attention)
+        self._cross_cache.release(self.session_id, keep=keep_cross_attention)
 
     def close(self) -> None:
         if self.closed:
             return
         for table in self.tables.values():
             table.release()
-        self.manager.cross_cache.release(self.session_id)
-        self.manager._forget(self.session_id)
+        self._cross_cache.release(self.session_id)
         self.closed = True
+        self._on_close(self.session_id)
 
     def nbytes(self) -> int:
         """Bytes this session holds now: its resident blocks and published cross caches."""
@@ -145,6 +164,6 @@ class SessionKVState:
             spec.cross_cache_bytes(name)
             for branch in self.tables
             for name in spec.cross_attention_lengths
-            if self.manager.cross_cache.is_populated(self.session_id, branch, name)
+            if self._cross_cache.is_populated(self.session_id, branch, name)
         )
         return blocks + cross

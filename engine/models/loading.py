@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.models.dtypes import cast_keeping_fp32_modules
+
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
-
-    from engine.config import EngineConfig
 
 log = logging.getLogger("arstream.models")
 
@@ -118,25 +118,29 @@ class LoadedModels:
     text_encoder: "UMT5TextEncoder"
 
 
-def load_model_dir(config: "EngineConfig", *, text_len: int = TEXT_ENCODER_MAX_TOKENS) -> LoadedModels:
-    """Load ``config.model_dir`` (and ``config.causal_weights``) for ``config.device`` / ``config.dtype``."""
-    if config.model_dir is None:
-        raise ModelLoadError("no model directory configured")
-    model_dir = Path(config.model_dir)
-    device = torch.device(config.device)
-    dtype = config.torch_dtype
+def load_model_dir(
+    model_dir: str | Path,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    causal_weights: str | Path | None = None,
+    text_len: int = TEXT_ENCODER_MAX_TOKENS,
+) -> LoadedModels:
+    """Load ``model_dir`` (and ``causal_weights`` in place of its transformer weights) for ``device`` / ``dtype``."""
+    model_dir = Path(model_dir)
+    device = torch.device(device)
     check_device_dtype(device, dtype)
     configs = check_model_dir(model_dir)
-    transformer = load_transformer(model_dir, dtype, config.causal_weights)
+    transformer = load_transformer(model_dir, dtype, causal_weights)
     vae = load_vae(model_dir, dtype)
     text_encoder = load_text_encoder(model_dir, dtype, device, text_len=text_len)
     log.info(
         "model directory loaded",
         extra={
             "model_dir": str(model_dir),
-            "causal_weights": str(config.causal_weights) if config.causal_weights else None,
+            "causal_weights": str(causal_weights) if causal_weights else None,
             "layers": configs["transformer"].get("num_layers"),
-            "dtype": config.dtype,
+            "dtype": str(dtype).removeprefix("torch."),
         },
     )
     return LoadedModels(transformer.to(device).eval(), vae.to(device).eval(), text_encoder)
@@ -233,8 +237,6 @@ def load_transformer(
         except Exception as error:
             raise ModelLoadError(f"{where / 'config.json'}: {error}") from error
         load_causal_weights(transformer, causal_weights)
-        from engine.models.builder import cast_keeping_fp32_modules
-
         return cast_keeping_fp32_modules(transformer, dtype).eval()
     return _from_pretrained(WanTransformer3DModel, model_dir, "transformer", torch_dtype=dtype)
 

@@ -1,4 +1,8 @@
-"""Build a preset's modules (seeded random weights, or a local model directory) into a pipeline + decoder."""
+"""Build the model bundle the runner drives, from the engine's config.
+
+This is the engine's job, not the model code's: the modules under ``engine/models/`` take plain values
+(sizes, dtypes, paths) and never see :class:`~engine.config.EngineConfig`.
+"""
 
 from __future__ import annotations
 
@@ -13,11 +17,13 @@ from decoders.video import WanStreamingDecoder, spatial_upscale
 from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.dtypes import cast_keeping_fp32_modules
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
+
 
 @dataclass
 class ModelBundle:
@@ -34,20 +40,6 @@ class ModelBundle:
         return None if self.audio_decoder is None else self.audio_decoder.channels
 
 
-def cast_keeping_fp32_modules(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
-    """``model.to(dtype)`` except the submodules diffusers keeps in float32 (time embedder, norms, tables)."""
-    if dtype == torch.float32:
-        return model
-    keep = tuple(getattr(model, "_keep_in_fp32_modules", None) or ())
-    for name, parameter in model.named_parameters():
-        if not any(part in keep for part in name.split(".")):
-            parameter.data = parameter.data.to(dtype)
-    for name, buffer in model.named_buffers():
-        if buffer.is_floating_point() and not any(part in keep for part in name.split(".")):
-            buffer.data = buffer.data.to(dtype)
-    return model
-
-
 def build_models(config: EngineConfig) -> ModelBundle:
     """Everything the runner drives, on ``config.device`` in ``config.dtype``; nothing is downloaded."""
     preset = get_preset(config.preset)
@@ -55,7 +47,13 @@ def build_models(config: EngineConfig) -> ModelBundle:
     height, width = config.resolved_height, config.resolved_width
     if config.model_dir is not None:
         # A local model directory (+ causal weights): its configs decide the geometry, the preset only the frame size.
-        loaded = load_model_dir(config, text_len=preset.text_len)
+        loaded = load_model_dir(
+            config.model_dir,
+            device=device,
+            dtype=config.torch_dtype,
+            causal_weights=config.causal_weights,
+            text_len=preset.text_len,
+        )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
         with torch.device(device):

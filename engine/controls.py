@@ -1,0 +1,108 @@
+"""Session controls as events, and the one state machine they drive.
+
+A control is validated when it is submitted (so the caller gets its error at
+once) and applied by the engine core at the next tick, in submission order.
+Validation runs the transition on the state the session will have once its
+already queued controls apply, so ``start`` then ``pause`` in one breath is
+valid even though neither has been applied yet::
+
+    created ──start──▶ active ◀──resume── paused
+       │                 │ ──pause──────▶   │
+       └──────── close / ending ────────────┴──▶ closed
+
+``prompt``, ``reset``, ``pause`` and ``resume`` need a started session; every
+control but ``close`` and ``detach`` needs an open one. ``detached`` and
+``draining`` are not states of this machine: they are how the protocol shows
+an open session without a socket, or while the engine drains.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from engine.errors import AlreadyStarted, NotStarted, SessionClosed
+
+
+class SessionState(str, Enum):
+    CREATED = "created"
+    ACTIVE = "active"
+    PAUSED = "paused"
+    CLOSED = "closed"
+
+
+@dataclass(frozen=True)
+class Start:
+    prompt: str
+    seed: int | None = None
+    negative_prompt: str | None = None
+    pace: bool | None = None
+
+
+@dataclass(frozen=True)
+class SetPrompt:
+    prompt: str
+    negative_prompt: str | None
+    policy: str  # soft | recache | reset
+
+
+@dataclass(frozen=True)
+class Pause:
+    pass
+
+
+@dataclass(frozen=True)
+class Resume:
+    pass
+
+
+@dataclass(frozen=True)
+class Reset:
+    pass
+
+
+@dataclass(frozen=True)
+class Close:
+    reason: str = "client"
+
+
+@dataclass(frozen=True)
+class Attach:
+    pass
+
+
+@dataclass(frozen=True)
+class Detach:
+    pass
+
+
+Control = Start | SetPrompt | Pause | Resume | Reset | Close | Attach | Detach
+
+
+def next_state(state: SessionState, control: Control, *, starts_on_attach: bool = False) -> SessionState:
+    """The state after ``control``, or the protocol's error for a control this state refuses."""
+    if state is SessionState.CLOSED:
+        if isinstance(control, (Close, Detach)):
+            return state
+        raise SessionClosed("session is closed")
+    if isinstance(control, Close):
+        return SessionState.CLOSED
+    if isinstance(control, (Attach, Detach)):
+        if isinstance(control, Attach) and starts_on_attach and state is SessionState.CREATED:
+            return SessionState.ACTIVE
+        return state
+    if isinstance(control, Start):
+        if state is not SessionState.CREATED:
+            raise AlreadyStarted("the session is already running")
+        return SessionState.ACTIVE
+    if state is SessionState.CREATED:
+        raise NotStarted(f"send start before {_name(control)}")
+    if isinstance(control, Pause):
+        return SessionState.PAUSED
+    if isinstance(control, Resume):
+        return SessionState.ACTIVE
+    return state  # SetPrompt, Reset: the state is unchanged
+
+
+def _name(control: Control) -> str:
+    return {SetPrompt: "changing the prompt", Pause: "pause", Resume: "resume", Reset: "reset"}[type(control)]

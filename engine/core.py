@@ -1,0 +1,550 @@
+"""The engine core: the one owner of every session, the scheduler and the runner.
+
+``step()`` is the whole engine in three calls::
+
+    apply queued controls, enforce timeouts
+    schedule   → a StepPlan (the only thing that crosses to the device thread)
+    execute    → Runner.execute(plan) on the device thread
+    update     → deliver chunks, count costs and deadlines, end failed sessions
+
+Everything here runs on the event loop; the device thread sees only plans.
+Controls (start, prompt, pause, resume, reset, close, attach, detach) are
+validated when submitted and applied at the next tick, in order, by
+:meth:`_apply` — the one place a session's state machine moves. Every way a
+session ends goes through :meth:`_finish`, the one finish path: it marks the
+record closed, ends its queue, returns its KV reservation, and hands its id to
+the next plan so the runner releases its device state.
+
+Admission asks two budgets: memory (the KV manager's reservation, ``None``
+when full) and time (realtime admission, ``engine/realtime.py``). Either
+refusal is a :class:`CapacityFull` value with the expected wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+
+from engine.config import EngineConfig
+from engine.controls import (
+    Attach,
+    Close,
+    Control,
+    Detach,
+    Pause,
+    Reset,
+    Resume,
+    SessionState,
+    SetPrompt,
+    Start,
+    next_state,
+)
+from engine.errors import (
+    CapacityFull,
+    EngineUnavailable,
+    NoRealtimeCapacity,
+    SessionClosed,
+    TooManyControls,
+    UnknownSession,
+)
+from engine.plan import FinishedSession, SessionWork, StepPlan
+from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
+from engine.runner import BlockOutput, StepResult
+from engine.scheduler import Scheduler
+from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
+from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
+from engine.startup import BuiltEngine
+from engine.status import EngineCounters, RealtimeStatus, SessionStatus
+
+log = logging.getLogger("arstream.engine")
+
+# A control kind's cost is learned from the runner's measurements; until then a recache or a reset
+# is assumed to cost about one block (both re-run forwards), the others nothing.
+COSTLY_CONTROLS = ("recache", "reset")
+CONTROL_ORDER = ("recache", "reset", "open", "soft")  # a work item's control time goes to its costliest
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor) -> None:
+        self.config = config
+        self.runner = built.runner
+        self.kv = built.runner.kv_manager
+        self.capacity = built.capacity
+        self.per_session_bytes = built.per_session_bytes
+        self.geometry = built.geometry
+        self._executor = executor
+        self.sessions: dict[str, SessionRecord] = {}
+        self._finished: list[FinishedSession] = []
+        self.scheduler = Scheduler(
+            fps=config.fps,
+            frames_per_chunk=self.geometry.pixel_frames_per_block,
+            lead_chunks=config.lead_chunks,
+            ticks_per_block=built.ticks_per_block,
+        )
+        self.policy = RealtimePolicy(
+            block_seconds=self.geometry.block_seconds,
+            headroom=config.realtime_headroom,
+            enabled=config.realtime_admission,
+        )
+        self.block_cost = RunningCost(built.seed_block_cost_s)  # engine-wide, every session's blocks
+        self.control_costs = {kind: RunningCost() for kind in CONTROL_ORDER}
+        self.wake = asyncio.Event()
+        self.ticks = 0
+        self.blocks = 0
+        self.deadline_misses = 0
+        self.refused_realtime = 0
+        self.alive = True
+        self.dead_reason: str | None = None
+        self.draining = False
+
+    # --- admission ----------------------------------------------------------------------------
+    def admit(
+        self, *, seed: int, pace: bool, negative_prompt: str, prompt: str | None, start_on_attach: bool
+    ) -> SessionRecord | CapacityFull:
+        """A new session in ``created`` (``active`` with a prompt, unless it starts on attach), or a refusal."""
+        self.require_serving()
+        self._apply_controls()  # eviction and the budgets must see every accepted control
+        session_id = new_session_id()
+        while self.kv.reserve(session_id) is None:
+            if not self._evict_one(self._open_records()):
+                return CapacityFull(retry_after_s=self._expected_wait(self._open_records()))
+        if pace and not self._realtime_admits():
+            self.kv.unreserve(session_id)
+            self.refused_realtime += 1
+            live = [r for r in self._open_records() if r.pace]
+            return CapacityFull(
+                retry_after_s=self._expected_wait(live),
+                message="no device time left for another live session; try again later, or stream with pace off",
+            )
+        record = SessionRecord(
+            session_id=session_id,
+            seed=seed,
+            pace=pace,
+            queue=ChunkQueue(),
+            cost=RunningCost(),
+            negative_prompt=negative_prompt,
+        )
+        self.sessions[session_id] = record
+        if prompt is not None:
+            start = Start(prompt=prompt)
+            if start_on_attach:
+                record.prompt = prompt  # known now (its length is reported), generated once a consumer attaches
+                record.start_on_attach = start
+            else:
+                self._apply(record, start)
+        return record
+
+    def _realtime_admits(self) -> bool:
+        """One more live session keeps every live session in real time (evicting an idle live one if that helps)."""
+        while True:
+            live = [r for r in self._open_records() if r.pace]
+            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
+                return True
+            if not self._evict_one(live):
+                return False
+
+    def _evict_one(self, records: Iterable[SessionRecord]) -> bool:
+        """End the least recently active session without a live client that is detached or paused."""
+        # A session with a live client is never evicted: the newcomer is refused instead.
+        candidates = [
+            r for r in records if not r.attached and (r.detached_at is not None or r.state is SessionState.PAUSED)
+        ]
+        if not candidates:
+            return False
+        self._finish(min(candidates, key=lambda r: r.last_active), "evicted")
+        return True
+
+    def _expected_wait(self, blocking: list[SessionRecord]) -> float:
+        """Seconds until the soonest of ``blocking`` must end on its own (grace, idle timeout, maximum duration)."""
+        now, config = time.monotonic(), self.config
+        ends = []
+        for record in blocking:
+            ends.append(record.created_at + config.max_session_s)
+            if record.detached_at is not None:
+                ends.append(record.detached_at + config.detach_grace_s)
+            elif record.state in (SessionState.CREATED, SessionState.PAUSED):
+                ends.append(record.last_active + config.idle_timeout_s)
+        wait = min(ends) - now if ends else 0.0
+        return clamp_retry_after(wait, self.geometry.block_seconds)
+
+    # --- controls -------------------------------------------------------------------------------
+    def submit(self, session_id: str, control: Control) -> SessionState:
+        """Validate ``control`` against the session's state-to-be and queue it; returns that new state.
+
+        ``Close`` and ``Detach`` of an ended session are accepted and do nothing.
+        """
+        record = self.record(session_id)
+        state = record.projected_state()
+        new_state = _checked(state, control, record)
+        if not record.is_open or state is SessionState.CLOSED:
+            return new_state
+        if isinstance(control, Start) and control.pace and not record.pace and not self._realtime_admits():
+            self.refused_realtime += 1
+            raise NoRealtimeCapacity("no device time left for another live session; start with pace off or try later")
+        if len(record.controls) >= MAX_PENDING_CONTROLS:
+            raise TooManyControls("too many controls waiting for this session; slow down")
+        record.controls.append(control)
+        self.wake.set()
+        return new_state
+
+    def attach(self, session_id: str) -> SessionStatus:
+        """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
+        record = self.record(session_id)
+        if record.projected_state() is SessionState.CLOSED:
+            raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
+        self.submit(session_id, Attach())
+        record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
+        return self.status(session_id)
+
+    def _apply_controls(self) -> None:
+        for record in list(self.sessions.values()):
+            while record.controls:
+                self._apply(record, record.controls.popleft())
+
+    def _apply(self, record: SessionRecord, control: Control) -> None:
+        """The one place a session's state moves (the transitions are checked in ``engine/controls.py``)."""
+        if not record.is_open:
+            return
+        now = time.monotonic()
+        record.touch()
+        if isinstance(control, Close):
+            self._finish(record, control.reason)
+        elif isinstance(control, Start):
+            if control.seed is not None:
+                record.seed = control.seed
+            if control.negative_prompt is not None:
+                record.negative_prompt = control.negative_prompt
+            if control.pace is not None:
+                record.pace = control.pace
+            record.prompt = control.prompt
+            record.start_on_attach = None
+            record.state = SessionState.ACTIVE
+            record.started_at = now
+        elif isinstance(control, SetPrompt):
+            if control.negative_prompt is not None:
+                record.negative_prompt = control.negative_prompt
+            record.prompt = control.prompt
+            policy = control.policy
+            pending = record.pending_prompt
+            # A reset still waiting to be applied must survive a later soft change.
+            if pending is not None and pending.policy == "reset":
+                policy = "reset"
+            record.pending_prompt = PromptChange(control.prompt, record.negative_prompt, policy)
+        elif isinstance(control, Pause):
+            record.state = SessionState.PAUSED
+        elif isinstance(control, Resume):
+            if record.state is SessionState.PAUSED:
+                record.state = SessionState.ACTIVE
+                record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
+        elif isinstance(control, Reset):
+            record.pending_reset = True
+            record.pending_prompt = None  # the reset restarts with the current prompt
+            record.blocks_since_reset = 0
+        elif isinstance(control, Attach):
+            record.attached = True
+            record.detached_at = None
+            record.reanchor = record.playback_anchor is not None  # a new viewer's playback starts at its first chunk
+            if record.start_on_attach is not None and record.state is SessionState.CREATED:
+                self._apply(record, record.start_on_attach)
+        elif isinstance(control, Detach):
+            record.attached = False
+            record.detached_at = now
+        self.wake.set()
+
+    # --- the tick -------------------------------------------------------------------------------
+    async def step(self) -> bool:
+        """One tick: apply controls, schedule, execute on the device thread, update. False when idle."""
+        self._apply_controls()
+        now = time.monotonic()
+        self._enforce_limits(now)
+        finished, self._finished = self._finished, []
+        plan = self.scheduler.plan(
+            self._open_records(), finished, now, block_cost=self.cost_of, control_cost=self._control_cost
+        )
+        if plan.empty:
+            return False
+        self._mark_planned(plan)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.execute, plan)
+        except Exception as error:  # the runner itself broke: nothing can be trusted
+            log.exception("runner crashed")
+            result = StepResult(fatal=f"runner crashed: {error!r}")
+        self.ticks += 1
+        self._update(result)
+        return True
+
+    def next_wakeup(self) -> float:
+        return self.scheduler.next_wakeup(self._open_records(), time.monotonic())
+
+    def _mark_planned(self, plan: StepPlan) -> None:
+        """What the plan carries is no longer pending (the one place ``opened_on_device`` is set)."""
+        for work in plan.work:
+            record = self.sessions[work.session_id]
+            if work.open is not None:
+                record.opened_on_device = True
+                record.pending_prompt = None
+                record.pending_reset = False
+            if work.reset:
+                record.pending_reset = False
+            if work.prompt is not None:
+                record.pending_prompt = None
+
+    def _update(self, result: StepResult) -> None:
+        for cost in result.costs:
+            record = self.sessions.get(cost.session_id)
+            if record is not None:
+                record.device_seconds_pending += cost.control_s + cost.block_s
+            kinds = [kind for kind in CONTROL_ORDER if kind in cost.controls]
+            if kinds and cost.control_s > 0:
+                self.control_costs[kinds[0]].observe(cost.control_s)
+        for failure in result.failures:
+            record = self.sessions.get(failure.session_id)
+            if record is not None:
+                self._finish(record, "failed", error=failure.message)
+        for output in result.outputs:
+            record = self.sessions.get(output.session_id)
+            if record is not None and record.is_open:
+                self._deliver(record, output)
+        if result.fatal is not None:
+            self.alive = False
+            self.dead_reason = result.fatal
+            log.error("engine dead: device-fatal error", extra={"error": result.fatal})
+            for record in self._open_records():
+                self._finish(record, "failed", error="the engine's device failed")
+
+    def _deliver(self, record: SessionRecord, output: BlockOutput) -> None:
+        now = time.monotonic()
+        block_s, record.device_seconds_pending = record.device_seconds_pending, 0.0
+        if block_s > 0:
+            record.cost.observe(block_s)
+            self.block_cost.observe(block_s)
+        timings = ChunkTimings(
+            started_at=output.started_at,
+            queued_ms=output.queued_ms,
+            denoise_ms=output.denoise_ms,
+            decode_ms=output.decode_ms,
+        )
+        chunk = Chunk(
+            session_id=record.session_id,
+            index=record.chunks_emitted,
+            pts=record.frames_emitted,
+            frames=output.frames,
+            audio=output.audio,
+            audio_start=record.audio_samples_emitted,
+            block_index=output.block_index,
+            timings=timings,
+            ready_at=now_ms(),
+        )
+        self._keep_time(record, chunk.pts, now)
+        record.chunks_emitted += 1
+        record.frames_emitted += int(output.frames.shape[0])
+        if output.audio is not None:
+            record.audio_samples_emitted += int(output.audio.shape[1])
+        record.blocks_since_reset += 1
+        record.last_timings = timings
+        record.decoder_state_bytes = output.decoder_state_bytes
+        record.frame_rate.add(now, int(output.frames.shape[0]))
+        self.blocks += 1
+        record.queue.put_nowait(chunk)
+
+    def _keep_time(self, record: SessionRecord, pts: int, now: float) -> None:
+        """The playback clock: started by the first chunk, re-anchored after resume/attach, deadlines counted."""
+        fps = self.config.fps
+        if record.playback_anchor is None:
+            if record.started_at is not None:
+                record.time_to_first_chunk_ms = (now - record.started_at) * 1000.0
+            record.playback_anchor = now - pts / fps
+            return
+        if record.reanchor:
+            record.playback_anchor = now - pts / fps
+            record.reanchor = False
+            return
+        late = record.pace and now > record.playback_anchor + pts / fps + self.config.deadline_tolerance_s
+        record.recent_misses.append(late)
+        if late:
+            record.deadline_misses += 1
+            self.deadline_misses += 1
+
+    def _enforce_limits(self, now: float) -> None:
+        """End sessions past their grace period, idle timeout or maximum duration."""
+        config = self.config
+        for record in self._open_records():
+            if now - record.created_at > config.max_session_s:
+                self._finish(record, "max_duration")
+            elif record.detached_at is not None and now - record.detached_at > config.detach_grace_s:
+                self._finish(record, "idle_timeout")
+            elif record.state in (SessionState.CREATED, SessionState.PAUSED) and (
+                now - record.last_active > config.idle_timeout_s
+            ):
+                self._finish(record, "idle_timeout")
+
+    # --- the one finish path ---------------------------------------------------------------------
+    def _finish(self, record: SessionRecord, reason: str, error: str | None = None) -> None:
+        if not record.is_open:
+            return
+        record.state = SessionState.CLOSED
+        record.close_reason = reason
+        record.error = error
+        record.ended_at = time.monotonic()
+        record.controls.clear()
+        record.pending_prompt = None
+        record.pending_reset = False
+        record.decoder_state_bytes = 0
+        record.queue.end()
+        self.kv.unreserve(record.session_id)
+        if record.opened_on_device:
+            # The runner may have released it already (a failed step): releasing again is a no-op.
+            self._finished.append(FinishedSession(record.session_id, reason))
+        self.wake.set()
+
+    def end_now(self, session_id: str, reason: str) -> None:
+        """Apply the session's queued controls, then end it through the finish path (for callers that
+        must forget it at once)."""
+        record = self.record(session_id)
+        while record.controls:
+            self._apply(record, record.controls.popleft())
+        self._finish(record, reason)
+
+    def finish_all(self, reason: str) -> None:
+        self.draining = True
+        for record in self._open_records():
+            self._finish(record, reason)
+
+    def take_finished(self) -> list[FinishedSession]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def forget(self, session_id: str) -> None:
+        """Drop an ended session's record (whoever shows it to clients calls this after its retention)."""
+        record = self.sessions.get(session_id)
+        if record is not None and not record.is_open:
+            del self.sessions[session_id]
+
+    # --- reading --------------------------------------------------------------------------------
+    def record(self, session_id: str) -> SessionRecord:
+        record = self.sessions.get(session_id)
+        if record is None:
+            raise UnknownSession("unknown session")
+        return record
+
+    def _open_records(self) -> list[SessionRecord]:
+        return [r for r in self.sessions.values() if r.is_open]
+
+    def cost_of(self, record: SessionRecord) -> float:
+        """Expected device seconds of the session's next block: its own estimate, else the engine's."""
+        if record.cost.samples:
+            return record.cost.seconds
+        return self.block_cost.seconds or 0.0
+
+    def _control_cost(self, work: SessionWork) -> float:
+        kinds = []
+        if work.reset or (work.prompt is not None and work.prompt.policy == "reset"):
+            kinds.append("reset")
+        if work.prompt is not None and work.prompt.policy == "recache":
+            kinds.append("recache")
+        total = 0.0
+        for kind in kinds:
+            learned = self.control_costs[kind]
+            total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
+        return total
+
+    def live_capacity(self) -> int | None:
+        live = [self.cost_of(r) for r in self._open_records() if r.pace]
+        return self.policy.live_capacity(live, self.block_cost.seconds)
+
+    def _utilisation(self) -> float:
+        running = [r for r in self._open_records() if r.pace and r.state is SessionState.ACTIVE]
+        return self.policy.utilisation([self.cost_of(r) for r in running])
+
+    def _below_realtime(self, record: SessionRecord) -> bool:
+        """The live sessions' measured demand exceeds the device, and this one is missing deadlines because of it."""
+        return self._utilisation() > 1.0 and any(record.recent_misses)
+
+    def status(self, session_id: str) -> SessionStatus:
+        record = self.record(session_id)
+        projected = record.projected()
+        state = projected.state
+        shown = state.value
+        if state is not SessionState.CLOSED:
+            if projected.detached:
+                shown = "detached"
+            if self.draining:
+                shown = "draining"
+        live_running = projected.pace and state is SessionState.ACTIVE
+        return SessionStatus(
+            session_id=record.session_id,
+            state=shown,
+            attached=projected.attached,
+            seed=projected.seed,
+            pace=projected.pace,
+            prompt_length=len(projected.prompt or ""),
+            chunks=record.chunks_emitted,
+            frames=record.frames_emitted,
+            audio_samples=record.audio_samples_emitted,
+            blocks_since_reset=record.blocks_since_reset,
+            queue_depth=len(record.queue),
+            created_at=record.created_at_epoch,
+            started_at=record.started_at,
+            ended_at=record.ended_at,
+            time_to_first_chunk_ms=record.time_to_first_chunk_ms,
+            last_timings=record.last_timings,
+            close_reason=record.close_reason,
+            error=record.error,
+            decoder_state_bytes=record.decoder_state_bytes,
+            realtime=RealtimeStatus(
+                live=projected.pace,
+                block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
+                frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
+                deadline_misses=record.deadline_misses,
+                below_realtime=live_running and self._below_realtime(record),
+            ),
+        )
+
+    def counters(self, *, ready: bool) -> EngineCounters:
+        by_state: dict[str, int] = {}
+        for session_id in self.sessions:
+            state = self.status(session_id).state
+            by_state[state] = by_state.get(state, 0) + 1
+        open_records = self._open_records()
+        live = [r for r in open_records if r.pace]
+        utilisation = self._utilisation()
+        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r))
+        cost = self.block_cost.seconds
+        return EngineCounters(
+            ready=ready,
+            alive=self.alive,
+            draining=self.draining,
+            ticks=self.ticks,
+            blocks=self.blocks,
+            capacity=self.capacity,
+            live_capacity=self.live_capacity(),
+            realtime_admission=self.policy.enabled,
+            block_cost_ms=cost * 1000.0 if cost is not None else None,
+            realtime_utilisation=utilisation,
+            sessions_by_state=by_state,
+            live_sessions=len(live),
+            live_sessions_below_realtime=below,
+            deadline_misses=self.deadline_misses,
+            refused_realtime=self.refused_realtime,
+            kv_blocks_total=self.kv.block_pool.num_blocks,
+            kv_blocks_in_use=self.kv.blocks_in_use,
+            decoder_state_bytes=sum(r.decoder_state_bytes for r in open_records),
+            queue_depths=tuple(len(r.queue) for r in open_records),
+            session_frames_per_second=tuple(
+                r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE
+            ),
+            session_deadline_misses=tuple(r.deadline_misses for r in live),
+        )
+
+    def require_serving(self) -> None:
+        if not self.alive:
+            raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
+        if self.draining:
+            raise EngineUnavailable("the engine is draining")
+
+
+def _checked(state: SessionState, control: Control, record: SessionRecord) -> SessionState:
+    return next_state(state, control, starts_on_attach=record.start_on_attach is not None)

@@ -1,0 +1,120 @@
+"""The engine core's record of one session: state machine, conditioning, counters, clocks, queue.
+
+Only the engine core (``engine/core.py``) reads or writes these, on the event
+loop; everyone else gets :class:`~engine.status.SessionStatus` snapshots.
+Device-side state (KV, decoder caches, RNG) belongs to the runner and is
+reached only through the step plan.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
+from engine.realtime import FrameRate, RunningCost
+from engine.session import ChunkQueue, ChunkTimings
+
+MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
+RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
+
+
+@dataclass
+class PromptChange:
+    prompt: str
+    negative_prompt: str
+    policy: str  # soft | recache | reset
+
+
+@dataclass(frozen=True)
+class Projection:
+    """A session as it will be once its queued controls apply: what snapshots show and controls are checked on."""
+
+    state: SessionState
+    attached: bool
+    detached: bool
+    prompt: str | None
+    seed: int
+    pace: bool
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    seed: int
+    pace: bool
+    queue: ChunkQueue
+    cost: RunningCost  # device seconds per block, seeded with the engine-wide estimate
+    prompt: str | None = None
+    negative_prompt: str = ""
+    start_on_attach: Start | None = None  # a start deferred until a consumer attaches
+    state: SessionState = SessionState.CREATED
+    controls: deque[Control] = field(default_factory=deque)  # submitted, applied at the next tick
+    attached: bool = False
+    created_at: float = field(default_factory=time.monotonic)
+    created_at_epoch: float = field(default_factory=time.time)
+    last_active: float = field(default_factory=time.monotonic)
+    detached_at: float | None = None
+    started_at: float | None = None  # monotonic, when `start` was applied
+    ended_at: float | None = None
+    close_reason: str | None = None
+    error: str | None = None
+    # device-side work the next plan must carry
+    opened_on_device: bool = False  # set once, when a plan first carries the open; never unset
+    pending_prompt: PromptChange | None = None
+    pending_reset: bool = False
+    # counters and clocks
+    chunks_emitted: int = 0
+    frames_emitted: int = 0
+    audio_samples_emitted: int = 0
+    blocks_since_reset: int = 0
+    playback_anchor: float | None = None  # monotonic time at which frame 0 plays; set by the first chunk
+    reanchor: bool = False  # resume: the next chunk re-anchors the playback clock (it plays on arrival)
+    time_to_first_chunk_ms: float | None = None
+    last_timings: ChunkTimings | None = None
+    deadline_misses: int = 0
+    recent_misses: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))  # per chunk, newest last
+    device_seconds_pending: float = 0.0  # device time spent since the last block (controls, stepwise steps)
+    frame_rate: FrameRate = field(default_factory=FrameRate)
+    decoder_state_bytes: int = 0
+
+    @property
+    def is_open(self) -> bool:
+        return self.state is not SessionState.CLOSED
+
+    def projected_state(self) -> SessionState:
+        """The state once every queued control has applied (what a new control is checked against)."""
+        return self.projected().state
+
+    def projected(self) -> Projection:
+        state, starts = self.state, self.start_on_attach is not None
+        attached, detached = self.attached, self.detached_at is not None
+        prompt, seed, pace = self.prompt, self.seed, self.pace
+        for control in self.controls:
+            state = next_state(state, control, starts_on_attach=starts)
+            if isinstance(control, Attach):
+                attached, detached = True, False
+            elif isinstance(control, Detach):
+                attached, detached = False, True
+            elif isinstance(control, (Start, SetPrompt)):
+                prompt = control.prompt
+                if isinstance(control, Start):
+                    seed = control.seed if control.seed is not None else seed
+                    pace = control.pace if control.pace is not None else pace
+        return Projection(state, attached, detached, prompt, seed, pace)
+
+    def touch(self) -> None:
+        self.last_active = time.monotonic()
+
+    def media_seconds_ahead(self, now: float, fps: int) -> float:
+        """How far the emitted media runs ahead of the playback clock (0 before the first chunk)."""
+        if self.playback_anchor is None or self.reanchor:
+            return 0.0
+        return self.frames_emitted / fps - (now - self.playback_anchor)
+
+    def next_deadline(self, fps: int) -> float | None:
+        """Monotonic time by which the next chunk must be emitted to play on time (None: no clock yet)."""
+        if not self.pace or self.playback_anchor is None or self.reanchor:
+            return None
+        return self.playback_anchor + self.frames_emitted / fps

@@ -1,0 +1,128 @@
+"""Building the engine on its device thread: models, pools sized from memory, warm-up.
+
+Runs once, before the engine core exists. The result says how many sessions
+the memory holds and what one block costs on this machine (the warm-up's
+blocks seed the core's running estimate).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from engine.bundle import ModelBundle, build_models
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager, KVSpec
+from engine.runner import Runner, runner_for
+from engine.status import Geometry
+
+log = logging.getLogger("arstream.engine")
+
+ACTIVATION_MARGIN = 1.25  # headroom over the measured activation peak (allocator fragmentation)
+DEVICE_RESERVE_BYTES = 2 * 2**30  # CUDA context, cuBLAS/cuDNN workspaces, encoder buffers
+
+
+@dataclass(frozen=True)
+class BuiltEngine:
+    runner: Runner
+    capacity: int  # sessions the memory holds
+    per_session_bytes: int
+    geometry: Geometry
+    warmup_block_s: tuple[float, ...]  # device seconds of each warm-up block
+    ticks_per_block: int  # 1 grouped; denoise steps + commit in stepwise mode
+
+    @property
+    def seed_block_cost_s(self) -> float | None:
+        """The warm-up's steady cost: its first block pays one-time costs, so it counts only when alone."""
+        blocks = self.warmup_block_s
+        if not blocks:
+            return None
+        steady = blocks[1:] or blocks
+        return sum(steady) / len(steady)
+
+
+def geometry_for(config: EngineConfig, width: int, height: int, bundle: ModelBundle | None = None) -> Geometry:
+    timing = bundle.audio_timing if bundle is not None else None
+    return Geometry(
+        width=width,
+        height=height,
+        fps=config.fps,
+        frames_per_block=config.frames_per_block,
+        pixel_frames_per_block=4 * config.frames_per_block,
+        audio_sample_rate=timing.sample_rate if timing is not None else None,
+        audio_channels=bundle.audio_channels if bundle is not None else None,
+    )
+
+
+def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> BuiltEngine:
+    """Everything the core drives; call on the device thread."""
+    threads = config.cpu_threads
+    if threads is None and torch.device(config.device).type == "cpu":
+        # Half the cores: the encoder threads and the event loop need the rest, and torch's
+        # intra-op threads spinning against them cost far more than they give (docs/BENCHMARKS.md).
+        threads = max(1, (os.cpu_count() or 2) // 2)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    bundle = bundle or build_models(config)
+    spec = bundle.pipeline.kv_spec()
+    decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
+    if bundle.audio_decoder is not None:
+        decoder_bytes += bundle.audio_decoder.declared_state_bytes()
+    per_session_bytes = spec.session_bytes + decoder_bytes
+    budget = config.kv_memory_budget_bytes
+    if budget is None and torch.device(config.device).type == "cuda":
+        budget = _cuda_budget(config, bundle, spec)
+    capacity = config.max_sessions
+    if budget is not None:
+        capacity = min(capacity, budget // per_session_bytes)
+    if capacity < 1:
+        raise ValueError(
+            f"the memory budget holds no session: one needs {per_session_bytes} bytes "
+            f"(KV {spec.session_bytes}, decoder {decoder_bytes}), budget {budget}"
+        )
+    manager = KVCacheManager(spec, int(capacity), config.device)
+    stepwise = config.step_mode == "stepwise"
+    runner = runner_for(bundle, manager, stepwise=stepwise)
+    if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
+        bundle.audio_decoder.graphs.warmup(config.device)
+    warmup = runner.warmup(config.warmup_blocks) if config.warmup_blocks else []
+    built = BuiltEngine(
+        runner=runner,
+        capacity=int(capacity),
+        per_session_bytes=per_session_bytes,
+        geometry=geometry_for(config, bundle.width, bundle.height, bundle),
+        warmup_block_s=tuple(warmup),
+        ticks_per_block=bundle.pipeline.num_steps + 1 if stepwise else 1,
+    )
+    log.info(
+        "engine built",
+        extra={"capacity": built.capacity, "warmup_block_ms": [round(s * 1000, 1) for s in warmup]},
+    )
+    return built
+
+
+def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> int:
+    """Free device memory left for sessions after a warm-up measured peak activation memory.
+
+    One probe session runs a block with its own pool; what the step
+    allocated beyond the resident tensors is the activation peak, kept free
+    (with a margin) for every later step.
+    """
+    device = torch.device(config.device)
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    probe = runner_for(bundle, KVCacheManager(spec, 1, device))
+    resident = torch.cuda.memory_allocated(device)
+    probe.warmup(1)
+    activation_peak = torch.cuda.max_memory_allocated(device) - resident
+    del probe
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
+    budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
+    log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget})
+    return max(budget, 0)

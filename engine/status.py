@@ -1,0 +1,95 @@
+"""What the engine shows the outside: immutable snapshots, taken on the event loop.
+
+The web layer and the CLI never hold the engine's session records; they read
+these frozen copies, so nothing outside the engine core can change a session
+behind its back, and a snapshot taken before a session ended still says what
+it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.session import ChunkTimings
+
+
+@dataclass(frozen=True)
+class RealtimeStatus:
+    """How a session keeps up with its playback clock (see docs/ENGINE.md, realtime admission)."""
+
+    live: bool  # pacing on: it has a playback clock and deadlines
+    block_cost_ms: float | None  # running estimate of device time per block, None before any was measured
+    frames_per_second: float  # frames emitted per second over the last few chunks
+    deadline_misses: int  # chunks emitted later than their playback time (+ tolerance); live sessions only
+    below_realtime: bool  # the live sessions' measured demand exceeds the device and this one missed lately
+
+
+@dataclass(frozen=True)
+class SessionStatus:
+    session_id: str
+    state: str  # protocol state: created, active, paused, detached, closed, draining
+    attached: bool
+    seed: int
+    pace: bool
+    prompt_length: int
+    chunks: int
+    frames: int
+    audio_samples: int  # the next chunk's audio starts here on the session timeline
+    blocks_since_reset: int
+    queue_depth: int
+    created_at: float  # epoch seconds
+    started_at: float | None  # monotonic seconds when `start` was applied
+    ended_at: float | None  # monotonic seconds when the session ended
+    time_to_first_chunk_ms: float | None
+    last_timings: ChunkTimings | None
+    close_reason: str | None
+    error: str | None
+    decoder_state_bytes: int  # the session's streaming decoder caches (video + audio) on the device
+    realtime: RealtimeStatus
+
+    @property
+    def is_open(self) -> bool:
+        return self.state != "closed"
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    ready: bool
+    alive: bool
+    draining: bool
+    ticks: int
+    blocks: int
+    capacity: int  # sessions the memory holds
+    live_capacity: int | None  # live sessions the device keeps in real time (None before a block was measured)
+    realtime_admission: bool
+    block_cost_ms: float | None  # the engine-wide running estimate
+    realtime_utilisation: float  # live sessions' demand / device time (> 1: they fall behind)
+    sessions_by_state: dict[str, int]
+    live_sessions: int
+    live_sessions_below_realtime: int
+    deadline_misses: int  # over every session the engine has run, ended ones included
+    refused_realtime: int  # admissions refused because the device had no time left for another live session
+    kv_blocks_total: int
+    kv_blocks_in_use: int
+    decoder_state_bytes: int  # all sessions together
+    queue_depths: tuple[int, ...]  # chunks waiting per open session (no ids: an id is a capability)
+    session_frames_per_second: tuple[float, ...]  # per active session, in no particular order
+    session_deadline_misses: tuple[int, ...]  # per open live session
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a client needs to know about the media the engine produces."""
+
+    width: int
+    height: int
+    fps: int
+    frames_per_block: int  # latent frames
+    pixel_frames_per_block: int  # 4x temporal: 12 for 3 latent frames (the first block has 9)
+    audio_sample_rate: int | None
+    audio_channels: int | None = None
+
+    @property
+    def block_seconds(self) -> float:
+        """Playback time of one steady-state block: the real-time budget of a live session per block."""
+        return self.pixel_frames_per_block / self.fps

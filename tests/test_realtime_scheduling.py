@@ -1,0 +1,169 @@
+"""Realtime admission and scheduling inside the engine: who is admitted, who runs first, what is a miss."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from engine.api import Engine
+from engine.controls import SessionState
+from engine.errors import CapacityFull
+from engine.realtime import RealtimePolicy, RunningCost
+from engine.scheduler import Scheduler
+from engine.session import ChunkQueue
+from engine.session_record import PromptChange, SessionRecord
+from tests.engine_helpers import small_config
+
+FPS = 16
+BLOCK_S = 0.1  # a block's device time, as the core would estimate it
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
+
+
+def _running(session_id: str, *, pace: bool, now: float, deadline_in_s: float | None = None, ready: bool = True):
+    """A started session on the device whose next chunk is due ``deadline_in_s`` from ``now``."""
+    record = SessionRecord(session_id=session_id, seed=1, pace=pace, queue=ChunkQueue(), cost=RunningCost())
+    record.prompt, record.state, record.opened_on_device = "p", SessionState.ACTIVE, True
+    record.frames_emitted = 9
+    record.chunks_emitted = 1
+    if deadline_in_s is not None:
+        record.playback_anchor = now + deadline_in_s - record.frames_emitted / FPS
+    record.queue.in_hand = not ready  # its consumer has not asked for the next chunk yet
+    return record
+
+
+def _plan(records, now, control_s=0.0):
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
+    plan = scheduler.plan(records, [], now, block_cost=lambda r: BLOCK_S, control_cost=lambda w: control_s if w.prompt else 0.0)
+    return [work.session_id for work in plan.work]
+
+
+def test_live_sessions_run_nearest_deadline_first():
+    now = time.monotonic()
+    later = _running("later", pace=True, now=now, deadline_in_s=0.6)
+    sooner = _running("sooner", pace=True, now=now, deadline_in_s=0.3)
+    assert _plan([later, sooner], now) == ["sooner", "later"]
+
+
+def test_a_best_effort_block_waits_while_it_would_make_a_live_session_miss():
+    now = time.monotonic()
+    best_effort = _running("best", pace=False, now=now)
+    # The live session's consumer is still busy; its block starts after this tick and must end in 0.15 s.
+    tight = _running("live", pace=True, now=now, deadline_in_s=0.15, ready=False)
+    assert _plan([tight, best_effort], now) == []
+    roomy = _running("live", pace=True, now=now, deadline_in_s=0.5, ready=False)
+    assert _plan([roomy, best_effort], now) == ["best"]
+    # A live session that is behind and runs this tick is not made later still...
+    behind = _running("live", pace=True, now=now, deadline_in_s=-0.1)
+    assert _plan([behind, best_effort], now) == ["live"]
+    # ... but one that cannot run (its consumer is stalled) does not starve best effort forever.
+    stalled = _running("live", pace=True, now=now, deadline_in_s=0.05, ready=False)
+    assert _plan([stalled, best_effort], now) == ["best"]
+
+
+def test_a_recache_waits_a_tick_when_it_would_make_another_live_session_miss():
+    now = time.monotonic()
+    urgent = _running("urgent", pace=True, now=now, deadline_in_s=0.15)
+    recaching = _running("recaching", pace=True, now=now, deadline_in_s=1.0)
+    recaching.pending_prompt = PromptChange("new", "", "recache")
+    assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent"]
+    # Once its own deadline is near it runs anyway.
+    recaching = _running("recaching", pace=True, now=now, deadline_in_s=0.35)
+    recaching.pending_prompt = PromptChange("new", "", "recache")
+    assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent", "recaching"]
+
+
+def test_admission_sums_live_costs_against_one_block_of_playback():
+    policy = RealtimePolicy(block_seconds=0.75, headroom=1.5, enabled=True)  # 0.5 s of device time per block
+    assert policy.admits([], 5.0)  # the first live session always gets in, even one too slow for real time
+    assert policy.admits([0.125, 0.125], 0.25) and not policy.admits([0.125, 0.125], 0.26)
+    assert policy.live_capacity([], 0.125) == 4 and policy.live_capacity([0.125, 0.125], 0.125) == 4
+    assert policy.live_capacity([0.125] * 4, 0.125) == 4 and policy.live_capacity([0.375, 0.375], 0.375) == 1
+    assert policy.admits([0.125, 0.125], None)  # nothing measured yet: no evidence to refuse on
+    assert RealtimePolicy(block_seconds=0.75, headroom=1.25, enabled=False).admits([9.0], 9.0)
+
+
+def test_a_second_live_session_is_refused_when_the_device_has_no_time_for_it():
+    async def scenario(realtime_admission: bool):
+        # 100x headroom: one block's playback time (0.75 s) holds 7.5 ms of device time, less than any block.
+        engine = Engine(small_config(warmup_blocks=1, realtime_headroom=100.0, realtime_admission=realtime_admission))
+        await engine.start()
+        try:
+            first = engine.create_session(seed=1, prompt="live", pace=True)
+            assert not isinstance(first, CapacityFull)  # the first live session is always admitted
+            second = engine.create_session(seed=2, prompt="live too", pace=True)
+            best_effort = engine.create_session(seed=3, prompt="best effort", pace=False)
+            assert not isinstance(best_effort, CapacityFull)  # best effort is not counted against real time
+            counters = engine.counters()
+            return second, counters
+        finally:
+            await engine.shutdown()
+
+    refused, counters = run(scenario(True))
+    assert isinstance(refused, CapacityFull) and refused.retry_after_s >= 0.75
+    assert counters.refused_realtime == 1 and counters.live_capacity == 1 and counters.live_sessions == 1
+    admitted, counters = run(scenario(False))
+    assert not isinstance(admitted, CapacityFull) and counters.live_sessions == 2
+
+
+def test_a_live_chunk_later_than_its_playback_time_is_a_deadline_miss_and_a_resume_is_not():
+    async def take(engine, session_id, count):
+        taken = []
+        async for chunk in engine.chunks(session_id):
+            taken.append(chunk)
+            if len(taken) == count:
+                return taken
+
+    async def scenario():
+        engine = Engine(small_config(window_frames=3, fps=FPS))
+        await engine.start()
+        try:
+            live = engine.create_session(seed=1, prompt="live", pace=True).session_id
+            best = engine.create_session(seed=2, prompt="best", pace=False).session_id
+            await asyncio.gather(take(engine, live, 1), take(engine, best, 1))
+            # Their consumers hold the first chunk 1 s: the live one's next chunk (due 9/16 s after
+            # the first) can only come late.
+            await asyncio.sleep(1.0)
+            await asyncio.gather(take(engine, live, 2), take(engine, best, 2))
+            missed = engine.status(live).realtime.deadline_misses
+            engine.pause(live)
+            await asyncio.sleep(1.0)  # the playback clock does not run while paused...
+            engine.resume(live)
+            await take(engine, live, 2)  # ... so resuming re-anchors it: no new miss
+            return missed, engine.status(live).realtime, engine.status(best).realtime
+        finally:
+            await engine.shutdown()
+
+    missed, live, best = run(scenario())
+    assert missed >= 1 and live.deadline_misses == missed and live.live
+    assert best.deadline_misses == 0 and not best.live  # best effort has no deadlines
+    assert live.block_cost_ms is not None and live.block_cost_ms > 0 and live.frames_per_second > 0
+
+
+def test_the_first_live_session_is_admitted_even_below_real_time_and_reported_so():
+    async def scenario():
+        # 50 denoise steps per 4-frame block at 256x144 and 60 fps: a block costs several times its 67 ms of playback.
+        config = small_config(
+            height=144, width=256, window_frames=3, fps=60, frames_per_block=1,
+            timesteps=[1000.0 - 20.0 * i for i in range(50)], warmup_blocks=1,
+            audio=False,
+        )
+        engine = Engine(config)
+        await engine.start()
+        try:
+            first = engine.create_session(seed=1, prompt="too slow", pace=True)
+            assert not isinstance(first, CapacityFull)
+            async for chunk in engine.chunks(first.session_id):
+                if chunk.index == 5:
+                    break
+            second = engine.create_session(seed=2, prompt="also live", pace=True)
+            return engine.status(first.session_id).realtime, engine.counters(), second
+        finally:
+            await engine.shutdown()
+
+    realtime, counters, second = run(scenario())
+    assert realtime.below_realtime and realtime.deadline_misses > 0
+    assert counters.realtime_utilisation > 1.0 and counters.live_sessions_below_realtime == 1
+    assert counters.live_capacity == 1 and isinstance(second, CapacityFull)
