@@ -8,7 +8,7 @@ or eviction by a newcomer (capacity is kept scarce on purpose). When all is done
 time has passed: no session listed, no KV block in use, no decoder state held, no socket open, and
 the server's RSS grew by at most 20 KiB per session over the second half of the run.
 
-``ARSTREAM_CHAOS_SESSIONS`` (default 500) makes a longer run; the marked-slow test runs 2,000.
+``ARSTREAM_CHAOS_SESSIONS`` (default 500) makes a longer run; the slow test (``ARSTREAM_SLOW_TESTS=1``) runs 2,000.
 """
 
 from __future__ import annotations
@@ -338,6 +338,7 @@ def test_chaos_sessions_leave_nothing_behind():
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ARSTREAM_SLOW_TESTS"), reason="2,000 sessions: ~5 min on the shared CPU (ARSTREAM_SLOW_TESTS=1 runs it)")
 def test_long_chaos_run_leaves_nothing_behind():
     chaos, figures = run_chaos(2000, seed=10)
     check(chaos, figures)

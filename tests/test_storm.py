@@ -1,6 +1,7 @@
 """A connection storm: 36 times as many sockets as slots, all at once. Every one is answered — a session
 or ``closed`` ``capacity`` with ``retry_after_s`` and close 1013 — quickly, and the admitted sessions
-stream on. Marked slow (figures in docs/RELIABILITY.md); ``ARSTREAM_STORM_FACTOR`` scales it."""
+stream on. Slow: ``ARSTREAM_SLOW_TESTS=1`` runs it (figures in docs/RELIABILITY.md);
+``ARSTREAM_STORM_FACTOR`` scales it."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ async def one(url: str) -> tuple[str, float, int | None, dict | None]:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("ARSTREAM_SLOW_TESTS"), reason="a 144-socket storm (ARSTREAM_SLOW_TESTS=1 runs it)")
 def test_connection_storm_is_answered_quickly_and_admitted_sessions_stream():
     server = start_server("--max-sessions", str(SLOTS))
     try:
