@@ -147,7 +147,9 @@ def serve(args: argparse.Namespace) -> int:
         app,
         host=settings.host,
         port=settings.port,
-        ws=_websocket_implementation(),
+        ws=_websocket_implementation(settings.send_buffer_bytes),
+        ws_ping_interval=settings.ping_interval_s,  # a client that answers no ping is dropped (detached)
+        ws_ping_timeout=settings.ping_timeout_s,
         ws_per_message_deflate=False,  # media does not compress; deflate only costs CPU and latency
         ws_max_size=settings.max_message_bytes,  # larger client frames are closed 1009 by the protocol layer
         lifespan="on",
@@ -162,11 +164,16 @@ def serve(args: argparse.Namespace) -> int:
     return app.state.service.exit_code if hasattr(app.state, "service") else 0
 
 
-def _websocket_implementation() -> str:
-    """uvicorn's non-deprecated WebSocket protocol: the Sans-I/O websockets one where this uvicorn has it."""
+def _websocket_implementation(send_buffer_bytes: int):
+    """uvicorn's non-deprecated WebSocket protocol: the Sans-I/O websockets one where this uvicorn has it,
+    with bounded buffers and a hard stop for clients that stopped reading (app.ws_protocol)."""
     from uvicorn.config import WS_PROTOCOLS
 
-    return "websockets-sansio" if "websockets-sansio" in WS_PROTOCOLS else "websockets"
+    if "websockets-sansio" not in WS_PROTOCOLS:
+        return "websockets"
+    from app.ws_protocol import bounded_websocket_protocol
+
+    return bounded_websocket_protocol(send_buffer_bytes)
 
 
 class _DrainingServer(uvicorn.Server):
