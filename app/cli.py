@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import re
 import sys
 import time
 import warnings
@@ -51,6 +52,13 @@ _SERVICE_FLAGS = ("host", "port", "environment", "allowed_origins", "log_format"
 _FLAG_OF_FIELD = {field: "--" + flag.replace("_", "-") for flag, field in _ENGINE_FLAGS.items()}
 _FLAG_OF_FIELD.update({"audio": "--no-audio", "allowed_origins": "--allowed-origin"})
 _FLAG_OF_FIELD.update({flag: "--" + flag.replace("_", "-") for flag in _SERVICE_FLAGS if flag != "allowed_origins"})
+
+# Field names in cross-field messages ("causal_weights needs model_dir", "height=50 ..."): the
+# snake_case ones anywhere, the others only right before "=".
+_FIELD_NAMES = re.compile(
+    r"\b(?:" + "|".join(name for name in _FLAG_OF_FIELD if "_" in name) + r")\b"
+    r"|\b(?:" + "|".join(_FLAG_OF_FIELD) + r")(?==)"
+)
 
 
 def package_version() -> str:
@@ -93,6 +101,8 @@ def describe_validation_error(error: ValidationError) -> str:
         field = location[-1] if location else ""
         where = _FLAG_OF_FIELD.get(field) or ".".join(location)
         message = problem["msg"].removeprefix("Value error, ")
+        if not where:  # a rule across fields: name them as the flags the user typed
+            message = _FIELD_NAMES.sub(lambda match: _FLAG_OF_FIELD[match.group(0)], message)
         problems.append(f"{where}: {message}" if where else message)
     return "; ".join(problems)
 
