@@ -9,16 +9,27 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from engine.api import MAX_PROMPT_CHARS, MAX_SEED
+from engine.errors import EngineError
+from engine.prompts import check_prompt
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 64
 MAX_MESSAGE_CHARS = 200  # human-readable error messages we send
 
-Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
-NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+def _protocol_prompt(value: str) -> str:
+    """engine/prompts.py's rules (not only whitespace, valid Unicode) as a schema check."""
+    try:
+        return check_prompt(value, allow_empty=True)  # emptiness and length: the Field bounds, with their codes
+    except EngineError as error:
+        raise ValueError(error.message) from None
+
+
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
+NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
 MessageId = Annotated[str, Field(max_length=MAX_ID_CHARS)]
 PromptPolicy = Literal["soft", "recache", "reset"]
