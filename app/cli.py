@@ -23,7 +23,7 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
-from engine.config import EngineConfig
+# Nothing here imports torch at module level: usage mistakes are answered in a fraction of a second.
 
 MAX_GENERATE_SECONDS = 24 * 3600
 EXIT_USAGE = 2
@@ -146,7 +146,10 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
            help="no audio track, even when the preset makes audio")
 
 
-def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+def _engine_config(args: argparse.Namespace, **overrides):
+    """The ``EngineConfig`` of the flags given (absent or None ones take the config's defaults)."""
+    from engine.config import EngineConfig
+
     given = vars(args)
     fields = {field: given[flag] for flag, field in _ENGINE_FLAGS.items() if given.get(flag) is not None}
     return EngineConfig(**{**fields, **overrides})
@@ -202,7 +205,24 @@ def build_parser() -> argparse.ArgumentParser:
 # --- generate ---------------------------------------------------------------------------------------
 
 
+def check_output_path(out: Path) -> str | None:
+    """Why ``out`` cannot be written (one phrase), or None. Probes by opening: permissions alone lie
+    to root, and read-only mounts show only then. A file the probe created is removed again."""
+    if out.is_dir():
+        return "is a directory"
+    existed = out.exists()
+    try:
+        with open(out, "ab"):
+            pass
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error})"
+    if not existed:
+        out.unlink(missing_ok=True)
+    return None
+
+
 def run_generate(args: argparse.Namespace) -> int:
+    """Check every flag (cheapest first), then write the clip."""
     from engine.errors import EngineError
     from engine.prompts import check_prompt
 
@@ -215,22 +235,22 @@ def run_generate(args: argparse.Namespace) -> int:
         return fail("generate", f"--seconds {args.seconds}: must be a number in (0, {MAX_GENERATE_SECONDS}]")
     if not 0 <= args.seed <= 2**63 - 1:
         return fail("generate", f"--seed {args.seed}: must be an integer in [0, 2**63 - 1]")
+    problem = check_output_path(args.out)
+    if problem is not None:
+        return fail("generate", f"--out {args.out}: {problem}")
     try:
         # One session, unpaced, no warm-up: the clip is all there is.
         config = _engine_config(args, max_sessions=1, warmup_blocks=0, max_session_s=7 * 86400.0)
     except ValidationError as error:
         return fail("generate", describe_validation_error(error))
-
-    from app.generate import GenerateRequest, check_output_path, generate
     from engine.preflight import check_before_build
 
-    problem = check_output_path(args.out)
-    if problem is not None:
-        return fail("generate", f"--out {args.out}: {problem}")
     try:
         check_before_build(config)
     except ValueError as error:
         return fail("generate", error)
+    from app.generate import GenerateRequest, generate  # the engine and the encoders: only once the checks passed
+
     configure_logging("text", logging.WARNING)  # progress is the bar; info lines would only interleave
     # diffusers' audio VAE calls torch's deprecated weight_norm: nothing a user of this command can act on.
     warnings.filterwarnings("ignore", message=r".*weight_norm.* is deprecated", category=FutureWarning)
@@ -253,7 +273,6 @@ def _settings_from(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     """Run the web service until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
-    from app.main import create_app
     from engine.preflight import check_before_build
 
     try:
@@ -264,6 +283,8 @@ def serve(args: argparse.Namespace) -> int:
         check_before_build(settings.engine)
     except ValueError as error:
         return fail("serve", error)
+    from app.main import create_app  # the service and the model code: only once the checks passed
+
     configure_logging(settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(

@@ -35,22 +35,6 @@ class GenerateRequest:
     quiet: bool
 
 
-def check_output_path(out: Path) -> str | None:
-    """Why ``out`` cannot be written (one phrase), or None. Probes by opening: permissions alone lie
-    to root, and read-only mounts show only then. A file the probe created is removed again."""
-    if out.is_dir():
-        return "is a directory"
-    existed = out.exists()
-    try:
-        with open(out, "ab"):
-            pass
-    except OSError as error:
-        return f"cannot be written ({error.strerror or error})"
-    if not existed:
-        out.unlink(missing_ok=True)
-    return None
-
-
 async def generate(config: EngineConfig, request: GenerateRequest, say) -> int:
     """Run the clip; ``say(text)`` prints the one-line outcome on stderr. Returns the exit status.
 
