@@ -65,7 +65,8 @@ def check_fits_in_memory(config: EngineConfig, available: int | None = None) -> 
 
     Estimates only (no tensor is allocated): weights from the preset's configs on the meta device or
     the model directory's safetensors headers; one session's self- and cross-attention KV from the
-    geometry. The exact per-session size (decoder state included) is checked again after the build.
+    geometry, and its video decoder state where the decoder knows its VAE's figure. The engine sizes
+    its slots from the exact per-session bytes after the build.
     """
     if torch.device(config.device).type != "cpu":
         return
@@ -73,7 +74,7 @@ def check_fits_in_memory(config: EngineConfig, available: int | None = None) -> 
     if available is None:
         return
     weights = estimate_weight_bytes(config)
-    session = estimate_kv_session_bytes(config)
+    session = estimate_kv_session_bytes(config) + estimate_decoder_session_bytes(config)
     budget = cpu_session_budget(available - weights)
     if budget is None or budget < session:
         raise InsufficientMemory(
@@ -94,6 +95,25 @@ def estimate_weight_bytes(config: EngineConfig) -> int:
     with torch.device("meta"):
         modules = [WanTransformer3DModel(**preset.transformer_config), AutoencoderKLWan(**preset.vae_config)]
     return sum(p.numel() for module in modules for p in module.parameters()) * element
+
+
+def estimate_decoder_session_bytes(config: EngineConfig) -> int:
+    """One session's streaming video-decoder state, from the VAE's config on the meta device (0 when
+    the model directory's VAE config cannot be read: the loader then names the file)."""
+    from diffusers import AutoencoderKLWan
+
+    from decoders.video import WanStreamingDecoder
+
+    vae_config = get_preset(config.preset).vae_config
+    if config.model_dir is not None:
+        try:
+            vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
+        except (OSError, ValueError):
+            return 0
+    with torch.device("meta"):
+        decoder = WanStreamingDecoder(AutoencoderKLWan.from_config(vae_config), fast_path=False)
+    # A VAE without a recorded figure is measured by a decode that, on the meta device, only propagates shapes.
+    return decoder.declared_state_bytes(config.resolved_height, config.resolved_width, config.torch_dtype)
 
 
 def estimate_kv_session_bytes(config: EngineConfig) -> int:
