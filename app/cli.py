@@ -92,14 +92,18 @@ def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
     return status
 
 
-def describe_validation_error(error: ValidationError) -> str:
-    """One line for a settings/config validation error: each problem with its flag, never the input
-    value (it may be the token)."""
+def describe_validation_error(error: ValidationError, *, variables: bool = False) -> str:
+    """One line for a settings/config validation error: each problem with its flag (and, for the
+    service, its ``ARSTREAM_*`` variable), never the input value (it may be the token)."""
     problems = []
     for problem in error.errors(include_input=False, include_url=False):
-        location = [str(part) for part in problem["loc"] if part != "engine"]
+        parts = [str(part) for part in problem["loc"]]
+        location = [part for part in parts if part != "engine"]
         field = location[-1] if location else ""
         where = _FLAG_OF_FIELD.get(field) or ".".join(location)
+        if variables and location and parts[-1].isidentifier():
+            variable = "ARSTREAM_" + "__".join(parts).upper()
+            where = f"{where} ({variable})" if where != field else variable
         message = problem["msg"].removeprefix("Value error, ")
         if not where:  # a rule across fields: name them as the flags the user typed
             message = _FIELD_NAMES.sub(lambda match: _FLAG_OF_FIELD[match.group(0)], message)
@@ -278,7 +282,7 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = _settings_from(args)
     except ValidationError as error:
-        return fail("serve", describe_validation_error(error))
+        return fail("serve", describe_validation_error(error, variables=True))
     try:
         check_before_build(settings.engine)
     except ValueError as error:
