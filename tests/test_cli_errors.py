@@ -78,7 +78,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def offline_cases(tmp_path: Path) -> list[Case]:
+def offline_cases(tmp_path: Path, silent_port: int) -> list[Case]:
+    """``silent_port``: a socket that accepts connections (the kernel's backlog) and never answers."""
     empty_model = tmp_path / "empty-model"
     empty_model.mkdir()
     no_weights = tmp_path / "configs-only-model"  # parts that fit each other, but no weights files
@@ -131,6 +132,8 @@ def offline_cases(tmp_path: Path) -> list[Case]:
              "http://127.0.0.1:8000", program="client"),
         Case("client_unreachable_server", ["--url", f"ws://127.0.0.1:{closed_port}", "--prompt", "a kite", "--out", out],
              f"127.0.0.1:{closed_port}", program="client"),
+        Case("client_silent_server", ["--url", f"ws://127.0.0.1:{silent_port}", "--prompt", "a kite", "--out", out],
+             "no answer within", program="client"),
         Case("client_whitespace_prompt", ["--prompt", "   ", "--out", out], "--prompt", program="client"),
         Case("client_negative_seconds", ["--prompt", "a kite", "--seconds", "-1", "--out", out], "--seconds",
              program="client"),
@@ -150,10 +153,13 @@ def assert_one_clean_line(case: Case, outcome: Outcome) -> None:
 
 
 def test_every_bad_invocation_exits_with_one_line_naming_the_problem(tmp_path):
-    cases = offline_cases(tmp_path)
-    assert len(cases) >= 12
-    with ThreadPoolExecutor(PARALLEL) as pool:
-        outcomes = list(pool.map(lambda case: run_case(case, tmp_path), cases))
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        cases = offline_cases(tmp_path, silent.getsockname()[1])
+        assert len(cases) >= 12
+        with ThreadPoolExecutor(PARALLEL) as pool:
+            outcomes = list(pool.map(lambda case: run_case(case, tmp_path), cases))
     slowest = sorted(zip(outcomes, cases), key=lambda pair: -pair[0].wall_s)[:3]
     print("slowest:", [(case.name, round(outcome.wall_s, 1)) for outcome, case in slowest])
     for case, outcome in zip(cases, outcomes):
