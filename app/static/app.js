@@ -76,6 +76,7 @@ class Session {
     this.arrivals = [];              // {t, frames} of recent chunks, for fps
     this.latencies = [];
     this.timings = null;
+    this.lastError = null;           // the last `error` message, to explain a `closed` that follows it
 
     this.ws = new WebSocket(streamUrl(), subprotocols());
     this.ws.binaryType = "arraybuffer";
@@ -108,6 +109,7 @@ class Session {
         log("state", `state ${msg.state}${msg.reason ? ` (${msg.reason})` : ""}`);
         break;
       case "error":
+        this.lastError = msg;
         log("error", `${msg.code}: ${msg.message}${msg.id && this.sent.has(msg.id) ? ` [${this.sent.get(msg.id)}]` : ""}`);
         break;
       case "closed":
@@ -123,7 +125,10 @@ class Session {
     const when = retry === null ? "later" : `in ${Math.max(1, Math.ceil(retry))} s`;
     log("state", `closed (${msg.reason})${retry === null ? "" : `, retry after ${retry} s`}`);
     if (msg.reason === "capacity") {
-      notice(`The server is busy: every session slot is in use (or it is still warming up). Try again ${when}.`);
+      // A warming-up server says so in the `error` just before; otherwise every slot is taken.
+      const warming = this.lastError && /warm/i.test(this.lastError.message || "");
+      notice(warming ? `The server is still warming up. Try again ${when}.`
+                     : `The server is busy: every session slot is in use. Try again ${when}.`);
     } else if (msg.reason === "draining") {
       notice(`The server is shutting down. Try again ${when}.`);
     }
