@@ -161,7 +161,9 @@ def test_every_bad_invocation_exits_with_one_line_naming_the_problem(tmp_path):
         with ThreadPoolExecutor(PARALLEL) as pool:
             outcomes = list(pool.map(lambda case: run_case(case, tmp_path), cases))
     slowest = sorted(zip(outcomes, cases), key=lambda pair: -pair[0].wall_s)[:3]
-    print("slowest:", [(case.name, round(outcome.wall_s, 1)) for outcome, case in slowest])
+    largest = max(outcomes, key=lambda outcome: outcome.max_rss_bytes)
+    print(f"{len(cases)} cases; slowest:", [(case.name, round(outcome.wall_s, 1)) for outcome, case in slowest],
+          f"largest peak RSS {largest.max_rss_bytes / 2**20:.0f} MiB")
     for case, outcome in zip(cases, outcomes):
         assert_one_clean_line(case, outcome)
     assert not (tmp_path / "clip.mp4").exists(), "a refused run left an output file"
