@@ -103,7 +103,7 @@ class Session:
     async def run(self) -> int:
         session = json.loads(await self.receive())
         if session.get("type") != "session":
-            return self.refused(session)
+            return self.ended(session)
         video = session["video"]
         print(f"session {session['session_id']}: {session['mime']}, "
               f"{video['width']}x{video['height']} @ {video['fps']} fps")
@@ -140,11 +140,11 @@ class Session:
                     await self.ws.send(json.dumps({"type": "close", "id": "close"}))
                     closing = True
             elif kind in ("error", "closed"):
-                return self.refused(event)
+                return self.ended(event)
             else:  # ack, state
                 print(json.dumps(event))
 
-    def refused(self, event: dict) -> int:
+    def ended(self, event: dict) -> int:
         """`closed` (client) after our own `close` is success; any other `error` / `closed` ends the run."""
         kind = event.get("type")
         if kind == "closed" and event.get("reason") == "client":
