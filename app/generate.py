@@ -105,9 +105,10 @@ class _Clip:
             progress.close()
             writer.close()  # always finish the file: what was written plays
 
-        if engine.status(session.session_id).close_reason == "failed":
+        status = engine.status(session.session_id)
+        if status.close_reason == "failed":
             self._remove_if_empty()
-            say(f"generation failed after {self.duration}: {engine.get(session.session_id).error}")
+            say(f"generation failed after {self.duration}: {status.error}")
             return 1
         tracks = "video and audio" if audio is not None else "video"
         print(f"wrote {self.duration} of {tracks} to {request.out}")
