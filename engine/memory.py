@@ -98,12 +98,14 @@ def estimate_weight_bytes(config: EngineConfig) -> int:
 
 
 def estimate_decoder_session_bytes(config: EngineConfig) -> int:
-    """One session's streaming video-decoder state, from the VAE's config on the meta device (0 when
-    the model directory's VAE config cannot be read: the loader then names the file)."""
+    """One session's streaming Wan-VAE decoder state, from the VAE's config on the meta device (0 for
+    another decoder, or when the model directory's VAE config cannot be read: the loader names it)."""
     from diffusers import AutoencoderKLWan
 
     from decoders.video import WanStreamingDecoder
 
+    if config.video_decoder != "wan":
+        return 0  # TAEHV's state is small next to the KV; the engine sizes its slots from the exact figure
     vae_config = get_preset(config.preset).vae_config
     if config.model_dir is not None:
         try:
