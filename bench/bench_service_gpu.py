@@ -17,7 +17,7 @@ until the end); a short table goes to stderr.
 
     python bench/bench_service_gpu.py --concurrency 1,2 --duration 8 --out /tmp/service.json -- --preset tiny
     python bench/bench_service_gpu.py --duration 20 --budget-s 420 --out $OUT/service.json \\
-        -- --preset wan2.1-1.3b --device cuda --dtype bfloat16
+        -- --preset wan2.1-1.3b --random-weights --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations

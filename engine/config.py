@@ -24,6 +24,10 @@ DTYPES: dict[str, torch.dtype] = {
 # Wan's VAE compresses 8x in space and the DiT patches 2x2 on top: 16-pixel alignment.
 PIXEL_ALIGNMENT = 16
 
+# Presets that ship no weights: without a model directory they would run on seeded random weights,
+# which make noise (fine for benchmarks, never what a user means), so those must be asked for.
+PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
+
 
 class EngineConfig(BaseModel):
     """Everything the engine needs to build its model, pools and scheduler."""
@@ -103,6 +107,25 @@ class EngineConfig(BaseModel):
             data = with_model_settings(data)
         return data
 
+    @field_validator("device")
+    @classmethod
+    def _device_usable(cls, value: str) -> str:
+        """A device this torch can run on, checked before anything is built."""
+        try:
+            device = torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device {value!r} is not a torch device; use cpu or cuda[:N]") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {value!r}: only cpu and cuda[:N] are supported")
+        if device.type == "cuda":
+            if torch.version.cuda is None:
+                raise ValueError(f"device {value!r}: this torch {torch.__version__} is a CPU-only build; use --device cpu")
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {value!r}: no CUDA device is visible to this process; use --device cpu")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return value
+
     @field_validator("timesteps")
     @classmethod
     def _timesteps_descending(cls, value: list[float]) -> list[float]:
@@ -122,6 +145,12 @@ class EngineConfig(BaseModel):
             raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
+        if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:
+            raise ValueError(
+                f"preset {self.preset} ships no weights: give a model directory (--model DIR, "
+                "ARSTREAM_ENGINE__MODEL_DIR; docs/MODELS.md), or ask for seeded random weights explicitly "
+                "(--random-weights, ARSTREAM_ENGINE__RANDOM_WEIGHTS=true; benchmarks only: the output is noise)"
+            )
         return self
 
     @property

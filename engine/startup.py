@@ -16,6 +16,7 @@ import torch
 from engine.bundle import ModelBundle, build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, KVSpec
+from engine.memory import cpu_session_budget
 from engine.runner import Runner, runner_for
 from engine.status import Geometry
 
@@ -75,6 +76,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     budget = config.kv_memory_budget_bytes
     if budget is None and torch.device(config.device).type == "cuda":
         budget = _cuda_budget(config, bundle, spec)
+    elif budget is None and torch.device(config.device).type == "cpu":
+        budget = cpu_session_budget()  # what the host has available now, less a reserve
     capacity = config.max_sessions
     if budget is not None:
         capacity = min(capacity, budget // per_session_bytes)

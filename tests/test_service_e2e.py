@@ -457,6 +457,6 @@ def test_sigterm_drains_clients_with_closed_and_1001():
         others, code = run(go())
     finally:
         status = server.stop()
-    assert others[-1] == {"type": "closed", "reason": "draining"} and code == 1001
+    assert others[-1] == {"type": "closed", "reason": "draining", "retry_after_s": 10.0} and code == 1001
     assert status in (0, -15)  # uvicorn re-raises SIGTERM after a graceful shutdown
     assert any('"event": "drained"' in line for line in server.log_lines)
