@@ -119,17 +119,19 @@ def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
     transformer = base.transformer
     kernels = kernel_sets()
     variants = {
-        "landed (per-forward gather, fused rotation)": (False, "rotation_fused"),
-        "gather once, fused rotation": (True, "rotation_fused"),
-        "per-forward gather, fused kernels": (False, "fused"),
-        "engine (gather once, fused kernels)": (True, "fused"),
+        "landed (per-forward gather, fused rotation)": (False, "rotation_fused", False),
+        "gather once, fused rotation": (True, "rotation_fused", False),
+        "per-forward gather, fused kernels": (False, "fused", False),
+        "nographs (gather once, fused kernels, no CUDA graphs)": (True, "fused", False),
+        "engine (gather once, fused kernels, CUDA graphs)": (True, "fused", True),
     }
     if only is not None:
         variants = {name: v for name, v in variants.items() if name.split(" ")[0] in only}
     results = {}
-    for name, (gather_once, kernel_set) in variants.items():
+    for name, (gather_once, kernel_set, graphs) in variants.items():
         pipeline = base if gather_once else variant_pipeline(base, False)
         transformer.kernels = kernels[kernel_set]
+        pipeline.forwards.enabled = graphs and torch.cuda.is_available()
         timed_blocks(pipeline, 2, per_forward=False)  # warm-up: compiles, cuDNN plans, allocator
         forward_ms, _, _, _ = timed_blocks(pipeline, blocks, per_forward=True)
         _, block_ms, enqueue_ms, _ = timed_blocks(pipeline, blocks, per_forward=False)
@@ -137,9 +139,11 @@ def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
             "forward_ms_by_history_frames": median_by_history(forward_ms),
             "block_ms_median_full_window": round(statistics.median(block_ms[-3:]), 2),
             "host_enqueue_ms_median_full_window": round(statistics.median(enqueue_ms[-3:]), 2),
+            "graphs": pipeline.forwards.num_graphs, "graph_replays": pipeline.forwards.replays,
         }
         emit({"section": "forward_variant", "variant": name, **results[name]})
     transformer.kernels = kernels["fused"]
+    base.forwards.enabled = torch.cuda.is_available()
     clock = type("Clock", (), {"now": staticmethod(sync)})()
     naive_ms, _ = naive_run(bundle, blocks, clock)
     results["naive (concatenated KV, Self-Forcing style)"] = {"forward_ms_by_history_frames": median_by_history(naive_ms)}
@@ -155,8 +159,10 @@ def equivalence_section(bundle, blocks: int, label: str) -> dict:
     transformer.kernels = Kernels.make(True)
     _, _, _, fast = timed_blocks(base, blocks, per_forward=False, seed=7)
     errors = relative_errors(fast, eager)
+    graphs = base.forwards.num_graphs
     max_abs = max(a.float().max_abs_diff(b.float()) for a, b in zip(fast, eager))
-    return {"label": label, "blocks": blocks, "rel_err_per_block": [round(e, 6) for e in errors],
+    return {"label": label, "blocks": blocks, "graphs": graphs, "graph_replays": base.forwards.replays,
+            "rel_err_per_block": [round(e, 6) for e in errors],
             "max_rel_err": max(errors), "max_abs_diff": max_abs}
 
 

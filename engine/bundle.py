@@ -94,6 +94,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         sink_frames=config.sink_frames,
         window_frames=config.window_frames,
         guidance_scale=config.guidance_scale,
+        cuda_graphs=config.cuda_graphs,
     )
     return ModelBundle(
         preset=preset,

@@ -84,6 +84,9 @@ class EngineConfig(BaseModel):
         description="wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random "
         "weights with random_weights), many times faster, lower quality",
     )
+    cuda_graphs: bool = Field(
+        default=True, description="on CUDA, replay each DiT forward shape as a CUDA graph (captured at warm-up)"
+    )
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
     )

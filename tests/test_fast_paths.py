@@ -103,3 +103,19 @@ def test_gathered_buffer_is_sized_to_the_whole_context():
     spec = fast.kv_spec()
     workspace = fast.context_kv["cond"]
     assert workspace.nbytes == spec.context_frames * spec.block_bytes
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_cuda_graph_forwards_match_eager_forwards():
+    """Replayed graphs compute what the eager forwards compute (float32, past the first eviction)."""
+    _, bundle = build_small(device="cuda", sink_frames=3, window_frames=3, cuda_graphs=True)
+    fast = bundle.pipeline
+    _, eager = _pipelines(device="cuda", sink_frames=3, window_frames=3, cuda_graphs=False)
+    outputs = []
+    for pipeline in (fast, eager):
+        manager = KVCacheManager(pipeline.kv_spec(), 1, "cuda")
+        kv, progress = manager.open_session("s"), pipeline.new_progress(seed=2, prompt="a reef")
+        outputs.append([pipeline.run_block(kv, progress) for _ in range(6)])
+    assert fast.forwards.num_graphs > 0 and fast.forwards.replays > 0
+    assert max(_max_diff(a, b) for a, b in zip(*outputs)) <= FLOAT32_TOLERANCE

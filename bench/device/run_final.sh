@@ -19,9 +19,9 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 
 echo "== $(left)s left: engine fast paths"
-timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py --sections forward,profile --blocks 6 \
-  --variants landed,engine --no-compile-decoder --out "$OUT/fast.jsonl" > /dev/null 2> "$OUT/logs/fast.stderr"
-echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-1500
+timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py ${FAST_ARGS:---sections forward,profile --blocks 6 \
+  --variants landed,engine --no-compile-decoder} --out "$OUT/fast.jsonl" > /dev/null 2> "$OUT/logs/fast.stderr"
+echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-2500
 [ -f "$OUT/fast_profile.txt" ] && mv "$OUT/fast_profile.txt" "$OUT/logs/"
 
 service() {  # NAME BUDGET_S SERVER_ARGS... -- BENCH_ARGS...
@@ -39,14 +39,18 @@ print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_e
 PY
 }
 
-STANDARD=${STANDARD_S:-250}
-service standard "$STANDARD" --concurrency 1,2 --pacing on,off --duration 14 --first-duration 12 \
-  --transitions-duration 16 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
-
-FAST=$(( $(left) - 25 ))
-ARSTREAM_ENGINE__VIDEO_DECODER=taehv service fast_taehv "$FAST" --concurrency 2,3,1 --pacing on --duration 14 \
-  --first-duration 10 --no-transitions -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights \
-  --window-frames 6
+# shellcheck disable=SC2086  # the argument strings are word lists on purpose
+run_standard() {
+  service standard "${STANDARD_S:-250}" ${STANDARD_ARGS:---concurrency 1,2 --pacing on,off --duration 14 \
+    --first-duration 12 --transitions-duration 16} -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
+}
+# shellcheck disable=SC2086
+run_fast() {
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv service fast_taehv "${1:-$(( $(left) - 25 ))}" ${FAST_SERVICE_ARGS:---concurrency \
+    2,3,1 --pacing on --duration 14 --first-duration 10 --no-transitions} -- --preset wan2.1-1.3b --device cuda \
+    --dtype bfloat16 --random-weights --window-frames 6
+}
+if [ "${FAST_FIRST:-0}" = 1 ]; then run_fast "${FAST_SERVICE_S:-140}"; run_standard; else run_standard; run_fast; fi
 
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
 ls -la "$OUT"

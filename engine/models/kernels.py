@@ -86,7 +86,7 @@ def rms_norm_rotate(
 
 
 class DeviceKernel:
-    """``fn`` through ``torch.compile`` on CUDA tensors; eager elsewhere, during graph capture, or if compiling fails.
+    """``fn`` through ``torch.compile`` on CUDA tensors; eager elsewhere, or if compiling fails.
 
     Dynamic shapes: one compiled kernel serves every sequence length (history
     length, first block, recache groups), so a new length after warm-up costs
@@ -101,7 +101,9 @@ class DeviceKernel:
 
     def __call__(self, *args):
         first = args[0]
-        if first.is_cuda and not self._failed and not torch.cuda.is_current_stream_capturing():
+        # Inside a CUDA graph capture the compiled kernel runs too: the forward graphs run every shape
+        # eagerly (compiling it) right before capturing it, so no compile happens during a capture.
+        if first.is_cuda and not self._failed:
             try:
                 return self._compiled_fn()(*args)
             except Exception:

@@ -25,6 +25,7 @@ from engine.kv_cache import KVSpec, SessionKVState
 from engine.models.attention import SelfAttentionContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.context_kv import ContextKV
+from engine.models.forward_graphs import GraphedForwards
 from engine.models.latents import BlockLatents
 from engine.models.text_encoder import TextEncoder
 
@@ -95,9 +96,11 @@ class CausalWanPipeline:
         window_frames: int,
         guidance_scale: float = 1.0,
         gather_history_once: bool = True,
+        cuda_graphs: bool = False,
     ) -> None:
         """``gather_history_once``: gather (and rotate) a block's history once for its forwards
-        (:class:`ContextKV`); ``False`` gathers it in every forward, the reference path."""
+        (:class:`ContextKV`); ``False`` gathers it in every forward, the reference path. ``cuda_graphs``:
+        replay each forward shape as a CUDA graph (needs the gathered history; :class:`GraphedForwards`)."""
         if not sigmas or sigmas[0] != 1.0:
             raise ValueError("the first σ must be 1 (a block starts from pure noise)")
         self.transformer = transformer
@@ -122,6 +125,7 @@ class CausalWanPipeline:
             self.audio_shape = (1, transformer.audio.audio_dim, frames_per_block * transformer.audio.tokens_per_frame)
         self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()
         self._pool_writes = 0  # bumped by every write into the block pool: a loaded context is stale after one
+        self.forwards = GraphedForwards(transformer, enabled=cuda_graphs and gather_history_once)
         self.context_kv: dict[str, ContextKV] = {}
         if gather_history_once:
             max_tokens = (sink_frames + window_frames + frames_per_block) * transformer.tokens_per_frame
@@ -233,7 +237,7 @@ class CausalWanPipeline:
         context = self._attention_context(kv, branch, kv.resident_block_ids(branch), frames, staging)
         frame_timesteps = torch.full((1, frames), float(timestep), device=self.transformer.device)
         cross_kv = self._cross_kv(kv, progress, branch)
-        return self.transformer(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
+        return self.forwards(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
 
     def _attention_context(
         self, kv: SessionKVState, branch: str, history_ids: list[int], frames: int, staging: torch.Tensor | None
@@ -338,6 +342,6 @@ class CausalWanPipeline:
                 latents = BlockLatents.cat(frames[start : start + group])
                 context = self._attention_context(kv, branch, block_ids[:start], len(targets), kv.staging(branch))
                 timesteps = torch.zeros((1, len(targets)), device=self.transformer.device)
-                self.transformer(latents, timesteps, context, self._cross_kv(kv, progress, branch))
+                self.forwards(latents, timesteps, context, self._cross_kv(kv, progress, branch))
                 self._pool_writes += 1
                 kv.overwrite(branch, targets)

@@ -1,0 +1,132 @@
+"""DiT forwards replayed as CUDA graphs, one graph per forward shape.
+
+A 1.3B forward launches ~1,500 kernels. At the fast window the device needs
+less time for them than the host needs to launch them (the host enqueue of a
+block measured 80 % of its device time at the standard window), so the host
+sets the pace. A graph replays the whole forward with one launch.
+
+What a graph may depend on must not move between replays, so everything a
+forward reads is either copied into the graph's own input buffers (latents,
+timesteps, the session's text K/V) or lives at a fixed address for the
+engine's life (the per-branch :class:`ContextKV` buffer, the KV manager's
+staging buffer, the cached rotary tables). The key of a graph is exactly
+that: shapes, history length, and the addresses of the fixed buffers.
+Graphs are captured on first use of a shape — the engine's warm-up meets
+every shape — into one memory pool; outputs are copied out at once, so
+replaying graphs in any order is safe. Anything that goes wrong while
+capturing switches graphs off for good (eager forwards, the reference path).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.models.attention import SelfAttentionContext
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.latents import BlockLatents
+
+log = logging.getLogger("arstream.graphs")
+
+MAX_GRAPHS = 64  # shapes x fixed buffers of one engine: ~14 for the standard window, more with CFG branches
+
+
+@dataclass
+class _ForwardGraph:
+    graph: torch.cuda.CUDAGraph
+    latents: BlockLatents  # input buffers
+    timesteps: torch.Tensor
+    cross_kv: torch.Tensor
+    output: BlockLatents  # written by every replay
+
+
+def _buffer_like(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else torch.empty_like(tensor, memory_format=torch.contiguous_format)
+
+
+class GraphedForwards:
+    """Calls ``transformer(latents, frame_timesteps, context, cross_kv)``, through a CUDA graph where it can."""
+
+    def __init__(self, transformer: CausalWanTransformer, *, enabled: bool = True) -> None:
+        self.transformer = transformer
+        self.enabled = enabled and transformer.device.type == "cuda"
+        self._graphs: dict[tuple, _ForwardGraph] = {}
+        self._pool = None
+        self.replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs)
+
+    def __call__(
+        self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: SelfAttentionContext, cross_kv: torch.Tensor
+    ) -> BlockLatents:
+        key = self._key(latents, frame_timesteps, context, cross_kv)
+        if key is None:
+            return self.transformer(latents, frame_timesteps, context, cross_kv)
+        entry = self._graphs.get(key)
+        if entry is None:
+            if len(self._graphs) >= MAX_GRAPHS:
+                return self.transformer(latents, frame_timesteps, context, cross_kv)
+            entry = self._capture(latents, frame_timesteps, context, cross_kv)
+            if entry is None:
+                return self.transformer(latents, frame_timesteps, context, cross_kv)
+            self._graphs[key] = entry
+        entry.latents.video.copy_(latents.video)
+        if latents.audio is not None:
+            entry.latents.audio.copy_(latents.audio)
+        entry.timesteps.copy_(frame_timesteps)
+        entry.cross_kv.copy_(cross_kv)
+        entry.graph.replay()
+        self.replays += 1
+        return BlockLatents(
+            entry.output.video.clone(), None if entry.output.audio is None else entry.output.audio.clone()
+        )
+
+    def _key(self, latents, frame_timesteps, context: SelfAttentionContext, cross_kv) -> tuple | None:
+        """The graph for this call, or ``None`` where a graph cannot serve it (eager then)."""
+        if not self.enabled or context.context_kv is None or torch.cuda.is_current_stream_capturing():
+            return None
+        if context.attn_mask is not None or context.history_ids is not None or context.history_kv is not None:
+            return None
+        stage = context.stage
+        return (
+            tuple(latents.video.shape),
+            None if latents.audio is None else tuple(latents.audio.shape),
+            tuple(frame_timesteps.shape),
+            tuple(cross_kv.shape),
+            context.history_tokens,
+            context.context_kv.data_ptr(),
+            None if stage is None else stage.data_ptr(),
+            context.cos.data_ptr(),
+            context.sin.data_ptr(),
+        )
+
+    def _capture(self, latents, frame_timesteps, context, cross_kv) -> _ForwardGraph | None:
+        try:
+            static_latents = BlockLatents(_buffer_like(latents.video), _buffer_like(latents.audio))
+            static_latents.video.copy_(latents.video)
+            if latents.audio is not None:
+                static_latents.audio.copy_(latents.audio)
+            static_timesteps = frame_timesteps.clone()
+            static_cross = cross_kv.clone()
+            # Kernels pick their algorithms (and cuBLAS/cuDNN their workspaces) on a first eager run,
+            # on a side stream as capture requires; it writes what the replay will write again.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                self.transformer(static_latents, static_timesteps, context, static_cross)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                output = self.transformer(static_latents, static_timesteps, context, static_cross)
+            if self._pool is None:
+                self._pool = graph.pool()
+        except Exception:
+            self.enabled = False
+            torch.cuda.synchronize()
+            log.warning("CUDA graph capture of a DiT forward failed; running forwards eagerly", exc_info=True)
+            return None
+        return _ForwardGraph(graph, static_latents, static_timesteps, static_cross, output)
