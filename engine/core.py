@@ -123,7 +123,7 @@ class EngineCore:
             session_id=session_id,
             seed=seed,
             pace=pace,
-            queue=ChunkQueue(overlap=self.config.overlap_encode),
+            queue=ChunkQueue(overlap=self.config.overlap_encode, on_taken=self.wake.set),
             cost=RunningCost(),
             negative_prompt=negative_prompt,
         )

@@ -44,6 +44,9 @@ class _Candidate:
     deadline: float | None
 
 
+RECHECK_S = 0.005  # the soonest an idle loop looks again at a session that may run
+
+
 class Scheduler:
     def __init__(self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1) -> None:
         self.fps = fps
@@ -55,14 +58,20 @@ class Scheduler:
         return not session.pace or session.media_seconds_ahead(now, self.fps) < self.lead_seconds
 
     def next_wakeup(self, sessions: Sequence[SessionRecord], now: float) -> float:
-        """Seconds until a paced session may run again (inf if none is waiting on pacing)."""
+        """Seconds until a paced session may run again (inf if none is waiting on pacing).
+
+        A session that may run already (the tick that found nothing to do was planned before its
+        consumer freed it, or the scheduler held it back) is looked at again within ``RECHECK_S``:
+        never a whole idle poll, which would stall a live stream by up to a second.
+        """
         waits = [
             session.media_seconds_ahead(now, self.fps) - self.lead_seconds
             for session in sessions
             if session.state is SessionState.ACTIVE and session.pace and session.queue.accepts_next
         ]
-        positive = [w for w in waits if w >= 0]
-        return max(min(positive), 0.001) if positive else math.inf
+        if not waits:
+            return math.inf
+        return max(min(waits), RECHECK_S)
 
     def plan(
         self,

@@ -10,6 +10,7 @@ import asyncio
 import base64
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -68,8 +69,11 @@ class ChunkQueue:
       chunk, i.e. block N's media is on the wire before block N+1 starts.
     """
 
-    def __init__(self, overlap: bool = True) -> None:
+    def __init__(self, overlap: bool = True, on_taken: Callable[[], None] | None = None) -> None:
+        """``on_taken``: called when the consumer takes a chunk and, with overlap, the session may run
+        again (the engine core wakes its loop with it: nothing else would tell it)."""
         self.overlap = overlap
+        self._on_taken = on_taken
         self._item: Chunk | None = None
         self._changed = asyncio.Event()
         self.in_hand = False  # the consumer holds a chunk and has not asked for the next
@@ -111,6 +115,8 @@ class ChunkQueue:
             await self._changed.wait()
         chunk, self._item = self._item, None
         self.in_hand = True
+        if self.overlap and self._on_taken is not None:
+            self._on_taken()
         return chunk
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+import pytest
+
 from engine.api import Engine
 from engine.controls import SessionState
 from engine.errors import CapacityFull
@@ -117,7 +119,8 @@ def test_a_live_chunk_later_than_its_playback_time_is_a_deadline_miss_and_a_resu
                 return taken
 
     async def scenario():
-        engine = Engine(small_config(window_frames=3, fps=FPS))
+        # Without overlap a consumer that holds its chunk holds back the session's next block.
+        engine = Engine(small_config(window_frames=3, fps=FPS, overlap_encode=False))
         await engine.start()
         try:
             live = engine.create_session(seed=1, prompt="live", pace=True).session_id
@@ -167,3 +170,30 @@ def test_the_first_live_session_is_admitted_even_below_real_time_and_reported_so
     assert realtime.below_realtime and realtime.deadline_misses > 0
     assert counters.realtime_utilisation > 1.0 and counters.live_sessions_below_realtime == 1
     assert counters.live_capacity == 1 and isinstance(second, CapacityFull)
+
+
+def test_an_idle_loop_looks_again_soon_at_a_session_that_may_run():
+    """A runnable live session is never left to the idle poll (a missed wake-up would stall its stream)."""
+    from engine.scheduler import RECHECK_S
+
+    now = time.monotonic()
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
+    runnable = _running("live", pace=True, now=now, deadline_in_s=0.3)  # behind the lead: may run now
+    assert scheduler.next_wakeup([runnable], now) == RECHECK_S
+    ahead = _running("ahead", pace=True, now=now, deadline_in_s=2.0)  # 2 s of media ahead, lead 1.5 s
+    assert scheduler.next_wakeup([ahead], now) == pytest.approx(0.5, abs=0.01)
+    busy = _running("busy", pace=True, now=now, deadline_in_s=0.3, ready=False)  # its consumer holds a chunk
+    assert scheduler.next_wakeup([busy], now) == float("inf")
+
+
+def test_taking_a_chunk_wakes_the_engine_when_the_next_block_may_overlap():
+    woken = []
+
+    async def scenario(overlap):
+        queue = ChunkQueue(overlap=overlap, on_taken=lambda: woken.append(overlap))
+        queue.put_nowait("chunk")
+        await queue.get()
+
+    asyncio.run(scenario(True))
+    asyncio.run(scenario(False))
+    assert woken == [True]
