@@ -118,6 +118,7 @@ class EngineCore:
             return CapacityFull(
                 retry_after_s=self._expected_wait(live),
                 message="no device time left for another live session; try again later, or stream with pace off",
+                live_capacity=self.live_capacity(),
             )
         record = SessionRecord(
             session_id=session_id,
