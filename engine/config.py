@@ -69,7 +69,7 @@ class EngineConfig(BaseModel):
         default=True, description="admit a live (paced) session only while every live session keeps real time"
     )
     realtime_headroom: float = Field(
-        default=1.25, ge=1.0, le=100.0, description="live sessions' summed block cost x this must fit one block's playback time"
+        default=1.1, ge=1.0, le=100.0, description="live sessions' summed block cost x this must fit one block's playback time"
     )
     deadline_tolerance_s: float = Field(
         default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"

@@ -10,7 +10,12 @@ the engine then measures and admits, never a constant:
   socket: ``closed`` reason ``capacity``, close 1013; REST: 503 ``capacity`` with ``Retry-After``;
 * each admitted session then misses no deadline over 20 chunks, with a best-effort session
   (pacing off) streaming alongside;
-* the control: with realtime admission off, N + 1 live sessions miss deadlines.
+* the control: with realtime admission off, N + 1 live sessions miss deadlines (N re-read from the
+  control server's own measurement, never above the N admitted: the machine's load may have moved).
+
+It is a timing test on a CPU that may be shared: a sustained rise of the machine's load by more than
+about a fifth after admission can still make an admitted session miss; the 4-block pacing lead absorbs
+shorter bursts.
 """
 
 from __future__ import annotations
@@ -32,9 +37,9 @@ from tests.test_service_e2e import StreamClient
 HEIGHT = WIDTH = 64
 # Device time comes from many denoise steps, not from pixels: on a 2-core CPU the encoder threads would
 # otherwise compete with the device thread, and a block would cost more with every session streaming.
-TIMESTEPS = [1000.0 - 125.0 * i for i in range(8)]
+TIMESTEPS = [1000.0 - 62.5 * i for i in range(16)]
 # Two live sessions need this share of the device at the measured cost: a third tips it over (x 1.5).
-TARGET_TWO_SESSION_LOAD = 0.6
+TARGET_TWO_SESSION_LOAD = 0.75
 CHUNKS = 20
 SETTLE_CHUNKS = 6  # a newcomer streams this long before the next one asks, so the cost estimate sees it
 MAX_LIVE = 8  # memory is not the limit here: time is
@@ -46,7 +51,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def fps() -> int:
-    """A frame rate at which two live sessions load the device ~60 %, from the block cost a server measures
+    """A frame rate at which two live sessions load the device ~75 %, from the block cost a server measures
     while one live session streams (what the engine will see, encoder and sockets included)."""
     probe = _server(16, realtime_admission=True)
     try:
