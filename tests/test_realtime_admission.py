@@ -11,7 +11,7 @@ the engine then measures and admits, never a constant:
 * each admitted session then misses no deadline over 20 chunks, with a best-effort session
   (pacing off) streaming alongside;
 * the control: with realtime admission off, N + 1 live sessions miss deadlines (N re-read from the
-  control server's own measurement, never above the N admitted: the machine's load may have moved).
+  control server's own measurement as it fills: the machine's load may have moved since).
 
 It is a timing test on a CPU that may be shared: a sustained rise of the machine's load by more than
 about a fifth after admission can still make an admitted session miss; the 4-block pacing lead absorbs
@@ -164,9 +164,10 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
         async def scenario():
             clients, (closed, code), capacity = await _admit_until_refused(server)
             admitted = len(clients)
-            # N comes from the engine's measured cost, and the refusal happened exactly at it.
+            # N comes from the engine's measured cost, and the refusal was decided on it: the live capacity
+            # at that moment was the number admitted (less, if the cost rose since the last admission).
             assert admitted >= 2, f"the measured block cost allows only {admitted} live session(s) at {fps} fps"
-            assert capacity == admitted
+            assert 1 <= capacity <= admitted
             assert closed["type"] == "closed" and closed["reason"] == "capacity" and code == 1013
             status, headers, body = _post(server, "/v1/sessions", {})
             assert status == 503 and body["error"]["code"] == "capacity"
@@ -195,7 +196,7 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
                   f"best-effort chunks {best_effort_chunks}")
             return admitted
 
-        admitted = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+        asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
     finally:
         server.stop()
 
@@ -203,9 +204,10 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
     control = _server(fps, realtime_admission=False)
     try:
         async def overload():
-            # N is re-derived here, from this server's own measurement: the machine's load may have moved.
+            # N is re-derived here from this server's own measurement (it measures with admission off too),
+            # as sessions are added: the machine's load may have moved since the admitted run.
             clients = []
-            while len(clients) <= min(admitted, _metric(control, "arstream_live_session_capacity")):
+            while len(clients) <= _metric(control, "arstream_live_session_capacity"):
                 outcome = await _try_live(control, len(clients))
                 assert isinstance(outcome, StreamClient), "admission is off: every live session gets in"
                 clients.append(outcome)
