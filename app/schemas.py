@@ -7,20 +7,47 @@ one of these or an ``error`` with a protocol code — never an exception that re
 from __future__ import annotations
 
 import json
+import re
+from collections.abc import Sequence
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import PydanticCustomError
 
 from engine.api import MAX_PROMPT_CHARS, MAX_SEED
+from engine.errors import EngineError
+from engine.prompts import check_prompt
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 64
 MAX_MESSAGE_CHARS = 200  # human-readable error messages we send
+MAX_ECHOED_NAME_CHARS = 32  # a field name longer than this is not repeated back
 
-Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)]
-NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS)]
+
+def valid_unicode(text: str) -> str:
+    """Refuse a string that is not valid Unicode: JSON's ``\\ud800`` escapes decode to lone surrogates,
+    which no encoder (tokenizer, JSON writer, log line) accepts — caught here, not deep in the engine."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError("invalid_unicode", "not valid Unicode (a lone surrogate)") from None
+    return text
+
+
+def _protocol_prompt(value: str) -> str:
+    """engine/prompts.py's rules (not only whitespace, valid Unicode) as a schema check: one rule for every
+    entry point. Emptiness and length are the Field bounds (their errors keep their own codes)."""
+    try:
+        return check_prompt(value, allow_empty=True)
+    except EngineError as error:
+        raise PydanticCustomError("invalid_prompt", error.message) from None
+
+
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
+NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
-MessageId = Annotated[str, Field(max_length=MAX_ID_CHARS)]
+MessageId = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(valid_unicode)]
 PromptPolicy = Literal["soft", "recache", "reset"]
 SessionState = Literal["created", "active", "paused", "detached", "closed", "draining"]
 CloseReason = Literal["client", "replaced", "idle_timeout", "max_duration", "draining", "capacity", "failed", "evicted"]
@@ -38,7 +65,9 @@ ErrorCode = Literal[
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Inbound: unknown fields refused, no coercion (``"false"`` is not a boolean, ``"1"`` not an integer)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 # --- client -> server ----------------------------------------------------------------------------
@@ -104,28 +133,42 @@ class ProtocolError(Exception):
     def __init__(self, code: str, message: str, message_id: str | None = None) -> None:
         super().__init__(message)
         self.code = code
-        self.message = message[:MAX_MESSAGE_CHARS]
+        self.message = serialisable(message[:MAX_MESSAGE_CHARS])
         self.message_id = message_id
 
 
+def serialisable(text: str) -> str:
+    """``text`` with anything a UTF-8 writer would refuse escaped: an error reply must always be sendable."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def readable_id(payload: object) -> str | None:
-    """The message's ``id`` if it is one we may echo (a string of at most 64 characters)."""
+    """The message's ``id`` if it is one we may echo (valid Unicode, at most 64 characters)."""
     if isinstance(payload, dict):
         value = payload.get("id")
         if isinstance(value, str) and len(value) <= MAX_ID_CHARS:
-            return value
+            try:
+                return valid_unicode(value)
+            except PydanticCustomError:
+                return None
     return None
+
+
+def _refuse_json_constant(name: str) -> float:
+    raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json accepts them, JSON does not
 
 
 def parse_client_message(text: str) -> AnyClientMessage:
     """One text frame -> a validated message, or :class:`ProtocolError` with the protocol's code."""
     try:
-        payload = json.loads(text)
-    except (ValueError, RecursionError):
+        payload = json.loads(text, parse_constant=_refuse_json_constant)
+    except (ValueError, RecursionError):  # includes integers over Python's 4300-digit limit
         raise ProtocolError("bad_json", "the message is not valid JSON") from None
     if not isinstance(payload, dict):
         raise ProtocolError("bad_json", "a message is a JSON object with a 'type'")
     message_id = readable_id(payload)
+    if _has_invalid_key(payload):
+        raise ProtocolError("invalid_field", "<field>: a field name is not valid Unicode", message_id)
     kind = payload.get("type")
     model = CLIENT_MESSAGES.get(kind) if isinstance(kind, str) else None
     if model is None:
@@ -137,15 +180,56 @@ def parse_client_message(text: str) -> AnyClientMessage:
         raise validation_to_protocol_error(error, message_id) from None
 
 
+def _has_invalid_key(payload: dict) -> bool:
+    """A key anywhere in the object that is not valid Unicode (pydantic would only say "not a string")."""
+    pending = [payload]
+    while pending:
+        current = pending.pop()
+        for key, value in current.items():
+            if not key.isascii():
+                try:
+                    key.encode("utf-8")
+                except UnicodeEncodeError:
+                    return True
+            if isinstance(value, dict):
+                pending.append(value)
+    return False
+
+
 def validation_to_protocol_error(error: ValidationError, message_id: str | None = None) -> ProtocolError:
     """The first problem of a validation error, without echoing the input (it may be a prompt)."""
-    problems = error.errors(include_input=False, include_url=False)
+    return problems_to_protocol_error(error.errors(include_input=False, include_url=False, include_context=False),
+                                      message_id)
+
+
+def problems_to_protocol_error(problems: Sequence[dict], message_id: str | None = None,
+                               skip: Sequence[str] = (), root: str = "message") -> ProtocolError:
+    """pydantic's problems read as the protocol's error: ``prompt_too_long`` wins, else the first one is
+    ``invalid_field`` naming where it is (``skip``: location parts that are not fields, like FastAPI's "body")."""
     for problem in problems:
-        if problem["type"] == "string_too_long" and problem["loc"][-1:] == ("prompt",):
+        if problem.get("type") == "string_too_long" and tuple(problem.get("loc", ()))[-1:] == ("prompt",):
             return ProtocolError("prompt_too_long", f"prompt longer than {MAX_PROMPT_CHARS} characters", message_id)
-    first = problems[0]
-    where = ".".join(str(part) for part in first["loc"]) or "message"
-    return ProtocolError("invalid_field", f"{where}: {first['msg']}", message_id)
+    first = problems[0] if problems else {"loc": (), "msg": "invalid"}
+    where = describe_location(part for part in first.get("loc", ()) if part not in skip) or root
+    return ProtocolError("invalid_field", f"{where}: {first.get('msg', 'invalid')}", message_id)
+
+
+_ECHOABLE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def describe_location(parts) -> str:
+    """A dotted field path for an error message. Names come from the client (an unknown field's key),
+    so only short plain identifiers are repeated; anything else — a lone surrogate, markup, 10 KB of
+    text — is shown as ``<field>``."""
+    shown = []
+    for part in parts:
+        if isinstance(part, int):
+            shown.append(str(part))
+        elif isinstance(part, str) and len(part) <= MAX_ECHOED_NAME_CHARS and _ECHOABLE_NAME.fullmatch(part):
+            shown.append(part)
+        else:
+            shown.append("<field>")
+    return ".".join(shown)
 
 
 # --- server -> client ----------------------------------------------------------------------------
@@ -214,6 +298,9 @@ class ErrorMessage(BaseModel):
 class ClosedMessage(BaseModel):
     type: Literal["closed"] = "closed"
     reason: CloseReason
+    retry_after_s: float | None = Field(
+        default=None, description="with reason capacity or draining: seconds after which trying again may succeed"
+    )
 
 
 def to_text(message: BaseModel) -> str:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from dataclasses import dataclass
-from urllib.parse import urlsplit
+from urllib.parse import unquote_to_bytes, urlsplit
 
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -114,6 +115,46 @@ class TokenBucket:
         return max(0.0, (1.0 - self.tokens) / self.rate)
 
 
+class StrictRequestTarget:
+    """Refuse a request whose path or query string does not decode to valid Unicode.
+
+    Servers decode percent-escapes leniently (``%ED%A0%80``, a UTF-8-encoded surrogate, or a stray
+    ``%FF`` become U+FFFD), so a route would otherwise see a different string than the client sent.
+    HTTP gets 400 ``invalid_field``; a WebSocket handshake is refused before accept, as for a bad token.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket") or _target_is_unicode(scope):
+            await self.app(scope, receive, send)
+            return
+        _count_rejected(scope, "invalid_field")
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "path is not valid UTF-8"})
+            return
+        await _send_json_error(send, 400, "invalid_field", "the path or query string is not valid UTF-8")
+
+
+def _count_rejected(scope: Scope, code: str) -> None:
+    app = scope.get("app")
+    service = getattr(app.state, "service", None) if app is not None else None
+    if service is not None:
+        service.metrics.message_rejected("rest" if scope["type"] == "http" else "socket", code)
+
+
+def _target_is_unicode(scope: Scope) -> bool:
+    raw_path = scope.get("raw_path") or scope.get("path", "").encode("utf-8", "surrogateescape")
+    query = scope.get("query_string", b"")
+    try:
+        unquote_to_bytes(raw_path).decode("utf-8")
+        unquote_to_bytes(query.replace(b"+", b" ")).decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 class BodySizeLimit:
     """Refuse HTTP bodies over ``max_bytes`` with 413 before the app reads them into memory."""
 
@@ -127,6 +168,7 @@ class BodySizeLimit:
             return
         declared = Headers(scope=scope).get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            _count_rejected(scope, "body_too_large")
             await _send_too_large(send, self.max_bytes)
             return
         received = 0
@@ -150,6 +192,7 @@ class BodySizeLimit:
             if too_large:
                 if not response_started:
                     response_started = True
+                    _count_rejected(scope, "body_too_large")
                     await _send_too_large(send, self.max_bytes)
                 return
             response_started = response_started or message["type"] == "http.response.start"
@@ -159,13 +202,15 @@ class BodySizeLimit:
 
 
 async def _send_too_large(send: Send, max_bytes: int) -> None:
-    body = (
-        '{"error":{"code":"invalid_field","message":"request body larger than %d bytes"}}' % max_bytes
-    ).encode()
+    await _send_json_error(send, 413, "invalid_field", f"request body larger than {max_bytes} bytes")
+
+
+async def _send_json_error(send: Send, status: int, code: str, message: str) -> None:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
     await send(
         {
             "type": "http.response.start",
-            "status": 413,
+            "status": status,
             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
         }
     )

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from app.memory import FreedMemoryReleaser
 from app.registry import SessionRegistry
 from app.settings import Settings
 from app.telemetry import ServiceMetrics
@@ -40,6 +41,7 @@ class Service:
         # Encoding is CPU-bound and synchronous: it runs here, never on the event loop.
         self.encoder_pool = ThreadPoolExecutor(settings.encode_threads, thread_name_prefix="arstream-encode")
         self.connections: set[OpenSocket] = set()
+        self.freed_memory = FreedMemoryReleaser()  # ended sockets ask it to return freed memory to the OS
         self.draining = False
         self.exit_code = 0
         self.on_engine_dead: Callable[[], None] | None = None  # the CLI stops the server with it

@@ -51,6 +51,18 @@ class Settings(BaseSettings):
     max_sessions_per_client: int | None = Field(
         default=None, ge=1, le=256, description="open sessions per client address; None: only engine capacity"
     )
+    stall_chunks: float = Field(
+        default=2.0, ge=0.5, le=64,
+        description="a socket whose media send stays blocked this many chunk durations is detached (client stalled)",
+    )
+    ping_interval_s: float = Field(default=1.0, gt=0, le=600, description="keepalive ping every this many seconds")
+    ping_timeout_s: float = Field(
+        default=2.0, gt=0, le=600, description="a socket whose client answers no ping within this is dropped (detached)"
+    )
+    send_buffer_bytes: int = Field(
+        default=64 * 1024, ge=4096, le=16 * 1024 * 1024,
+        description="kernel send buffer per socket: bounds what a client that stops reading can leave queued",
+    )
     closed_retention_s: float = Field(
         default=30.0, ge=0, le=3600, description="a closed session stays visible to GET this long (reason)"
     )

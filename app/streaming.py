@@ -9,6 +9,14 @@ The pump asks the engine for chunk N+1 only after chunk N's segment was handed t
 engine starts block N+1 only then, so a block's media is on the wire before the next block is made,
 and a client that reads slowly holds back only its own session. Sends are serialised by one lock,
 held across a `chunk` message and its segment so nothing comes between them.
+
+A client that stops reading: once the transport's small buffers are full, handing a segment over
+blocks. A hand-over still blocked after ``stall_chunks`` chunk durations means the client is not
+keeping up at all — the socket is detached (its session waits the grace period for a reconnect, then
+ends ``idle_timeout``) instead of holding its slot for as long as it stays connected.
+
+A bad client message is answered with ``error`` and changes nothing else: it never reaches the engine
+and never ends the session, whatever it contains.
 """
 
 from __future__ import annotations
@@ -77,8 +85,21 @@ CLOSE_CODE_BY_REASON = {
 FAREWELL_TIMEOUT_S = 2.0  # a client that stopped reading must not hold up a replacement or a drain
 
 
+def closed_message(reason: str, service: Service, retry_after_s: float | None = None) -> ClosedMessage:
+    """``closed``; a client turned away for ``draining`` or ``capacity`` also learns when to try again."""
+    if retry_after_s is None and reason == "draining":
+        retry_after_s = service.settings.drain_timeout_s  # a restarted server takes about this long to be back
+    if retry_after_s is not None and reason in ("draining", "capacity"):
+        return ClosedMessage(reason=reason, retry_after_s=round(max(retry_after_s, 1.0), 3))
+    return ClosedMessage(reason=reason)
+
+
 class ClientGone(Exception):
     """The socket can no longer be written to."""
+
+
+class ClientStalled(Exception):
+    """Handing media to the socket stayed blocked past the stall bound: the client stopped reading."""
 
 
 class _Replaced(Exception):
@@ -150,6 +171,8 @@ class StreamConnection:
         self._attachment: Attachment | None = None
         self._background: set[asyncio.Task] = set()
         self._chunks_sent = 0
+        geometry = service.engine.geometry
+        self._stall_after_s = settings.stall_chunks * geometry.pixel_frames_per_block / geometry.fps
 
     # --- called by others ----------------------------------------------------------------------
     async def replace(self) -> None:
@@ -204,6 +227,8 @@ class StreamConnection:
             outcome = "replaced"
         except ClientGone:
             outcome = "disconnected"
+        except ClientStalled:
+            outcome = "stalled"
         except Exception:
             log.exception("stream socket failed", extra={"session_id": self.session_id})
             outcome = "failed"
@@ -212,8 +237,10 @@ class StreamConnection:
             for task in tasks[:2]:
                 task.cancel()
             self._consumer_stopped.set()  # a cancelled pump takes no further chunk
-            if outcome in ("disconnected", "too_big"):
-                service.registry.detach(self.session_id, self)
+            # Whatever the outcome, this socket no longer holds the session: a session that ended stays
+            # listed only for the retention time, an open one waits the grace period for a reconnect.
+            # (A replaced socket was already swapped out: detach does nothing for it.)
+            service.registry.detach(self.session_id, self)
             service.metrics.connections_open -= 1
             try:
                 if receiver is not None:
@@ -240,6 +267,8 @@ class StreamConnection:
                 return "ended"
             if isinstance(error, ClientGone):
                 return "disconnected"
+            if isinstance(error, ClientStalled):
+                return "stalled"
             log.error("media pump failed", extra={"session_id": self.session_id, "error": repr(error)})
             return "failed"
         error = receiver.exception()
@@ -259,19 +288,28 @@ class StreamConnection:
             reason = session.close_reason or "failed"
             if reason == "failed":
                 await self._farewell(ErrorMessage(code="internal", message="generation failed; the session was closed"))
-            await self._farewell(ClosedMessage(reason=reason))
+            await self._farewell(closed_message(reason, self.service))
             await self._close_socket(CLOSE_CODE_BY_REASON.get(reason, CLOSE_NORMAL))
         elif outcome == "replaced":
             await self._farewell(ClosedMessage(reason="replaced"))
             await self._close_socket(CLOSE_NORMAL)
         elif outcome == "too_big":
             self.service.metrics.count(self.service.metrics.refused, "message_too_big")
+            self.service.metrics.message_rejected("socket", "message_too_big")
             await self._close_socket(CLOSE_TOO_BIG)
+        elif outcome == "stalled":
+            # Nothing more can reach this client; the close frame is best effort (the transport gives up
+            # on a peer that does not read: see app.ws_protocol).
+            self.service.metrics.stalled_sockets += 1
+            log.warning("client stopped reading; socket detached",
+                        extra={"session_id": self.session_id, "stall_after_s": round(self._stall_after_s, 3)})
+            await self._close_socket(CLOSE_NORMAL)
         log.info("socket finished", extra={"session_id": self.session_id, "outcome": outcome,
                                            "reason": session.close_reason if session else None,
                                            "chunks_sent": self._chunks_sent})
         if self._media is not None:
             await self._media.close()
+        self.service.freed_memory.request()  # its encoders and buffers are free now
 
     async def _tell_already_closed(self, error: SessionClosed) -> None:
         """Attaching to a session that has ended (still listed for a while): say so, and why it ended."""
@@ -280,7 +318,7 @@ class StreamConnection:
         self.service.metrics.count(self.service.metrics.errors, "session_closed")
         # The caller holds the send lock.
         await self._send_text(to_text(ErrorMessage(code="session_closed", message=error.message)))
-        await self._send_text(to_text(ClosedMessage(reason=reason)))
+        await self._send_text(to_text(closed_message(reason, self.service)))
         await self._close_socket(CLOSE_CODE_BY_REASON.get(reason, CLOSE_NORMAL), "session closed")
 
     async def _hello(self) -> None:
@@ -328,6 +366,22 @@ class StreamConnection:
             raise RuntimeError(f"chunk pts {chunk.pts} breaks this socket's timeline at {media.stream.next_pts}")
         segment, encode_s = await media.encode(chunk.frames, chunk.audio)
         timings = chunk.timings
+        try:
+            async with asyncio.timeout(self._stall_after_s):
+                message = await self._hand_over(chunk, segment, encode_s)
+        except TimeoutError:
+            raise ClientStalled() from None
+        sent_at = now_ms()
+        self._chunks_sent += 1
+        metrics = self.service.metrics
+        metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
+        session = self._attachment.session
+        if chunk.index == 0 and session.started_at is not None:
+            metrics.time_to_first_chunk.observe(time.monotonic() - session.started_at)
+
+    async def _hand_over(self, chunk: Chunk, segment: bytes, encode_s: float) -> ChunkMessage:
+        """The `chunk` message and its segment, back to back under the send lock."""
+        timings = chunk.timings
         async with self._send_lock:
             message = ChunkMessage(
                 index=chunk.index,
@@ -345,13 +399,7 @@ class StreamConnection:
             )
             await self._send_text(to_text(message))
             await self._send_bytes(segment)
-        sent_at = now_ms()
-        self._chunks_sent += 1
-        metrics = self.service.metrics
-        metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
-        session = self._attachment.session
-        if chunk.index == 0 and session.started_at is not None:
-            metrics.time_to_first_chunk.observe(time.monotonic() - session.started_at)
+        return message
 
     # --- controls --------------------------------------------------------------------------------
     async def _receive(self) -> str:
@@ -366,9 +414,16 @@ class StreamConnection:
             text, data = message.get("text"), message.get("bytes")
             if text is not None:
                 # Cheap bound first: a character is at least one byte.
-                if len(text) > max_bytes or len(text.encode("utf-8")) > max_bytes:
+                if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
                     return "too_big"
-                await self._handle_text(text)
+                try:
+                    await self._handle_text(text)
+                except ClientGone:
+                    raise
+                except Exception:
+                    # A bug of ours, not the client's doing: it must not end the session either.
+                    log.exception("client message handling failed", extra={"session_id": self.session_id})
+                    await self._send_error(ProtocolError("internal", "the message could not be handled"))
             else:
                 if len(data or b"") > max_bytes:
                     return "too_big"
@@ -424,7 +479,9 @@ class StreamConnection:
 
     # --- sending ---------------------------------------------------------------------------------
     async def _send_error(self, error: ProtocolError) -> None:
+        """Answer a client message that was not applied (every one is counted as rejected)."""
         self.service.metrics.count(self.service.metrics.errors, error.code)
+        self.service.metrics.message_rejected("socket", error.code)
         async with self._send_lock:
             await self._send_text(to_text(ErrorMessage(code=error.code, message=error.message, id=error.message_id)))
 

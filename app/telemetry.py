@@ -48,9 +48,13 @@ class ServiceMetrics:
         self.bytes_sent = 0
         self.connections_open = 0
         self.connections_total = 0
+        self.stalled_sockets = 0  # detached because a media send stayed blocked past the stall bound
         self.refused: dict[str, int] = {}  # reason -> count
         self.client_messages: dict[str, int] = {}  # type -> count
         self.errors: dict[str, int] = {}  # protocol code -> count
+        # Client input refused before it reached the engine: (via, code) -> count; via is socket or rest,
+        # code a protocol error code (bounded like every label set).
+        self.rejected_messages: dict[tuple[str, str], int] = {}
         self._recent_frames: deque[tuple[float, int]] = deque()
         self._engine: EngineCounters | None = None
         self._draining = False
@@ -70,6 +74,12 @@ class ServiceMetrics:
         if key not in table and len(table) >= MAX_LABEL_VALUES:
             key = OTHER_LABEL
         table[key] = table.get(key, 0) + 1
+
+    def message_rejected(self, via: str, code: str) -> None:
+        key = (via, code)
+        if key not in self.rejected_messages and len(self.rejected_messages) >= MAX_LABEL_VALUES:
+            key = (via, OTHER_LABEL)
+        self.rejected_messages[key] = self.rejected_messages.get(key, 0) + 1
 
     def frames_per_second(self) -> float:
         """Frames sent per second over the last ``FPS_WINDOW_S``, all sessions together."""
@@ -159,6 +169,14 @@ class _Snapshot:
         yield _labelled("arstream_websockets_refused", "Stream sockets refused, by reason.", "reason", m.refused)
         yield _labelled("arstream_client_messages", "Client control messages, by type.", "type", m.client_messages)
         yield _labelled("arstream_errors", "Error messages sent, by protocol code.", "code", m.errors)
+        yield _counter("arstream_websockets_stalled", "Stream sockets detached because their client stopped reading.",
+                       m.stalled_sockets)
+        rejected = CounterMetricFamily("arstream_client_messages_rejected",
+                                       "Client messages and requests refused for their input, before the engine.",
+                                       labels=["via", "code"])
+        for (via, code), value in sorted(m.rejected_messages.items()):
+            rejected.add_metric([via, code], value)
+        yield rejected
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:

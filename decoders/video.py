@@ -34,6 +34,8 @@ conv3d is the right kernel.
 
 from __future__ import annotations
 
+import functools
+import logging
 import threading
 import types
 from collections.abc import Iterator
@@ -50,6 +52,8 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import (
     WanUpsample,
     unpatchify,
 )
+
+log = logging.getLogger("arstream.video")
 
 # Resident decoder-state bytes per output pixel in fp32, measured once with
 # measure_bytes_per_pixel (decode 2 latent frames, then state.nbytes() / (H * W)),
@@ -234,6 +238,50 @@ def _fast_path_on() -> Iterator[None]:
 
 
 # ---------------------------------------------------------------------------
+# Compiled steady state (CUDA)
+
+# After this many latent frames every cache slot holds a tensor of its final
+# shape (see measure_bytes_per_pixel), so one compiled graph serves every later frame.
+STEADY_STATE_FRAMES = 2
+
+
+def _decode_one_frame(decoder, frame: torch.Tensor, cache: list[torch.Tensor | None]):
+    """The decoder on one latent frame as a pure function: the new cache is returned, the old one is not touched."""
+    feat_cache = list(cache)
+    out = decoder(frame, feat_cache=feat_cache, feat_idx=[0], first_chunk=False)
+    return out, feat_cache
+
+
+class SteadyStateDecode:
+    """``torch.compile`` of the decoder for frames after the session's opening ones.
+
+    The opening frames (cache slots still empty or diffusers' ``"Rep"``
+    marker) run eagerly; from then on the cache's shapes never change, so one
+    graph is compiled, at the first steady frame (the engine's warm-up). A
+    failed compile falls back to eager for good. The function is pure, so a
+    failure leaves the session's state as it was.
+    """
+
+    def __init__(self, decoder: torch.nn.Module) -> None:
+        self._compiled = torch.compile(functools.partial(_decode_one_frame, decoder), dynamic=False)
+        self.failed = False
+        self.calls = 0
+
+    def decode(self, frame: torch.Tensor, state: StreamingDecodeState) -> torch.Tensor | None:
+        if self.failed or any(isinstance(t, str) for t in state.feat_map):  # diffusers' "Rep": still opening
+            return None
+        try:
+            out, cache = self._compiled(frame, state.feat_map)
+        except Exception:
+            self.failed = True
+            log.warning("compiled VAE decode unavailable; decoding eagerly", exc_info=True)
+            return None
+        state.feat_map = list(cache)
+        self.calls += 1
+        return out
+
+
+# ---------------------------------------------------------------------------
 # The decoder
 
 
@@ -253,6 +301,7 @@ class WanStreamingDecoder:
         *,
         bytes_per_pixel: float | None = None,
         fast_path: bool | None = None,
+        compile_steady_state: bool = False,
     ) -> None:
         if not isinstance(vae, AutoencoderKLWan):
             raise TypeError(f"WanStreamingDecoder needs a diffusers AutoencoderKLWan, got {type(vae).__name__}")
@@ -267,6 +316,7 @@ class WanStreamingDecoder:
         if bytes_per_pixel is None:
             bytes_per_pixel = _KNOWN_BYTES_PER_PIXEL_FP32.get(_decoder_architecture(vae))
         self._bytes_per_pixel = bytes_per_pixel
+        self.steady_state = SteadyStateDecode(vae.decoder) if compile_steady_state else None
         config = vae.config
         self._latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
         self._latents_std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
@@ -319,14 +369,17 @@ class WanStreamingDecoder:
                 # post_quant_conv is 1x1x1: per frame equals whole-clip, and it
                 # keeps every kernel's input shape independent of the chunking.
                 frame = self.vae.post_quant_conv(latents[:, :, index : index + 1])
-                pixel_frames.append(
-                    self.vae.decoder(
+                decoded = None
+                if self.steady_state is not None and state.frames_decoded >= STEADY_STATE_FRAMES:
+                    decoded = self.steady_state.decode(frame, state)
+                if decoded is None:
+                    decoded = self.vae.decoder(
                         frame,
                         feat_cache=state.feat_map,
                         feat_idx=state.conv_idx,
                         first_chunk=not state.started,
                     )
-                )
+                pixel_frames.append(decoded)
                 state.frames_decoded += 1
         state.chunks_decoded += 1
         out = torch.cat(pixel_frames, dim=2)

@@ -110,12 +110,19 @@ def test_attention_after_eviction_equals_dense_attention_over_expected_frames():
     cos, sin = transformer.rotary(context_frames)
     rope = WanRotaryPosEmbed(transformer.head_dim, (1, 2, 2), 1024)
     d_cos, d_sin = rope(torch.zeros(1, 16, context_frames, LATENT_H, LATENT_W))
+    workspace = pipeline.context_kv["cond"]
+    workspace.invalidate()
+    history_tokens = workspace.load(("test",), storage, resident, cos, sin, transformer.kernels.rotate_pairs)
+    gathered_context = SelfAttentionContext(
+        cos=cos, sin=sin, context_kv=workspace.buffer, history_tokens=history_tokens
+    )
     torch.manual_seed(5)
     hidden = torch.randn(1, 3 * tokens, transformer.inner_dim)
     for layer in (0, transformer.num_layers - 1):
         attn = transformer.transformer.blocks[layer].attn1
         with torch.no_grad():
             paged = attn(hidden, context=SelfAttentionContext(cos=cos, sin=sin, pool=storage, history_ids=history_ids))
+            gathered = attn(hidden, context=gathered_context)
             query = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))
             key = attn.norm_k(attn.to_k(hidden)).unflatten(2, (attn.heads, -1))
             value = attn.to_v(hidden).unflatten(2, (attn.heads, -1))
@@ -127,6 +134,7 @@ def test_attention_after_eviction_equals_dense_attention_over_expected_frames():
             dense = attn.to_out[0](dense.transpose(1, 2).flatten(2, 3))
         assert history_frames == sink + window
         assert (paged - dense).abs().max() < 1e-5
+        assert (gathered - dense).abs().max() < 1e-5
 
 
 def test_session_of_2000_frames_keeps_pool_usage_and_positions_bounded():

@@ -259,7 +259,8 @@ def test_capacity_refusal_on_socket_and_rest(make_client):
         start(holder)
         with client.websocket_connect("/v1/stream") as refused:
             texts, code = until_closed(refused)
-        assert texts == [{"type": "closed", "reason": "capacity"}] and code == 1013
+        assert [t["type"] for t in texts] == ["closed"] and texts[0]["reason"] == "capacity" and code == 1013
+        assert texts[0]["retry_after_s"] >= 1  # when to try again
         response = client.post("/v1/sessions")
         assert response.status_code == 503 and response.json()["error"]["code"] == "capacity"
         assert int(response.headers["Retry-After"]) >= 1
@@ -485,11 +486,12 @@ def test_drain_tells_every_client_then_refuses(make_client):
             start(ws)
             client.portal.start_task_soon(service.drain)
             texts, code = until_closed(ws)
-        assert texts[-1] == {"type": "closed", "reason": "draining"} and code == 1001
+        drain_s = service.settings.drain_timeout_s
+        assert texts[-1] == {"type": "closed", "reason": "draining", "retry_after_s": drain_s} and code == 1001
         assert client.get("/readyz").status_code == 503
         with client.websocket_connect("/v1/stream") as late:
             texts, code = until_closed(late)
-        assert texts == [{"type": "closed", "reason": "draining"}] and code == 1001
+        assert texts == [{"type": "closed", "reason": "draining", "retry_after_s": drain_s}] and code == 1001
         response = client.post("/v1/sessions")
         assert response.status_code == 503 and "Retry-After" in response.headers
 
@@ -561,7 +563,7 @@ def test_health_answers_and_readiness_is_503_while_the_engine_warms_up():
         with client.websocket_connect("/v1/stream") as ws:
             error = json.loads(ws.receive_text())
             assert error["type"] == "error" and "warming" in error["message"]
-            assert json.loads(ws.receive_text()) == {"type": "closed", "reason": "capacity"}
+            assert json.loads(ws.receive_text()) == {"type": "closed", "reason": "capacity", "retry_after_s": 5.0}
             with pytest.raises(WebSocketDisconnect) as closed:
                 ws.receive_text()
             assert closed.value.code == 1013

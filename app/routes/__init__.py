@@ -14,8 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.schemas import ErrorResponse, ProtocolError
-from engine.api import MAX_PROMPT_CHARS
+from app.schemas import ErrorResponse, ProtocolError, problems_to_protocol_error
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
 log = logging.getLogger("arstream.http")
@@ -97,16 +96,21 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(api.status, api.code, api.message, api.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
         problems = error.errors()
         if any(problem.get("type") == "json_invalid" for problem in problems):
+            count_rejected(request.app, "bad_json")
             return error_response(400, "bad_json", "the body is not valid JSON")
         protocol_error = _first_protocol_error(problems)
+        count_rejected(request.app, protocol_error.code)
         return error_response(STATUS_BY_CODE[protocol_error.code], protocol_error.code, protocol_error.message)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, error: StarletteHTTPException) -> JSONResponse:
-        code = {404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_field")
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        # 400 comes from FastAPI's body parsing (e.g. bytes that are not UTF-8): the body is not JSON.
+        code = {400: "bad_json", 404: "not_found", 405: "method_not_allowed"}.get(error.status_code, "invalid_field")
+        if code == "bad_json":
+            count_rejected(request.app, code)
         message = error.detail if isinstance(error.detail, str) else "request refused"
         return error_response(error.status_code, code, message, getattr(error, "headers", None))
 
@@ -116,12 +120,13 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(500, "internal", "internal error")
 
 
+def count_rejected(app, code: str) -> None:
+    """Count a REST request refused for its input (the service may not exist yet during start-up)."""
+    service = getattr(app.state, "service", None)
+    if service is not None:
+        service.metrics.message_rejected("rest", code)
+
+
 def _first_protocol_error(problems: list[dict]) -> ProtocolError:
     """FastAPI's validation problems, read like the socket's (prompt_too_long wins), input never echoed."""
-    for problem in problems:
-        loc = tuple(problem.get("loc", ()))
-        if problem.get("type") == "string_too_long" and loc[-1:] == ("prompt",):
-            return ProtocolError("prompt_too_long", f"prompt longer than {MAX_PROMPT_CHARS} characters")
-    first = problems[0] if problems else {"loc": (), "msg": "invalid request"}
-    where = ".".join(str(part) for part in first.get("loc", ()) if part != "body") or "body"
-    return ProtocolError("invalid_field", f"{where}: {first.get('msg', 'invalid')}")
+    return problems_to_protocol_error(problems, skip=("body",), root="body")

@@ -14,7 +14,8 @@ import logging
 from fastapi import APIRouter, WebSocket
 
 from app.deps import ServiceDep
-from app.schemas import MAX_ID_CHARS, ClosedMessage, ErrorMessage, to_text
+from app.routes import UNAVAILABLE_RETRY_AFTER_S
+from app.schemas import MAX_ID_CHARS, ErrorMessage, to_text
 from app.security import (
     PROTOCOL_SUBPROTOCOL,
     Caller,
@@ -31,12 +32,15 @@ from app.streaming import (
     CLOSE_POLICY,
     CLOSE_UNKNOWN_SESSION,
     StreamConnection,
+    closed_message,
 )
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
 log = logging.getLogger("arstream.stream")
 
 router = APIRouter()
+
+PER_CLIENT_RETRY_AFTER_S = 1.0  # as REST's 429 for the same refusal
 
 
 @router.websocket("/v1/stream")
@@ -50,10 +54,11 @@ async def create_stream(websocket: WebSocket, service: ServiceDep) -> None:
         await _refuse(websocket, service, "draining" if service.engine.draining else "failed")
         return
     except EngineError as error:  # too many sessions for this client
-        await _refuse(websocket, service, "capacity", error=(error.code, error.message))
+        await _refuse(websocket, service, "capacity", error=(error.code, error.message),
+                      retry_after_s=PER_CLIENT_RETRY_AFTER_S)
         return
     if isinstance(record, CapacityFull):
-        await _refuse(websocket, service, "capacity")
+        await _refuse(websocket, service, "capacity", retry_after_s=record.retry_after_s)
         return
     await StreamConnection(websocket, service, record.session_id, caller).run()
 
@@ -102,15 +107,18 @@ async def _serving(websocket: WebSocket, service: Service) -> bool:
         await _refuse(websocket, service, "failed", error=("internal", "the engine is not available"))
         return False
     if not service.engine.ready:
-        await _refuse(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"))
+        await _refuse(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"),
+                      retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
         return False
     return True
 
 
-async def _refuse(websocket: WebSocket, service: Service, reason: str, error: tuple[str, str] | None = None) -> None:
-    """An accepted socket that gets no session: optional ``error``, then ``closed`` and the close code."""
+async def _refuse(websocket: WebSocket, service: Service, reason: str, error: tuple[str, str] | None = None,
+                  retry_after_s: float | None = None) -> None:
+    """An accepted socket that gets no session: optional ``error``, then ``closed`` (with ``retry_after_s``
+    for capacity and draining) and the close code."""
     service.metrics.count(service.metrics.refused, reason)
     if error is not None:
         await websocket.send_text(to_text(ErrorMessage(code=error[0], message=error[1])))
-    await websocket.send_text(to_text(ClosedMessage(reason=reason)))
+    await websocket.send_text(to_text(closed_message(reason, service, retry_after_s)))
     await websocket.close(CLOSE_CODE_BY_REASON[reason], reason)

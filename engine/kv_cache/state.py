@@ -110,8 +110,11 @@ class SessionKVState:
         spec = self.spec
         staged = self._staging_for(branch)[:, :, : len(block_ids) * spec.tokens_per_frame]
         staged = staged.unflatten(2, (len(block_ids), spec.tokens_per_frame))
-        index = torch.tensor(block_ids, dtype=torch.long, device=staged.device)
-        self._block_pool.storage.index_copy_(2, index, staged)
+        storage = self._block_pool.storage
+        # One copy per block with host-side ids: an index tensor built on the host would make the
+        # host wait for the device (a pageable copy) at every commit.
+        for position, block in enumerate(block_ids):
+            storage[:, :, block].copy_(staged[:, :, position])
 
     # --- cross-attention ------------------------------------------------
     def is_cross_populated(self, branch: str, name: str) -> bool:

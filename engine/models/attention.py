@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engine.models.rope import apply_rotary
+from engine.models.kernels import EAGER_KERNELS, Kernels
 
 
 @dataclass
@@ -23,18 +23,31 @@ class SelfAttentionContext:
 
     ::
 
-        keys:    | history frames (from pool blocks) | current frames |
+        keys:    | history frames                     | current frames |
         rotary:  0 ........................................... S_k - 1
         queries:                                    | current frames |
+
+    The history comes from one of (fastest first):
+
+    * ``context_kv`` + ``history_tokens``: a per-branch buffer
+      ``[layers, 2, >= S_k, heads, head_dim]`` whose first ``history_tokens``
+      rows hold the history already gathered from the pool and rotated (once
+      per block, see :class:`engine.models.context_kv.ContextKV`); each layer
+      writes its current K/V after them and attends over the prefix;
+    * ``pool`` + ``history_ids``: gathered from the pool blocks and rotated in
+      every forward (the per-forward paged path, the reference for the above);
+    * ``history_kv``: one concatenated tensor per layer (the naive benchmark path).
     """
 
     cos: torch.Tensor  # [S_k, 1, head_dim // 2] for key positions 0..S_k-1
     sin: torch.Tensor
     pool: torch.Tensor | None = None  # [layers, 2, blocks, tokens_per_frame, heads, head_dim]
     history_ids: torch.Tensor | None = None  # [history frames] block ids, oldest first
-    stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]: current K/V goes here
+    stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]: current K/V goes here, unrotated
     history_kv: torch.Tensor | None = None  # naive path: [layers, 2, S_h, heads, head_dim], already concatenated
     attn_mask: torch.Tensor | None = None  # dense reference path only: [S_q, S_k] bool
+    context_kv: torch.Tensor | None = None  # gathered-once path: [layers, 2, S_max, heads, head_dim]
+    history_tokens: int = 0  # rows of context_kv that hold the (rotated) history
 
 
 def _heads(attn, x: torch.Tensor) -> torch.Tensor:
@@ -64,15 +77,19 @@ class PagedSelfAttentionProcessor:
         rotary_emb=None,
         *,
         context: SelfAttentionContext,
+        kernels: Kernels = EAGER_KERNELS,
     ) -> torch.Tensor:
-        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
-        key = _heads(attn, attn.norm_k(attn.to_k(hidden_states)))
-        value = _heads(attn, attn.to_v(hidden_states))
         layer = self.layer_index
+        num_queries = hidden_states.shape[1]
+        if context.context_kv is not None:
+            return self._attend_gathered(attn, hidden_states, context, kernels)
+        query = _heads(attn, kernels.rms_norm(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps))
+        key = _heads(attn, kernels.rms_norm(attn.to_k(hidden_states), attn.norm_k.weight, attn.norm_k.eps))
+        value = _heads(attn, attn.to_v(hidden_states))
         if context.stage is not None:
             # Unrotated, as stored: positions are assigned when the block is read back.
-            context.stage[layer, 0, : key.shape[1]].copy_(key[0])
-            context.stage[layer, 1, : value.shape[1]].copy_(value[0])
+            context.stage[layer, 0, :num_queries].copy_(key[0])
+            context.stage[layer, 1, :num_queries].copy_(value[0])
         history = None
         if context.history_ids is not None:
             history = context.pool[layer].index_select(1, context.history_ids).flatten(1, 2)  # [2, n*T, H, D]
@@ -81,13 +98,34 @@ class PagedSelfAttentionProcessor:
         if history is not None:
             key = torch.cat([history[0].unsqueeze(0).expand(key.shape[0], -1, -1, -1), key], dim=1)
             value = torch.cat([history[1].unsqueeze(0).expand(value.shape[0], -1, -1, -1), value], dim=1)
-        num_keys, num_queries = key.shape[1], query.shape[1]
+        num_keys = key.shape[1]
         if context.cos.shape[0] != num_keys:
             raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {num_keys}")
         offset = num_keys - num_queries
-        query = apply_rotary(query, context.cos[offset:], context.sin[offset:])
-        key = apply_rotary(key, context.cos, context.sin)
+        query = kernels.rotate_pairs(query, context.cos[offset:], context.sin[offset:])
+        key = kernels.rotate_pairs(key, context.cos, context.sin)
         return _attend(attn, query, key, value, context.attn_mask)
+
+    def _attend_gathered(self, attn, hidden_states, context: SelfAttentionContext, kernels: Kernels) -> torch.Tensor:
+        """The history is already in ``context_kv``, rotated: write this block's K/V after it and attend."""
+        if hidden_states.shape[0] != 1:
+            raise ValueError("the gathered-history path runs one session (batch 1) per forward")
+        layer = self.layer_index
+        start = context.history_tokens
+        end = start + hidden_states.shape[1]
+        if context.cos.shape[0] != end:
+            raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {end}")
+        cos, sin = context.cos[start:], context.sin[start:]
+        query = kernels.rms_norm_rotate(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps, attn.heads, cos, sin)
+        key = _heads(attn, kernels.rms_norm(attn.to_k(hidden_states), attn.norm_k.weight, attn.norm_k.eps))
+        value = _heads(attn, attn.to_v(hidden_states))
+        if context.stage is not None:
+            context.stage[layer, 0, : end - start].copy_(key[0])  # unrotated, as stored
+            context.stage[layer, 1, : end - start].copy_(value[0])
+        buffer = context.context_kv[layer]  # [2, S_max, H, D]
+        buffer[0, start:end].copy_(kernels.rotate_pairs(key[0], cos, sin))
+        buffer[1, start:end].copy_(value[0])
+        return _attend(attn, query, buffer[0, :end].unsqueeze(0), buffer[1, :end].unsqueeze(0))
 
 
 class CachedCrossAttentionProcessor:
@@ -105,9 +143,10 @@ class CachedCrossAttentionProcessor:
         rotary_emb=None,
         *,
         cross_kv: torch.Tensor,
+        kernels: Kernels = EAGER_KERNELS,
     ) -> torch.Tensor:
         """``cross_kv``: ``[layers, 2, text_len, heads, head_dim]`` (batch 1) or ``[B, layers, 2, ...]``."""
-        query = _heads(attn, attn.norm_q(attn.to_q(hidden_states)))
+        query = _heads(attn, kernels.rms_norm(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps))
         layer_kv = cross_kv[self.layer_index] if cross_kv.ndim == 5 else cross_kv[:, self.layer_index]
         if layer_kv.ndim == 4:
             layer_kv = layer_kv.unsqueeze(0)

@@ -19,6 +19,7 @@ from engine.models.attention import (
     SelfAttentionContext,
     project_cross_kv,
 )
+from engine.models.kernels import Kernels
 from engine.models.latents import BlockLatents
 from engine.models.rope import FrameRotaryEmbedding
 
@@ -33,7 +34,9 @@ class CausalWanTransformer(torch.nn.Module):
         latent_height: int,
         latent_width: int,
         audio: AudioTokenProjections | None = None,
+        fused_kernels: bool | None = None,
     ) -> None:
+        """``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA)."""
         super().__init__()
         config = transformer.config
         p_t, p_h, p_w = config.patch_size
@@ -44,6 +47,9 @@ class CausalWanTransformer(torch.nn.Module):
         if config.image_dim is not None or config.added_kv_proj_dim is not None:
             raise ValueError("image-conditioned Wan variants are not supported by the causal pipeline")
         self.transformer = transformer
+        if fused_kernels is None:
+            fused_kernels = transformer.patch_embedding.weight.is_cuda
+        self.kernels = Kernels.make(fused_kernels)
         self.patch_rows = latent_height // p_h
         self.patch_cols = latent_width // p_w
         self.num_layers = len(transformer.blocks)
@@ -128,7 +134,7 @@ class CausalWanTransformer(torch.nn.Module):
         temb = temb.view(batch, frames, 1, self.inner_dim)
 
         for block in model.blocks:
-            hidden = _run_block(block, hidden, modulation, frames, tokens, context, cross_kv)
+            hidden = _run_block(block, hidden, modulation, context, cross_kv, self.kernels)
 
         shift, scale = (model.scale_shift_table.view(1, 1, 2, -1) + temb).chunk(2, dim=2)  # [B, F, 1, dim]
         normed = model.norm_out(hidden.float()).view(batch, frames, tokens, -1)
@@ -142,26 +148,28 @@ class CausalWanTransformer(torch.nn.Module):
         return BlockLatents(out_video, out_audio)
 
 
-def _run_block(block, hidden, modulation, frames, tokens, context, cross_kv):
+def _run_block(block, hidden, modulation, context, cross_kv, kernels: Kernels):
     """diffusers' ``WanTransformerBlock.forward`` with modulation broadcast per frame, not per token.
 
     Same arithmetic as the per-token path (each token gets its frame's values),
-    without materialising ``[tokens, 6, dim]`` per layer.
+    without materialising ``[tokens, 6, dim]`` per layer. The elementwise runs
+    between the matrix products go through ``kernels`` (fused on CUDA).
     """
-    batch, seq, dim = hidden.shape
+    dim = hidden.shape[-1]
     mod = (block.scale_shift_table.view(1, 1, 6, dim) + modulation.float()).squeeze(2)  # [B, F, 6, dim]
     shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m.unsqueeze(2) for m in mod.unbind(2))
 
-    def per_frame(x):
-        return x.view(batch, frames, tokens, dim)
+    normed = kernels.modulated_layer_norm(hidden, scale_msa, shift_msa, block.norm1.eps)
+    attn_out = block.attn1(normed, context=context, kernels=kernels)
+    hidden = kernels.gated_residual(hidden, attn_out, gate_msa)
 
-    normed = (per_frame(block.norm1(hidden.float())) * (1 + scale_msa) + shift_msa).view(batch, seq, dim)
-    attn_out = block.attn1(normed.type_as(hidden), context=context)
-    hidden = (per_frame(hidden.float()) + per_frame(attn_out) * gate_msa).view(batch, seq, dim).type_as(hidden)
+    norm2 = block.norm2
+    if isinstance(norm2, torch.nn.LayerNorm):
+        normed = kernels.affine_layer_norm(hidden, norm2.weight, norm2.bias, norm2.eps)
+    else:  # cross_attn_norm=False: diffusers' Identity
+        normed = hidden
+    cross_out = block.attn2(normed, cross_kv=cross_kv, kernels=kernels)
+    hidden, normed = kernels.residual_modulated_layer_norm(hidden, cross_out, c_scale, c_shift, block.norm3.eps)
 
-    normed = block.norm2(hidden.float()).type_as(hidden)
-    hidden = hidden + block.attn2(normed, cross_kv=cross_kv)
-
-    normed = (per_frame(block.norm3(hidden.float())) * (1 + c_scale) + c_shift).view(batch, seq, dim)
-    ff_out = block.ffn(normed.type_as(hidden))
-    return (per_frame(hidden.float()) + per_frame(ff_out.float()) * c_gate).view(batch, seq, dim).type_as(hidden)
+    ff_out = block.ffn(normed)
+    return kernels.gated_residual(hidden, ff_out, c_gate)

@@ -24,6 +24,7 @@ import torch
 from engine.kv_cache import KVSpec, SessionKVState
 from engine.models.attention import SelfAttentionContext
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.context_kv import ContextKV
 from engine.models.latents import BlockLatents
 from engine.models.text_encoder import TextEncoder
 
@@ -63,11 +64,21 @@ def draw_noise(
 ) -> BlockLatents:
     """Fresh ε for one block: video first, then audio, on the CPU from the session's generator.
 
-    Drawn on the CPU so a seed gives the same frames on any device.
+    Drawn on the CPU so a seed gives the same frames on any device; copied to
+    a GPU from pinned memory without blocking, so the host never waits for the
+    device inside a block (a pageable copy would wait for every queued kernel).
     """
-    video = torch.randn(video_shape, generator=generator).to(device)
-    audio = None if audio_shape is None else torch.randn(audio_shape, generator=generator).to(device)
+    video = _to_device(torch.randn(video_shape, generator=generator), device)
+    audio = None if audio_shape is None else _to_device(torch.randn(audio_shape, generator=generator), device)
     return BlockLatents(video, audio)
+
+
+def _to_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type != "cuda":
+        return tensor.to(device)
+    # The caching host allocator keeps the pinned block until the copy has run.
+    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 class CausalWanPipeline:
@@ -83,7 +94,10 @@ class CausalWanPipeline:
         sink_frames: int,
         window_frames: int,
         guidance_scale: float = 1.0,
+        gather_history_once: bool = True,
     ) -> None:
+        """``gather_history_once``: gather (and rotate) a block's history once for its forwards
+        (:class:`ContextKV`); ``False`` gathers it in every forward, the reference path."""
         if not sigmas or sigmas[0] != 1.0:
             raise ValueError("the first σ must be 1 (a block starts from pure noise)")
         self.transformer = transformer
@@ -107,6 +121,22 @@ class CausalWanPipeline:
         if transformer.audio is not None:
             self.audio_shape = (1, transformer.audio.audio_dim, frames_per_block * transformer.audio.tokens_per_frame)
         self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._pool_writes = 0  # bumped by every write into the block pool: a loaded context is stale after one
+        self.context_kv: dict[str, ContextKV] = {}
+        if gather_history_once:
+            max_tokens = (sink_frames + window_frames + frames_per_block) * transformer.tokens_per_frame
+            self.context_kv = {
+                branch: ContextKV(
+                    num_layers=transformer.num_layers,
+                    max_tokens=max_tokens,
+                    num_heads=transformer.num_heads,
+                    head_dim=transformer.head_dim,
+                    tokens_per_frame=transformer.tokens_per_frame,
+                    dtype=transformer.dtype,
+                    device=transformer.device,
+                )
+                for branch in self.branch_names
+            }
 
     # --- what the runner needs to build pools ---------------------------
     @property
@@ -198,19 +228,32 @@ class CausalWanPipeline:
         *,
         stage: bool,
     ) -> BlockLatents:
-        history_ids, history_frames = kv.history(branch)
         frames = latents.frames
-        cos, sin = self.transformer.rotary(history_frames + frames)
-        context = SelfAttentionContext(
-            cos=cos,
-            sin=sin,
-            pool=kv.pool,
-            history_ids=history_ids,
-            stage=kv.staging(branch) if stage else None,
-        )
+        staging = kv.staging(branch) if stage else None
+        context = self._attention_context(kv, branch, kv.resident_block_ids(branch), frames, staging)
         frame_timesteps = torch.full((1, frames), float(timestep), device=self.transformer.device)
         cross_kv = self._cross_kv(kv, progress, branch)
         return self.transformer(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
+
+    def _attention_context(
+        self, kv: SessionKVState, branch: str, history_ids: list[int], frames: int, staging: torch.Tensor | None
+    ) -> SelfAttentionContext:
+        """Context for a forward of ``frames`` frames after the history frames ``history_ids`` (oldest first)."""
+        cos, sin = self.transformer.rotary(len(history_ids) + frames)
+        workspace = self.context_kv.get(branch)
+        if workspace is not None:
+            # The same ids after the same pool writes hold the same K/V: a block's forwards share one load.
+            owner = (kv, branch, tuple(history_ids), self._pool_writes)
+            history_tokens = workspace.load(owner, kv.pool, history_ids, cos, sin, self.transformer.kernels.rotate_pairs)
+            return SelfAttentionContext(
+                cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens
+            )
+        ids = None
+        if history_ids and len(history_ids) == kv.num_resident_blocks(branch):
+            ids = kv.history(branch)[0]  # the table keeps its ids on the device
+        elif history_ids:
+            ids = torch.tensor(history_ids, dtype=torch.long).to(self.transformer.device)
+        return SelfAttentionContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
 
     def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: BlockLatents, timestep: float) -> BlockLatents:
         cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
@@ -240,6 +283,7 @@ class CausalWanPipeline:
         for branch in self.branch_names:
             self._forward(kv, progress, branch, clean, 0.0, stage=True)
         # Every branch's forward succeeded: only now does anything enter the cache.
+        self._pool_writes += 1
         for branch in self.branch_names:
             kv.commit(branch, clean.frames)
         self._remember_clean(progress, clean)
@@ -248,6 +292,17 @@ class CausalWanPipeline:
         progress.latents = None
         progress.clean = None
         return clean
+
+    def denoise_step(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents | None:
+        """One denoising forward; the block's clean latents once the last one ran (its commit pass still to come).
+
+        Lets a caller show a block before its commit: the commit pass (the next
+        :meth:`step`) changes nothing the block's frames depend on.
+        """
+        if progress.step_index >= self.num_steps:
+            raise RuntimeError("the block is denoised; its commit pass is next")
+        self.step(kv, progress)
+        return progress.clean if progress.step_index == self.num_steps else None
 
     def run_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
         """All remaining steps of the current block (grouped execution); same result as stepping."""
@@ -281,13 +336,8 @@ class CausalWanPipeline:
             for start in range(0, len(block_ids), group):
                 targets = block_ids[start : start + group]
                 latents = BlockLatents.cat(frames[start : start + group])
-                history = None
-                if start:
-                    history = torch.tensor(block_ids[:start], dtype=torch.long, device=self.transformer.device)
-                cos, sin = self.transformer.rotary(start + len(targets))
-                context = SelfAttentionContext(
-                    cos=cos, sin=sin, pool=kv.pool, history_ids=history, stage=kv.staging(branch)
-                )
+                context = self._attention_context(kv, branch, block_ids[:start], len(targets), kv.staging(branch))
                 timesteps = torch.zeros((1, len(targets)), device=self.transformer.device)
                 self.transformer(latents, timesteps, context, self._cross_kv(kv, progress, branch))
+                self._pool_writes += 1
                 kv.overwrite(branch, targets)

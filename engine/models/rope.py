@@ -9,12 +9,8 @@ position.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
-
-log = logging.getLogger("arstream.rope")
 
 
 class FrameRotaryEmbedding:
@@ -77,32 +73,3 @@ class FrameRotaryEmbedding:
             cached = (grid(self._t_cos, self._hw_cos), grid(self._t_sin, self._hw_sin))
             self._cache[key] = cached
         return cached
-
-
-def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved channel pairs of ``x [..., S, H, D]`` (Wan's convention), in float32."""
-    pairs = x.float().unflatten(-1, (-1, 2))
-    x1, x2 = pairs[..., 0], pairs[..., 1]
-    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
-    return out.to(x.dtype)
-
-
-# Eager, the rotation is six passes over every key of the context (upcast, two products per half, stack,
-# downcast) on every forward: 28 of 133 ms per 1.3B forward at 18 history frames on an H200. Fused into one
-# kernel by torch.compile it costs almost nothing (docs/BENCHMARKS.md). CUDA only; the CPU keeps eager.
-_compiled_rotate_pairs = None  # built on first CUDA use: importing the compiler costs the CPU-only path time
-_compile_failed = False
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`rotate_pairs`, through one fused kernel on CUDA (eager if compiling is not possible there)."""
-    global _compile_failed, _compiled_rotate_pairs
-    if x.is_cuda and not _compile_failed and not torch.cuda.is_current_stream_capturing():
-        try:
-            if _compiled_rotate_pairs is None:
-                _compiled_rotate_pairs = torch.compile(rotate_pairs, dynamic=True)
-            return _compiled_rotate_pairs(x, cos, sin)
-        except Exception:
-            _compile_failed = True
-            log.warning("fused rotary kernel unavailable; rotating keys eagerly", exc_info=True)
-    return rotate_pairs(x, cos, sin)

@@ -1,0 +1,357 @@
+"""The DiT and VAE fast paths against the paths they replace, timed and checked in one run (GPU).
+
+Prints one JSON line per section as it finishes (so a run cut short still
+reports), then one summary line. Sections:
+
+* ``forward``: ms per DiT forward by history length, and per block, for the
+  history gathered per forward (the landed path) or once per block, with the
+  elementwise work eager or fused; the naive concatenated-KV path (Self-Forcing
+  style) in the same run; host enqueue time vs device time of a block (a host
+  that waits inside a block shows as enqueue ~ device time).
+* ``equivalence``: the engine's path (gathered once, fused) against the all-eager
+  per-forward path on the same weights and noise, relative error per block over
+  12 blocks past the window's first eviction (bf16), and the same in float32.
+* ``attention``: SDPA backends at the largest context, in the engine's layout.
+* ``vae``: ms per 12-frame decode: eager, cuDNN autotuned, channels-last,
+  compiled steady state; max pixel difference of each to eager.
+* ``profile``: where one block's device time goes on the final path.
+
+    python bench/bench_fast_paths.py --out /tmp/fast.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, ".")  # run from the repository root without installing
+
+from bench.bench_engine import naive_run  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.kv_cache import KVCacheManager  # noqa: E402
+from engine.bundle import build_models  # noqa: E402
+from engine.models.kernels import EAGER_KERNELS, Kernels  # noqa: E402
+from engine.models.pipeline import CausalWanPipeline  # noqa: E402
+from decoders.video import WanStreamingDecoder  # noqa: E402
+
+OUT = None
+
+
+def emit(record: dict) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if OUT:
+        with open(OUT, "a") as f:
+            f.write(line + "\n")
+
+
+def kernel_sets() -> dict[str, Kernels]:
+    rotation_only = Kernels.make(True, only=("rotate_pairs",))
+    return {"eager": EAGER_KERNELS, "rotation_fused": rotation_only, "fused": Kernels.make(True)}
+
+
+def variant_pipeline(base: CausalWanPipeline, gather_once: bool) -> CausalWanPipeline:
+    return CausalWanPipeline(
+        base.transformer, base.text_encoder, sigmas=base.sigmas, frames_per_block=base.frames_per_block,
+        sink_frames=base.sink_frames, window_frames=base.window_frames, guidance_scale=base.guidance_scale,
+        gather_history_once=gather_once,
+    )
+
+
+def sync() -> float:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def timed_blocks(pipeline: CausalWanPipeline, blocks: int, per_forward: bool, seed: int = 0):
+    """Run ``blocks`` blocks of one session; per-forward ms by history (synchronised) or per-block times."""
+    manager = KVCacheManager(pipeline.kv_spec(), 1, pipeline.transformer.device)
+    kv = manager.open_session("bench")
+    progress = pipeline.new_progress(seed=seed, prompt="a bench")
+    forward_ms = defaultdict(list)
+    block_ms, enqueue_ms, outputs = [], [], []
+    original = pipeline._forward
+    if per_forward:
+        def timed(kv_, progress_, branch, latents, timestep, *, stage):
+            history = kv_.num_resident_blocks(branch)
+            start = sync()
+            out = original(kv_, progress_, branch, latents, timestep, stage=stage)
+            forward_ms[history].append((sync() - start) * 1000)
+            return out
+        pipeline._forward = timed
+    try:
+        for _ in range(blocks):
+            start = sync()
+            clean = pipeline.run_block(kv, progress)
+            enqueued = time.perf_counter()
+            end = sync()
+            block_ms.append((end - start) * 1000)
+            enqueue_ms.append((enqueued - start) * 1000)
+            outputs.append(clean)
+    finally:
+        pipeline._forward = original
+        kv.close()
+    return forward_ms, block_ms, enqueue_ms, outputs
+
+
+def median_by_history(forward_ms) -> dict:
+    return {str(k): round(statistics.median(v), 2) for k, v in sorted(forward_ms.items())}
+
+
+def relative_errors(fast, reference) -> list[float]:
+    errors = []
+    for a, b in zip(fast, reference):
+        a, b = a.video.float(), b.video.float()
+        errors.append(((a - b).norm() / b.norm()).item())
+    return errors
+
+
+def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
+    base = bundle.pipeline
+    transformer = base.transformer
+    kernels = kernel_sets()
+    variants = {
+        "landed (per-forward gather, fused rotation)": (False, "rotation_fused"),
+        "gather once, fused rotation": (True, "rotation_fused"),
+        "per-forward gather, fused kernels": (False, "fused"),
+        "engine (gather once, fused kernels)": (True, "fused"),
+    }
+    if only is not None:
+        variants = {name: v for name, v in variants.items() if name.split(" ")[0] in only}
+    results = {}
+    for name, (gather_once, kernel_set) in variants.items():
+        pipeline = base if gather_once else variant_pipeline(base, False)
+        transformer.kernels = kernels[kernel_set]
+        timed_blocks(pipeline, 2, per_forward=False)  # warm-up: compiles, cuDNN plans, allocator
+        forward_ms, _, _, _ = timed_blocks(pipeline, blocks, per_forward=True)
+        _, block_ms, enqueue_ms, _ = timed_blocks(pipeline, blocks, per_forward=False)
+        results[name] = {
+            "forward_ms_by_history_frames": median_by_history(forward_ms),
+            "block_ms_median_full_window": round(statistics.median(block_ms[-3:]), 2),
+            "host_enqueue_ms_median_full_window": round(statistics.median(enqueue_ms[-3:]), 2),
+        }
+        emit({"section": "forward_variant", "variant": name, **results[name]})
+    transformer.kernels = kernels["fused"]
+    clock = type("Clock", (), {"now": staticmethod(sync)})()
+    naive_ms, _ = naive_run(bundle, blocks, clock)
+    results["naive (concatenated KV, Self-Forcing style)"] = {"forward_ms_by_history_frames": median_by_history(naive_ms)}
+    return results
+
+
+def equivalence_section(bundle, blocks: int, label: str) -> dict:
+    base = bundle.pipeline
+    transformer = base.transformer
+    reference = variant_pipeline(base, False)
+    transformer.kernels = EAGER_KERNELS
+    _, _, _, eager = timed_blocks(reference, blocks, per_forward=False, seed=7)
+    transformer.kernels = Kernels.make(True)
+    _, _, _, fast = timed_blocks(base, blocks, per_forward=False, seed=7)
+    errors = relative_errors(fast, eager)
+    max_abs = max(a.float().max_abs_diff(b.float()) for a, b in zip(fast, eager))
+    return {"label": label, "blocks": blocks, "rel_err_per_block": [round(e, 6) for e in errors],
+            "max_rel_err": max(errors), "max_abs_diff": max_abs}
+
+
+def attention_section(bundle) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    spec = bundle.pipeline.kv_spec()
+    tokens = spec.tokens_per_frame
+    heads, dim = spec.num_kv_heads, spec.head_dim
+    device, dtype = bundle.pipeline.transformer.device, bundle.pipeline.transformer.dtype
+    q = torch.randn(1, spec.frames_per_block * tokens, heads, dim, device=device, dtype=dtype)
+    kv = torch.randn(2, spec.context_frames * tokens, heads, dim, device=device, dtype=dtype)
+    k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+    out = {}
+    for name, backend in (("default", None), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                          ("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def call():
+            return torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        try:
+            with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
+                for _ in range(3):
+                    call()
+                start = sync()
+                for _ in range(20):
+                    call()
+                out[name] = round((sync() - start) / 20 * 1000, 3)
+        except Exception as error:  # a backend that refuses this shape/layout
+            out[name] = f"unavailable: {type(error).__name__}"
+    flops = 4 * q.shape[1] * k.shape[1] * heads * dim
+    out["tflops_default"] = round(flops / (out["default"] / 1000) / 1e12, 1) if isinstance(out["default"], float) else None
+    out["queries"], out["keys"] = q.shape[1], k.shape[1]
+    return out
+
+
+def set_conv_layout(module: torch.nn.Module, memory_format: torch.memory_format) -> None:
+    """Every 5-D conv weight in ``memory_format`` (cuDNN then runs the convs channels-last)."""
+    for parameter in module.parameters():
+        if parameter.ndim == 5:
+            parameter.data = parameter.data.contiguous(memory_format=memory_format)
+
+
+def vae_section(bundle, blocks: int) -> dict:
+    vae = bundle.decoder.vae
+    pipeline = bundle.pipeline
+    _, channels, frames, height, width = pipeline.latent_shape
+    generator = torch.Generator().manual_seed(3)
+    latents = [torch.randn(1, channels, frames, height, width, generator=generator).to(vae.device, vae.dtype)
+               for _ in range(blocks + 1)]
+
+    def run(decoder):
+        state = decoder.new_state("vae")
+        times, pixels = [], []
+        for block in latents:
+            start = sync()
+            pixels.append(decoder.decode_chunk(decoder.denormalize(block), state))
+            times.append((sync() - start) * 1000)
+        return statistics.median(times[1:]), times[0], torch.cat(pixels, dim=2)
+
+    results = {}
+    torch.backends.cudnn.benchmark = False
+    eager_ms, first_ms, reference = run(WanStreamingDecoder(vae))
+    results["eager"] = {"ms_per_block": round(eager_ms, 2), "first_block_ms": round(first_ms, 2)}
+    emit({"section": "vae_variant", "variant": "eager", **results["eager"]})
+    torch.backends.cudnn.benchmark = True
+    run(WanStreamingDecoder(vae))  # autotune
+    ms, _, pixels = run(WanStreamingDecoder(vae))
+    results["cudnn_benchmark"] = {"ms_per_block": round(ms, 2), "max_abs_diff": (pixels - reference).abs().max().item()}
+    emit({"section": "vae_variant", "variant": "cudnn_benchmark", **results["cudnn_benchmark"]})
+    set_conv_layout(vae, torch.channels_last_3d)
+    run(WanStreamingDecoder(vae))
+    ms, _, pixels = run(WanStreamingDecoder(vae))
+    results["channels_last_3d"] = {"ms_per_block": round(ms, 2), "max_abs_diff": (pixels - reference).abs().max().item()}
+    emit({"section": "vae_variant", "variant": "channels_last_3d", **results["channels_last_3d"]})
+    set_conv_layout(vae, torch.contiguous_format)
+    compiled = WanStreamingDecoder(vae, compile_steady_state=True)
+    start = time.perf_counter()
+    run(compiled)  # compiles at the first steady frame
+    compile_s = time.perf_counter() - start
+    ms, _, pixels = run(compiled)
+    results["compiled_steady_state"] = {
+        "ms_per_block": round(ms, 2), "compile_s": round(compile_s, 1), "failed": compiled.steady_state.failed,
+        "max_abs_diff": (pixels - reference).abs().max().item(),
+    }
+    emit({"section": "vae_variant", "variant": "compiled_steady_state", **results["compiled_steady_state"]})
+    return results
+
+
+def profile_section(bundle) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    pipeline = bundle.pipeline
+    pipeline.transformer.kernels = Kernels.make(True)
+    manager = KVCacheManager(pipeline.kv_spec(), 1, pipeline.transformer.device)
+    kv = manager.open_session("profile")
+    progress = pipeline.new_progress(seed=1, prompt="a profile")
+    decoder = bundle.decoder
+    state = decoder.new_state("profile")
+    resident = pipeline.sink_frames + pipeline.window_frames
+    while kv.num_resident_blocks("cond") < resident:
+        decoder.decode_chunk(decoder.denormalize(pipeline.run_block(kv, progress).video), state)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        clean = pipeline.run_block(kv, progress)
+        decoder.decode_chunk(decoder.denormalize(clean.video), state)
+        sync()
+    kv.close()
+    categories = defaultdict(float)
+    top = []
+    for event in prof.key_averages():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue  # operators carry their kernels' time too: count the kernels alone
+        device_us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0)
+        if device_us <= 0:
+            continue
+        name = event.key.lower()
+        if "sdpa" in name or "fmha" in name or "flash" in name or "attention" in name:
+            category = "attention"
+        elif "conv" in name or "fprop_implicit" in name or "winograd" in name or "nchwtonhwc" in name or "nhwctonchw" in name:
+            category = "conv (vae)"
+        elif "gemm" in name or "matmul" in name or "cutlass" in name or "nvjet" in name:
+            category = "gemm"
+        elif "triton" in name:
+            category = "fused elementwise (triton)"
+        elif "copy" in name or "memcpy" in name or "cat" in name:
+            category = "copy/cat"
+        else:
+            category = "other elementwise"
+        categories[category] += device_us / 1000
+        top.append((device_us / 1000, event.key[:90], event.count))
+    top.sort(reverse=True)
+    if OUT:
+        with open(OUT.replace(".jsonl", "_profile.txt"), "w") as f:
+            f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+    return {"device_ms_by_category": {k: round(v, 1) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
+            "device_ms_total": round(sum(categories.values()), 1),
+            "top_kernels": [{"ms": round(ms, 2), "name": name, "count": count} for ms, name, count in top[:15]]}
+
+
+def main() -> None:
+    global OUT
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--sections", default="equivalence,forward,attention,vae,profile")
+    parser.add_argument("--smoke", action="store_true", help="tiny models on this machine's device: checks the script runs")
+    parser.add_argument("--variants", default=None, help="first words of the forward variants to run, e.g. landed,engine")
+    parser.add_argument("--no-compile-decoder", action="store_true", help="eager VAE (skips its compile)")
+    args = parser.parse_args()
+    OUT = args.out
+    sections = args.sections.split(",")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    summary = {"bench": "fast_paths", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    started = time.perf_counter()
+    if "equivalence" in sections:
+        tiny = build_models(EngineConfig(preset="tiny", device=device, dtype="float32", sink_frames=3,
+                                         window_frames=6, audio=False, random_weights=True))
+        record = equivalence_section(tiny, 12, f"tiny fp32 {device}, sink 3 + window 6")
+        emit({"section": "equivalence", **record})
+        summary["equivalence_fp32"] = record
+        del tiny
+    if args.smoke:
+        config = EngineConfig(preset="tiny", device=device, height=48, width=64, audio=False, random_weights=True,
+                              compile_decoder=not args.no_compile_decoder)
+    else:
+        config = EngineConfig(preset="wan2.1-1.3b", device=device, dtype="bfloat16", random_weights=True,
+                              compile_decoder=not args.no_compile_decoder)
+    bundle = build_models(config)
+    emit({"section": "built", "s": round(time.perf_counter() - started, 1),
+          "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 1) if device == "cuda" else None})
+    if "equivalence" in sections:
+        small_window = build_models(config.model_copy(update={"window_frames": 6}))
+        record = equivalence_section(small_window, 12, f"{config.preset} {config.dtype}, sink 3 + window 6")
+        emit({"section": "equivalence", **record})
+        summary["equivalence_bf16"] = record
+        del small_window
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    only = set(args.variants.split(",")) if args.variants else None
+    for name, fn in (("forward", lambda: forward_section(bundle, args.blocks, only)),
+                     ("attention", lambda: attention_section(bundle)),
+                     ("vae", lambda: vae_section(bundle, 4)),
+                     ("profile", lambda: profile_section(bundle))):
+        if name not in sections:
+            continue
+        try:
+            record = fn()
+        except Exception as error:
+            record = {"error": repr(error)}
+        emit({"section": name, **record} if name != "forward" else {"section": name, "variants": record})
+        summary[name] = record
+        summary["elapsed_s"] = round(time.perf_counter() - started, 1)
+    emit(summary)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""Time one prompt's encode by a UMT5-XXL-geometry text encoder; prints ONE JSON line.
+
+With random weights the engine's builder uses a tiny text encoder, so a service benchmark's time to first media
+leaves out what a real Wan model pays for its prompt: this measures that part. The geometry is UMT5-XXL's
+(Wan 2.1's `text_encoder/config.json`: d_model 4096, 24 layers, 64 heads of 64, d_ff 10240, gated GELU,
+vocabulary 256384), built by transformers' `UMT5EncoderModel` with random weights made directly on the device
+(constructed on the meta device in the target dtype, then `to_empty` + in-place normal draws: no CPU copy, no
+float32 detour). The call is the engine's own: 512 token ids padded after the prompt's tokens, the attention
+mask, then the states copied to the host in float32. Median of `--runs` after `--warmup`, synchronised, per
+attention implementation.
+
+    python bench/text_encode_gpu.py --device cuda --dtype bfloat16
+    python bench/text_encode_gpu.py --geometry tiny    # the code path on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+# Wan 2.1's text encoder (google/umt5-xxl's encoder), as its config.json gives it.
+UMT5_XXL = dict(
+    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
+    dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, scalable_attention=True,
+    tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
+)
+TINY = {**UMT5_XXL, "vocab_size": 1000, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build(geometry: dict, device: torch.device, dtype: torch.dtype):
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    config = UMT5Config(**geometry)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = UMT5EncoderModel(config)
+    finally:
+        torch.set_default_dtype(previous)
+    model = model.to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 1:  # RMS norm scales
+                parameter.fill_(1.0)
+            elif "relative_attention_bias" in name:
+                parameter.normal_(0.0, 0.1, generator=generator)
+            elif "embed" in name or "shared" in name:
+                parameter.normal_(0.0, 1.0, generator=generator)
+            else:  # keeps activations in range through 24 layers
+                parameter.normal_(0.0, parameter.shape[1] ** -0.5, generator=generator)
+    return model.eval()
+
+
+def set_attention(model, name: str) -> str:
+    if hasattr(model, "set_attn_implementation"):
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+    return model.config._attn_implementation
+
+
+def time_encode(model, ids, mask, device, runs: int, warmup: int) -> dict:
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    forward_ms, encode_ms, states = [], [], None
+    with torch.no_grad():
+        for run in range(warmup + runs):
+            sync()
+            start = time.perf_counter()
+            states = model(input_ids=ids, attention_mask=mask).last_hidden_state
+            sync()
+            mid = time.perf_counter()
+            host = states.float().cpu()  # what the engine does with the states
+            end = time.perf_counter()
+            if run >= warmup:
+                forward_ms.append((mid - start) * 1000)
+                encode_ms.append((end - start) * 1000)
+    return {
+        "forward_ms_median": round(statistics.median(forward_ms), 2),
+        "encode_ms_median": round(statistics.median(encode_ms), 2),
+        "encode_ms_min": round(min(encode_ms), 2),
+        "encode_ms_max": round(max(encode_ms), 2),
+        "states_finite": bool(torch.isfinite(host).all()),
+        "states_std": round(float(host.std()), 4),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--geometry", choices=["xxl", "tiny"], default="xxl")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=list(DTYPES), default=None, help="default bfloat16 on CUDA, else float32")
+    parser.add_argument("--tokens", type=int, default=512, help="padded length (Wan's text_len)")
+    parser.add_argument("--prompt-tokens", type=int, default=24, help="tokens of the prompt itself (the mask)")
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--attention", default="sdpa,eager", help="implementations to time, first is the headline")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
+    geometry = UMT5_XXL if args.geometry == "xxl" else TINY
+
+    began = time.perf_counter()
+    model = build(geometry, device, dtype)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    build_s = time.perf_counter() - began
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.zeros(1, args.tokens, dtype=torch.long)
+    ids[0, : args.prompt_tokens] = torch.randint(2, geometry["vocab_size"], (args.prompt_tokens,), generator=generator)
+    ids[0, args.prompt_tokens - 1] = geometry["eos_token_id"]
+    mask = torch.zeros(1, args.tokens, dtype=torch.long)
+    mask[0, : args.prompt_tokens] = 1
+    ids, mask = ids.to(device), mask.to(device)
+
+    results = {}
+    for name in args.attention.split(","):
+        try:
+            used = set_attention(model, name)
+            results[name] = {"used": used, **time_encode(model, ids, mask, device, args.runs, args.warmup)}
+        except Exception as error:  # an implementation this transformers lacks: say so, time the others
+            results[name] = {"error": repr(error)[:300]}
+    import transformers
+
+    headline = next((r for r in results.values() if "encode_ms_median" in r), {})
+    print(json.dumps({
+        "bench": "text_encode",
+        "date": time.strftime("%Y-%m-%d"),
+        "geometry": "umt5-xxl" if args.geometry == "xxl" else "tiny",
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "parameters_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 3),
+        "build_s": round(build_s, 2),
+        "gpu_allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 2) if device.type == "cuda" else None,
+        "tokens": args.tokens,
+        "prompt_tokens": args.prompt_tokens,
+        "runs": args.runs,
+        "encode_ms_median": headline.get("encode_ms_median"),
+        "by_attention": results,
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""The elementwise work of a DiT forward, as small pure functions that can each be fused into one kernel.
+
+Between its matrix products and attention, one Wan block makes many passes over
+the hidden states: float32 upcasts, layer norms, per-frame modulation, gated
+residuals, RMS norms of q and k, rotary rotation, downcasts. Eager, each is its
+own kernel and its own round trip through device memory; at 1.3B / 480p they
+cost about as much as the matrix products (docs/BENCHMARKS.md). Each function
+here is one such run of passes written once; on CUDA it goes through
+``torch.compile`` (one generated kernel, compiled once and reused by every
+layer, since the functions take tensors, never modules). The eager function is
+the reference: ``DeviceKernel.eager`` is what the equivalence checks compare
+against, and what the CPU runs.
+
+Shapes: hidden states ``[B, S, dim]`` with ``S = frames * tokens_per_frame``,
+frame-major; per-frame modulation ``[B, frames, 1, dim]`` in float32.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("arstream.kernels")
+
+
+def _per_frame(x: torch.Tensor, frames: int) -> torch.Tensor:
+    batch, seq, dim = x.shape
+    return x.view(batch, frames, seq // frames, dim)
+
+
+def modulated_layer_norm(
+    x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``(LayerNorm(x) * (1 + scale) + shift)`` in float32, per frame, back in ``x``'s dtype (norm1 / norm3)."""
+    frames = scale.shape[1]
+    normed = F.layer_norm(x.float(), (x.shape[-1],), eps=eps)
+    return (_per_frame(normed, frames) * (1 + scale) + shift).view_as(x).to(x.dtype)
+
+
+def gated_residual(hidden: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``hidden + update * gate`` in float32, per frame, back in ``hidden``'s dtype."""
+    frames = gate.shape[1]
+    out = _per_frame(hidden.float(), frames) + _per_frame(update.float(), frames) * gate
+    return out.view_as(hidden).to(hidden.dtype)
+
+
+def affine_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
+    """diffusers' ``FP32LayerNorm`` with weights (norm2), back in ``x``'s dtype."""
+    return F.layer_norm(x.float(), (x.shape[-1],), weight.float(), bias.float(), eps).to(x.dtype)
+
+
+def residual_modulated_layer_norm(
+    hidden: torch.Tensor, update: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``hidden + update`` (the cross-attention residual), and norm3's modulated layer norm of the sum."""
+    hidden = hidden + update
+    return hidden, modulated_layer_norm(hidden, scale, shift, eps)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``torch.nn.RMSNorm`` over the last dim (Wan's q/k norm across heads)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved channel pairs of ``x [..., S, H, D]`` (Wan's convention), in float32.
+
+    ``cos``/``sin``: ``[S, 1, D // 2]``, one angle per rotated pair.
+    """
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x1, x2 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def rms_norm_rotate(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, cos: torch.Tensor, sin: torch.Tensor
+) -> torch.Tensor:
+    """RMS norm across heads, split into ``heads``, rotate: a query's whole path from its projection."""
+    return rotate_pairs(rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
+
+
+class DeviceKernel:
+    """``fn`` through ``torch.compile`` on CUDA tensors; eager elsewhere, during graph capture, or if compiling fails.
+
+    Dynamic shapes: one compiled kernel serves every sequence length (history
+    length, first block, recache groups), so a new length after warm-up costs
+    no compile.
+    """
+
+    def __init__(self, fn: Callable) -> None:
+        self.eager = fn
+        self._compiled: Callable | None = None
+        self._failed = False
+        self._lock = threading.Lock()
+
+    def __call__(self, *args):
+        first = args[0]
+        if first.is_cuda and not self._failed and not torch.cuda.is_current_stream_capturing():
+            try:
+                return self._compiled_fn()(*args)
+            except Exception:
+                self._failed = True
+                log.warning("fused kernel %s unavailable; running it eagerly", self.eager.__name__, exc_info=True)
+        return self.eager(*args)
+
+    def _compiled_fn(self) -> Callable:
+        if self._compiled is None:
+            with self._lock:  # importing the compiler costs the CPU-only path time: only on first CUDA use
+                if self._compiled is None:
+                    self._compiled = torch.compile(self.eager, dynamic=True)
+        return self._compiled
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The elementwise steps a forward runs: fused (compiled on CUDA) or the eager reference."""
+
+    fused: bool
+    modulated_layer_norm: Callable
+    gated_residual: Callable
+    affine_layer_norm: Callable
+    residual_modulated_layer_norm: Callable
+    rms_norm: Callable
+    rotate_pairs: Callable
+    rms_norm_rotate: Callable
+
+    @classmethod
+    def make(cls, fused: bool, only: tuple[str, ...] | None = None) -> "Kernels":
+        """All steps fused (or eager); with ``only``, just those steps fused (for benchmarks of one step)."""
+        if not fused:
+            return cls(fused=False, **_EAGER)
+        table = {name: _FUSED[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
+        return cls(fused=True, **table)
+
+
+_EAGER: dict[str, Callable] = {
+    "modulated_layer_norm": modulated_layer_norm,
+    "gated_residual": gated_residual,
+    "affine_layer_norm": affine_layer_norm,
+    "residual_modulated_layer_norm": residual_modulated_layer_norm,
+    "rms_norm": rms_norm,
+    "rotate_pairs": rotate_pairs,
+    "rms_norm_rotate": rms_norm_rotate,
+}
+# One compiled kernel per function for the process: every layer of every model reuses it.
+_FUSED: dict[str, DeviceKernel] = {name: DeviceKernel(fn) for name, fn in _EAGER.items()}
+EAGER_KERNELS = Kernels.make(False)

@@ -1,0 +1,105 @@
+"""Fast paths of the block loop against the paths they replace, on the same weights and noise.
+
+The history of a block is gathered (and its keys rotated) once per block into a
+shared per-branch buffer; the reference gathers it from the pool in every
+forward. Both must give the same latents past the window's first eviction, in
+grouped and in interleaved stepwise execution, and across a recache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheManager
+from engine.models.pipeline import CausalWanPipeline
+from tests.engine_helpers import build_small
+
+FLOAT32_TOLERANCE = 1e-5
+
+
+def _pipelines(**overrides) -> tuple[CausalWanPipeline, CausalWanPipeline]:
+    """(gathered-once, per-forward) pipelines over one transformer."""
+    _, bundle = build_small(**overrides)
+    fast = bundle.pipeline
+    reference = CausalWanPipeline(
+        fast.transformer,
+        fast.text_encoder,
+        sigmas=fast.sigmas,
+        frames_per_block=fast.frames_per_block,
+        sink_frames=fast.sink_frames,
+        window_frames=fast.window_frames,
+        guidance_scale=fast.guidance_scale,
+        gather_history_once=False,
+    )
+    assert fast.context_kv and not reference.context_kv
+    return fast, reference
+
+
+def _session(pipeline: CausalWanPipeline, session_id: str, seed: int, prompt: str, manager=None):
+    manager = manager or KVCacheManager(pipeline.kv_spec(), 2, "cpu")
+    return manager, manager.open_session(session_id), pipeline.new_progress(seed=seed, prompt=prompt)
+
+
+def _max_diff(a, b) -> float:
+    return a.float().max_abs_diff(b.float())
+
+
+def test_gathered_history_matches_per_forward_gather_past_eviction():
+    fast, reference = _pipelines(sink_frames=3, window_frames=6)
+    _, fast_kv, fast_progress = _session(fast, "s", 3, "a kite over dunes")
+    _, ref_kv, ref_progress = _session(reference, "s", 3, "a kite over dunes")
+    workspace = fast.context_kv["cond"]
+    blocks = 12  # the window (6 frames) first evicts at block 4
+    diffs = []
+    for block in range(blocks):
+        loads_before = workspace.loads
+        diffs.append(_max_diff(fast.run_block(fast_kv, fast_progress), reference.run_block(ref_kv, ref_progress)))
+        # One gather for the block's 4 denoising forwards and its commit pass (none before any history).
+        assert workspace.loads - loads_before == 1
+    assert fast_kv.committed_frames("cond") == 36 > 3 + 6
+    assert max(diffs) <= FLOAT32_TOLERANCE, diffs
+
+
+def test_interleaved_stepwise_sessions_reload_the_shared_buffer():
+    """Two sessions stepped alternately share one buffer; each must still see only its own history."""
+    fast, reference = _pipelines(sink_frames=3, window_frames=3)
+    manager = KVCacheManager(fast.kv_spec(), 2, "cpu")
+    sessions = [_session(fast, name, seed, prompt, manager)[1:] for name, seed, prompt in
+                (("a", 1, "red sky"), ("b", 2, "green sea"))]
+    interleaved = {0: [], 1: []}
+    loads_before = fast.context_kv["cond"].loads
+    for _ in range(5 * (fast.num_steps + 1)):  # 5 blocks each, one forward per call, alternating
+        for index, (kv, progress) in enumerate(sessions):
+            clean = fast.step(kv, progress)
+            if clean is not None:
+                interleaved[index].append(clean)
+    # Every forward found the other session's history loaded, and gathered its own again.
+    assert fast.context_kv["cond"].loads - loads_before == 2 * 5 * (fast.num_steps + 1)
+    for index, (name, seed, prompt) in enumerate((("a", 1, "red sky"), ("b", 2, "green sea"))):
+        _, kv, progress = _session(reference, name, seed, prompt)
+        alone = [reference.run_block(kv, progress) for _ in range(5)]
+        assert max(_max_diff(a, b) for a, b in zip(interleaved[index], alone)) <= FLOAT32_TOLERANCE
+
+
+@pytest.mark.parametrize("policy", ["soft", "recache"])
+def test_prompt_change_with_gathered_history_matches_per_forward(policy):
+    fast, reference = _pipelines(sink_frames=3, window_frames=6)
+    outputs = []
+    for pipeline in (fast, reference):
+        _, kv, progress = _session(pipeline, "s", 5, "a quiet pond")
+        blocks = [pipeline.run_block(kv, progress) for _ in range(4)]
+        pipeline.set_prompt(kv, progress, "a stormy pond", "", policy)
+        blocks += [pipeline.run_block(kv, progress) for _ in range(3)]
+        outputs.append(blocks)
+    assert max(_max_diff(a, b) for a, b in zip(*outputs)) <= FLOAT32_TOLERANCE
+    # The recache wrote resident blocks in place: the next block must not reuse a stale gather.
+    before_change = outputs[0][3]
+    assert _max_diff(outputs[0][4], before_change) > 0
+
+
+def test_gathered_buffer_is_sized_to_the_whole_context():
+    fast, _ = _pipelines(sink_frames=3, window_frames=6)
+    spec = fast.kv_spec()
+    workspace = fast.context_kv["cond"]
+    assert workspace.nbytes == spec.context_frames * spec.block_bytes
