@@ -169,6 +169,7 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
             assert admitted >= 2, f"the measured block cost allows only {admitted} live session(s) at {fps} fps"
             assert 1 <= capacity <= admitted
             assert closed["type"] == "closed" and closed["reason"] == "capacity" and code == 1013
+            assert closed["retry_after_s"] >= 1.0
             status, headers, body = _post(server, "/v1/sessions", {})
             assert status == 503 and body["error"]["code"] == "capacity"
             assert int(headers["Retry-After"]) >= 1
