@@ -2,12 +2,13 @@
 
 The engine measures its per-block cost (warm-up blocks, then a running estimate) and admits a live
 (paced) session only if every live session keeps its real-time rate with it. Here, on the CPU, at a
-small size, the frame rate is chosen from a block's cost measured first, so that about two live
-sessions fill the device (one block's playback time ≈ 2.9 blocks of device time); N itself is what
-the engine then measures and admits, never a constant:
+small size, the frame rate is chosen from a block's cost measured first, so that two live sessions
+would need ~80 % of the device (one block's playback time = 2.5 blocks of device time); N itself is
+what the engine then measures and admits, never a constant:
 
-* admitted one at a time, exactly N live sessions get in (N >= 2), the next is refused at once —
-  socket: ``closed`` reason ``capacity``, close 1013; REST: 503 ``capacity`` with ``Retry-After``;
+* admitted one at a time, N live sessions get in (N >= 2) and the next is refused at once, decided on
+  the engine's live capacity at that moment (its log line) — socket: ``closed`` reason ``capacity``
+  with ``retry_after_s``, close 1013; REST: 503 ``capacity`` with ``Retry-After``;
 * each admitted session then misses no deadline over 20 chunks, with a best-effort session
   (pacing off) streaming alongside;
 * the control: with realtime admission off, N + 1 live sessions miss deadlines (N re-read from the
