@@ -103,7 +103,11 @@ class SessionRegistry:
             start_on_attach=True,
         )
         if isinstance(status, CapacityFull):
-            log.info("session refused", extra={"reason": "capacity", "via": via, "pace": options.pace})
+            log.info(
+                "session refused",
+                extra={"reason": "capacity", "via": via, "pace": options.pace, "live_capacity": status.live_capacity,
+                       "retry_after_s": status.retry_after_s},
+            )
             return status
         record = SessionRecord(
             session_id=status.session_id,

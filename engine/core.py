@@ -57,7 +57,8 @@ from engine.scheduler import Scheduler
 from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
 from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
 from engine.startup import BuiltEngine
-from engine.status import EngineCounters, RealtimeStatus, SessionStatus
+from engine.snapshots import session_status
+from engine.status import EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
 
@@ -118,6 +119,7 @@ class EngineCore:
             return CapacityFull(
                 retry_after_s=self._expected_wait(live),
                 message="no device time left for another live session; try again later, or stream with pace off",
+                live_capacity=self.live_capacity(),
             )
         record = SessionRecord(
             session_id=session_id,
@@ -470,43 +472,7 @@ class EngineCore:
 
     def status(self, session_id: str) -> SessionStatus:
         record = self.record(session_id)
-        projected = record.projected()
-        state = projected.state
-        shown = state.value
-        if state is not SessionState.CLOSED:
-            if projected.detached:
-                shown = "detached"
-            if self.draining:
-                shown = "draining"
-        live_running = projected.pace and state is SessionState.ACTIVE
-        return SessionStatus(
-            session_id=record.session_id,
-            state=shown,
-            attached=projected.attached,
-            seed=projected.seed,
-            pace=projected.pace,
-            prompt_length=len(projected.prompt or ""),
-            chunks=record.chunks_emitted,
-            frames=record.frames_emitted,
-            audio_samples=record.audio_samples_emitted,
-            blocks_since_reset=record.blocks_since_reset,
-            queue_depth=len(record.queue),
-            created_at=record.created_at_epoch,
-            started_at=record.started_at,
-            ended_at=record.ended_at,
-            time_to_first_chunk_ms=record.time_to_first_chunk_ms,
-            last_timings=record.last_timings,
-            close_reason=record.close_reason,
-            error=record.error,
-            decoder_state_bytes=record.decoder_state_bytes,
-            realtime=RealtimeStatus(
-                live=projected.pace,
-                block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
-                frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
-                deadline_misses=record.deadline_misses,
-                below_realtime=live_running and self._below_realtime(record),
-            ),
-        )
+        return session_status(record, draining=self.draining, below_realtime=self._below_realtime(record))
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}

@@ -67,3 +67,4 @@ class CapacityFull:
 
     retry_after_s: float
     message: str = "all session slots are in use; try again later"
+    live_capacity: int | None = None  # for a refusal on time: the live sessions the device keeps, as decided

@@ -22,7 +22,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-COST_EMA_WEIGHT = 0.25  # weight of the newest block: follows a change of load within ~4 blocks
+COST_EMA_WEIGHT = 0.2  # weight of the newest block: follows a change of load within ~5 blocks
 FPS_WINDOW_CHUNKS = 8
 RETRY_AFTER_MAX_S = 60.0
 

@@ -11,14 +11,15 @@ its media runs ``lead_chunks`` blocks ahead of its playback clock.
 A tick's blocks are delivered together when the tick ends, so every block of a
 tick waits for the others. Hence:
 
-* live sessions (pacing on) always run when due, nearest deadline first;
+* live sessions (pacing on) run when due, nearest deadline first; one that
+  is ahead of its clock waits a tick when its block would make a more
+  urgent one miss (the tick ends later with every block it holds);
 * a best-effort session (pacing off) joins a tick only if, with its block
   added, every live session still meets its next deadline — this tick's
   members at the tick's end (a late member blocks it), the others one block
   after it. Best-effort sessions are what slows down first;
-* a live session's expensive control (a ``recache`` prompt change, a reset)
-  is held back a tick when it would make another member of the tick miss,
-  unless holding it would make its own session miss.
+* so does a live session's expensive control (a ``recache`` prompt change, a
+  reset, counted in its cost), unless waiting would make its own session miss.
 
 Best-effort sessions rotate so none is always served last.
 """
@@ -105,11 +106,14 @@ class Scheduler:
         members: list[_Candidate] = []
         for candidate in live:
             members.append(candidate)
-            if candidate.extra_s > 0 and not self._fits(members, waiting_live, now, block_cost):
-                own_block = block_cost(candidate.record) / self.ticks_per_block
-                later = candidate.deadline is None or now + self._length(members) + own_block <= candidate.deadline
-                if later and self._fits(members[:-1], waiting_live, now, block_cost):
-                    members.pop()  # held back a tick; the others keep their deadlines
+            if len(members) > 1 and not self._fits(members, waiting_live, now, block_cost):
+                # Its block (or its costly control) would make a more urgent member miss: it waits a
+                # tick if it can afford to, i.e. still makes its own deadline one tick later.
+                can_wait = candidate.deadline is not None and (
+                    now + self._length(members[:-1]) + candidate.cost_s <= candidate.deadline
+                )
+                if can_wait and self._fits(members[:-1], waiting_live, now, block_cost):
+                    members.pop()
         for candidate in best_effort:
             members.append(candidate)
             if not self._fits(members, waiting_live, now, block_cost):

@@ -2,15 +2,21 @@
 
 The engine measures its per-block cost (warm-up blocks, then a running estimate) and admits a live
 (paced) session only if every live session keeps its real-time rate with it. Here, on the CPU, at a
-small size, the frame rate is chosen from a block's cost measured first, so that about two live
-sessions fill the device (one block's playback time ≈ 2.9 blocks of device time); N itself is what
-the engine then measures and admits, never a constant:
+small size, the frame rate is chosen from a block's cost measured first, so that two live sessions
+would need ~80 % of the device (one block's playback time = 2.5 blocks of device time); N itself is
+what the engine then measures and admits, never a constant:
 
-* admitted one at a time, exactly N live sessions get in (N >= 2), the next is refused at once —
-  socket: ``closed`` reason ``capacity``, close 1013; REST: 503 ``capacity`` with ``Retry-After``;
+* admitted one at a time, N live sessions get in (N >= 2) and the next is refused at once, decided on
+  the engine's live capacity at that moment (its log line) — socket: ``closed`` reason ``capacity``
+  with ``retry_after_s``, close 1013; REST: 503 ``capacity`` with ``Retry-After``;
 * each admitted session then misses no deadline over 20 chunks, with a best-effort session
   (pacing off) streaming alongside;
-* the control: with realtime admission off, N + 1 live sessions miss deadlines.
+* the control: with realtime admission off, N + 1 live sessions miss deadlines (N re-read from the
+  control server's own measurement as it fills: the machine's load may have moved since).
+
+It is a timing test on a CPU that may be shared: a sustained rise of the machine's load by more than
+about a fifth after admission can still make an admitted session miss; the 4-block pacing lead absorbs
+shorter bursts.
 """
 
 from __future__ import annotations
@@ -29,14 +35,14 @@ from websockets.exceptions import ConnectionClosed
 from tests.conftest import start_server
 from tests.test_service_e2e import StreamClient
 
-HEIGHT = WIDTH = 64
+HEIGHT = WIDTH = 128
 # Device time comes from many denoise steps, not from pixels: on a 2-core CPU the encoder threads would
 # otherwise compete with the device thread, and a block would cost more with every session streaming.
-TIMESTEPS = [1000.0 - 125.0 * i for i in range(8)]
+TIMESTEPS = [1000.0 - 62.5 * i for i in range(16)]
 # Two live sessions need this share of the device at the measured cost: a third tips it over (x 1.5).
-TARGET_TWO_SESSION_LOAD = 0.7
+TARGET_TWO_SESSION_LOAD = 0.8
 CHUNKS = 20
-SETTLE_CHUNKS = 3  # a newcomer streams this long before the next one asks, so the cost estimate sees it
+SETTLE_CHUNKS = 6  # a newcomer streams this long before the next one asks, so the cost estimate sees it
 MAX_LIVE = 8  # memory is not the limit here: time is
 # Paced sessions run up to this many blocks ahead: the buffer that rides out the load of other
 # processes on a shared CPU. An overloaded newcomer starts with no buffer, so it still misses.
@@ -46,7 +52,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def fps() -> int:
-    """A frame rate at which two live sessions load the device ~70 %, from the block cost a server measures
+    """A frame rate at which two live sessions load the device ~80 %, from the block cost a server measures
     while one live session streams (what the engine will see, encoder and sockets included)."""
     probe = _server(16, realtime_admission=True)
     try:
@@ -123,16 +129,26 @@ async def _try_live(server, seed: int) -> StreamClient | tuple[dict, int]:
     return client
 
 
-async def _admit_until_refused(server) -> tuple[list[StreamClient], tuple[dict, int], float]:
-    """Live sessions one at a time until refused; also the live capacity the engine reported just before."""
+async def _admit_until_refused(server) -> tuple[list[StreamClient], tuple[dict, int], int]:
+    """Live sessions one at a time until refused; also the live capacity the engine decided the refusal on
+    (from its log line: a scrape of /metrics a moment later could already see another estimate)."""
     clients: list[StreamClient] = []
     while len(clients) <= MAX_LIVE:
-        capacity = _metric(server, "arstream_live_session_capacity")
         outcome = await _try_live(server, seed=len(clients))
         if not isinstance(outcome, StreamClient):
-            return clients, outcome, capacity
+            return clients, outcome, await _refusal_capacity(server)
         clients.append(outcome)
     raise AssertionError(f"more than {MAX_LIVE} live sessions admitted: the engine does not count time")
+
+
+async def _refusal_capacity(server) -> int:
+    """The live capacity the engine logged with its last refusal (the log is read by another thread)."""
+    for _ in range(100):
+        refusals = [json.loads(line) for line in list(server.log_lines) if '"session refused"' in line]
+        if refusals:
+            return refusals[-1]["live_capacity"]
+        await asyncio.sleep(0.02)
+    raise AssertionError("the refusal was not logged")
 
 
 async def _stream_alongside(clients: list[StreamClient], best_effort: StreamClient | None) -> int:
@@ -158,10 +174,12 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
         async def scenario():
             clients, (closed, code), capacity = await _admit_until_refused(server)
             admitted = len(clients)
-            # N comes from the engine's measured cost, and the refusal happened exactly at it.
+            # N comes from the engine's measured cost, and the refusal was decided on it: the live capacity
+            # at that moment was the number admitted (less, if the cost rose since the last admission).
             assert admitted >= 2, f"the measured block cost allows only {admitted} live session(s) at {fps} fps"
-            assert capacity == admitted
+            assert 1 <= capacity <= admitted
             assert closed["type"] == "closed" and closed["reason"] == "capacity" and code == 1013
+            assert closed["retry_after_s"] >= 1.0
             status, headers, body = _post(server, "/v1/sessions", {})
             assert status == 503 and body["error"]["code"] == "capacity"
             assert int(headers["Retry-After"]) >= 1
@@ -189,7 +207,7 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
                   f"best-effort chunks {best_effort_chunks}")
             return admitted
 
-        admitted = asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
+        asyncio.run(asyncio.wait_for(scenario(), TIMEOUT_S))
     finally:
         server.stop()
 
@@ -197,9 +215,10 @@ def test_live_sessions_are_admitted_while_all_keep_real_time_and_the_next_is_ref
     control = _server(fps, realtime_admission=False)
     try:
         async def overload():
-            # N is re-derived here, from this server's own measurement: the machine's load may have moved.
+            # N is re-derived here from this server's own measurement (it measures with admission off too),
+            # as sessions are added: the machine's load may have moved since the admitted run.
             clients = []
-            while len(clients) <= min(admitted, _metric(control, "arstream_live_session_capacity")):
+            while len(clients) <= _metric(control, "arstream_live_session_capacity"):
                 outcome = await _try_live(control, len(clients))
                 assert isinstance(outcome, StreamClient), "admission is off: every live session gets in"
                 clients.append(outcome)

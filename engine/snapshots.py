@@ -1,0 +1,48 @@
+"""Taking a session's snapshot: the record as it will be once its queued controls apply, frozen."""
+
+from __future__ import annotations
+
+from engine.controls import SessionState
+from engine.session_record import SessionRecord
+from engine.status import RealtimeStatus, SessionStatus
+
+
+def session_status(record: SessionRecord, *, draining: bool, below_realtime: bool) -> SessionStatus:
+    """``below_realtime``: the core's judgement for this session (shown only while it runs live)."""
+    projected = record.projected()
+    state = projected.state
+    shown = state.value
+    if state is not SessionState.CLOSED:
+        if projected.detached:
+            shown = "detached"
+        if draining:
+            shown = "draining"
+    live_running = projected.pace and state is SessionState.ACTIVE
+    return SessionStatus(
+        session_id=record.session_id,
+        state=shown,
+        attached=projected.attached,
+        seed=projected.seed,
+        pace=projected.pace,
+        prompt_length=len(projected.prompt or ""),
+        chunks=record.chunks_emitted,
+        frames=record.frames_emitted,
+        audio_samples=record.audio_samples_emitted,
+        blocks_since_reset=record.blocks_since_reset,
+        queue_depth=len(record.queue),
+        created_at=record.created_at_epoch,
+        started_at=record.started_at,
+        ended_at=record.ended_at,
+        time_to_first_chunk_ms=record.time_to_first_chunk_ms,
+        last_timings=record.last_timings,
+        close_reason=record.close_reason,
+        error=record.error,
+        decoder_state_bytes=record.decoder_state_bytes,
+        realtime=RealtimeStatus(
+            live=projected.pace,
+            block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
+            frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
+            deadline_misses=record.deadline_misses,
+            below_realtime=live_running and below_realtime,
+        ),
+    )
