@@ -5,6 +5,8 @@
 #   docker run --gpus all --init -p 8000:8000 -v /srv/wan:/models:ro \
 #       -e MODEL_DIR=/models -e PRESET=wan2.1-1.3b -e ARSTREAM_TOKEN=... arstream
 #
+# wan2.1-1.3b needs MODEL_DIR (it ships no weights); a benchmark without weights sets RANDOM_WEIGHTS=true.
+#
 # or docker/compose.yaml. The entrypoint maps environment variables to `arstream serve` flags
 # (docker/entrypoint.sh, README "Running the image with a real model directory"). Nothing is downloaded
 # at run time: the Hugging Face libraries are switched to offline mode below.

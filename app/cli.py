@@ -1,4 +1,10 @@
-"""The ``arstream`` command line: ``generate`` (offline clip through the engine) and ``serve``."""
+"""The ``arstream`` command line: ``serve`` (the web service) and ``generate`` (one clip, offline).
+
+Every mistake a user can make on the command line ends in one line on stderr that names the flag,
+path or value, and exit status 2 — before anything heavy is built: flags and ``ARSTREAM_*`` values
+are validated as the engine's config, then :func:`engine.preflight.check_before_build` checks the
+model directory and the memory, all before the first tensor is allocated.
+"""
 
 from __future__ import annotations
 
@@ -7,100 +13,27 @@ import asyncio
 import json
 import logging
 import math
+import re
 import sys
 import time
+import warnings
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import uvicorn
-from tqdm import tqdm
+from pydantic import ValidationError
 
-from app.media import Mp4FileWriter
-from engine.api import Engine
-from engine.config import EngineConfig
-from engine.errors import CapacityFull
+# Nothing here imports torch at module level: usage mistakes are answered in a fraction of a second.
 
 MAX_GENERATE_SECONDS = 24 * 3600
+EXIT_USAGE = 2
 
-
-def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = True) -> None:
-    """Engine flags. Without defaults (``serve``) a flag left out is absent from the namespace, so
-    ``ARSTREAM_ENGINE__*`` variables and the settings' defaults decide it."""
-
-    def default(value):
-        return value if with_defaults else argparse.SUPPRESS
-
-    parser.add_argument("--preset", default=default("tiny"), choices=["tiny", "wan2.1-1.3b"])
-    parser.add_argument("--model", type=Path, default=default(None), help="local model directory (nothing is downloaded)")
-    parser.add_argument("--causal-weights", type=Path, default=default(None),
-                        help="original-format causal DiT weights (.safetensors/.pt) for --model; see docs/MODELS.md")
-    parser.add_argument("--device", default=default("cpu"))
-    parser.add_argument("--dtype", default=default("float32"), choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--height", type=int, default=default(None))
-    parser.add_argument("--width", type=int, default=default(None))
-    # None: the model directory's arstream.json, else 3 / 15 (explicit flags win over arstream.json)
-    parser.add_argument("--sink-frames", type=int, default=default(None))
-    parser.add_argument("--window-frames", type=int, default=default(None))
-    parser.add_argument("--guidance", type=float, default=default(1.0))
-    parser.add_argument("--cpu-threads", type=int, default=default(None))
-
-
-def _engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
-    windows = {name: getattr(args, name) for name in ("sink_frames", "window_frames") if getattr(args, name) is not None}
-    return EngineConfig(
-        preset=args.preset,
-        model_dir=args.model,
-        causal_weights=args.causal_weights,
-        device=args.device,
-        dtype=args.dtype,
-        height=args.height,
-        width=args.width,
-        guidance_scale=args.guidance,
-        cpu_threads=args.cpu_threads,
-        **windows,
-        **overrides,
-    )
-
-
-async def generate(args: argparse.Namespace) -> int:
-    """One session through the same engine the service runs, written as a plain MP4."""
-    config = _engine_config(args, max_sessions=1, warmup_blocks=0)
-    engine = Engine(config)
-    await engine.start()
-    try:
-        geometry = engine.geometry
-        total_frames = max(1, math.ceil(args.seconds * geometry.fps))
-        session = engine.create_session(seed=args.seed, pace=False)
-        if isinstance(session, CapacityFull):  # cannot happen with a fresh engine; keep the type honest
-            raise RuntimeError(session.message)
-        engine.start_session(session.session_id, args.prompt, negative_prompt=args.negative_prompt)
-        written = 0
-        with Mp4FileWriter(args.out, geometry.width, geometry.height, fps=geometry.fps) as writer, tqdm(
-            total=total_frames, unit="frame", disable=args.quiet
-        ) as progress:
-            async for chunk in engine.chunks(session.session_id):
-                frames = chunk.frames[: total_frames - written]
-                writer.write(frames)
-                written += len(frames)
-                progress.update(len(frames))
-                if written >= total_frames:
-                    break
-        status = engine.status(session.session_id)
-        if status.close_reason == "failed":
-            print(f"generation failed: {status.error}", file=sys.stderr)
-            return 1
-        print(f"wrote {written} frames ({written / geometry.fps:.2f} s) to {args.out}")
-        return 0
-    finally:
-        await engine.shutdown("client")
-
-
-# --- serve ------------------------------------------------------------------------------------------
-
-# flag dest -> EngineConfig field, for the flags `serve` passes through
+# flag dest -> EngineConfig field
 _ENGINE_FLAGS = {
     "preset": "preset",
     "model": "model_dir",
     "causal_weights": "causal_weights",
+    "random_weights": "random_weights",
     "device": "device",
     "dtype": "dtype",
     "height": "height",
@@ -109,12 +42,227 @@ _ENGINE_FLAGS = {
     "window_frames": "window_frames",
     "guidance": "guidance_scale",
     "cpu_threads": "cpu_threads",
+    "audio": "audio",
     "max_sessions": "max_sessions",
     "lead_chunks": "lead_chunks",
     "warmup_blocks": "warmup_blocks",
     "detach_grace_s": "detach_grace_s",
 }
 _SERVICE_FLAGS = ("host", "port", "environment", "allowed_origins", "log_format", "max_sessions_per_client")
+_FLAG_OF_FIELD = {field: "--" + flag.replace("_", "-") for flag, field in _ENGINE_FLAGS.items()}
+_FLAG_OF_FIELD.update({"audio": "--no-audio", "allowed_origins": "--allowed-origin"})
+_FLAG_OF_FIELD.update({flag: "--" + flag.replace("_", "-") for flag in _SERVICE_FLAGS if flag != "allowed_origins"})
+
+# Field names in cross-field messages ("causal_weights needs model_dir", "height=50 ..."): the
+# snake_case ones anywhere, the others only right before "=".
+_FIELD_NAMES = re.compile(
+    r"\b(?:" + "|".join(name for name in _FLAG_OF_FIELD if "_" in name) + r")\b"
+    r"|\b(?:" + "|".join(_FLAG_OF_FIELD) + r")(?==)"
+)
+
+
+def package_version() -> str:
+    try:
+        return version("arstream")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse that reports a usage error as ONE line (the usage block would bury it) and exits 2."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+class ShownDefaults(argparse.HelpFormatter):
+    """Help that ends with the default wherever it does not say it already (flags, values, not False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, "", argparse.SUPPRESS) or isinstance(default, bool):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def fail(command: str, message: str, status: int = EXIT_USAGE) -> int:
+    """Print ``arstream COMMAND: MESSAGE`` as one line on stderr; return ``status``."""
+    print(f"arstream {command}: {' '.join(str(message).split())}", file=sys.stderr)
+    return status
+
+
+def describe_validation_error(error: ValidationError, *, variables: bool = False) -> str:
+    """One line for a settings/config validation error: each problem with its flag (and, for the
+    service, its ``ARSTREAM_*`` variable), never the input value (it may be the token)."""
+    problems = []
+    for problem in error.errors(include_input=False, include_url=False):
+        parts = [str(part) for part in problem["loc"]]
+        location = [part for part in parts if part != "engine"]
+        field = location[-1] if location else ""
+        where = _FLAG_OF_FIELD.get(field) or ".".join(location)
+        if variables and location and parts[-1].isidentifier():
+            variable = "ARSTREAM_" + "__".join(parts).upper()
+            where = f"{where} ({variable})" if where != field else variable
+        message = problem["msg"].removeprefix("Value error, ")
+        if not where:  # a rule across fields: name them as the flags the user typed
+            message = _FIELD_NAMES.sub(lambda match: _FLAG_OF_FIELD[match.group(0)], message)
+        problems.append(f"{where}: {message}" if where else message)
+    return "; ".join(problems)
+
+
+# --- flags ------------------------------------------------------------------------------------------
+
+
+def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = True) -> None:
+    """Engine flags. Without defaults (``serve``) a flag left out is absent from the namespace, so
+    ``ARSTREAM_ENGINE__*`` variables and the config's defaults decide it; the help says which."""
+
+    def option(*names, default, help, env=None, **kwargs):
+        if with_defaults:
+            parser.add_argument(*names, default=default, help=help, **kwargs)
+        else:
+            shown = "" if default is None or kwargs.get("action") else f"default {default}; "
+            variable = env or "ARSTREAM_ENGINE__" + names[0].lstrip("-").replace("-", "_").upper()
+            parser.add_argument(*names, default=argparse.SUPPRESS, help=f"{help} ({shown}{variable})", **kwargs)
+
+    option("--preset", default="tiny", choices=["tiny", "wan2.1-1.3b"],
+           help="model preset: tiny runs live on a CPU; wan2.1-1.3b needs --model DIR (or --random-weights)")
+    option("--model", type=Path, default=None, metavar="DIR", env="ARSTREAM_ENGINE__MODEL_DIR",
+           help="local diffusers-layout model directory (nothing is downloaded; docs/MODELS.md)")
+    option("--causal-weights", type=Path, default=None, metavar="FILE",
+           help="original-format causal DiT weights (.safetensors/.pt) for --model")
+    option("--random-weights", action="store_true", default=False,
+           help="seeded random weights for a preset without --model: benchmarks only, the output is noise")
+    option("--device", default="cpu", help="torch device: cpu or cuda[:N]")
+    option("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+           help="weights and activations; bfloat16/float16 need cuda")
+    option("--height", type=int, default=None, help="frame height in pixels, a multiple of 16 (default: the preset's)")
+    option("--width", type=int, default=None, help="frame width in pixels, a multiple of 16 (default: the preset's)")
+    option("--sink-frames", type=int, default=None,
+           help="first latent frames kept forever (default: the model's arstream.json, else 3)")
+    option("--window-frames", type=int, default=None,
+           help="recent latent frames kept besides the sink (default: the model's arstream.json, else 15)")
+    option("--guidance", type=float, default=1.0, env="ARSTREAM_ENGINE__GUIDANCE_SCALE",
+           help="classifier-free guidance scale; > 1 runs a second, unconditional branch")
+    option("--cpu-threads", type=int, default=None, help="torch intra-op threads (default: half the cores on cpu)")
+    option("--no-audio", dest="audio", action="store_false", default=True, env="ARSTREAM_ENGINE__AUDIO=false",
+           help="no audio track, even when the preset makes audio")
+
+
+def _engine_config(args: argparse.Namespace, **overrides):
+    """The ``EngineConfig`` of the flags given (absent or None ones take the config's defaults)."""
+    from engine.config import EngineConfig
+
+    given = vars(args)
+    fields = {field: given[flag] for flag, field in _ENGINE_FLAGS.items() if given.get(flag) is not None}
+    return EngineConfig(**{**fields, **overrides})
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="arstream", description="realtime autoregressive video diffusion")
+    parser.add_argument("--version", action="version", version=f"arstream {package_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,generate}")
+
+    gen = commands.add_parser(
+        "generate", help="generate one clip offline through the engine, as an MP4 with its audio",
+        description="Generate one clip through the same engine the service runs and write it as an MP4 "
+                    "(H.264, and Opus/AAC audio when the model makes it). Ctrl-C stops and keeps what was written.",
+        formatter_class=ShownDefaults,
+    )
+    gen.add_argument("--prompt", required=True, help="what to generate: 1-2000 characters, not only whitespace")
+    gen.add_argument("--negative-prompt", default="", help="what to steer away from (used with --guidance > 1; default: none)")
+    gen.add_argument("--seconds", type=float, default=5.0, help=f"clip length, in (0, {MAX_GENERATE_SECONDS}]")
+    gen.add_argument("--seed", type=int, default=0, help="noise seed (same seed and prompt: same clip)")
+    gen.add_argument("--out", type=Path, default=Path("clip.mp4"), metavar="FILE", help="MP4 file to write")
+    gen.add_argument("--quiet", action="store_true", help="no progress bar")
+    _engine_arguments(gen)
+
+    srv = commands.add_parser(
+        "serve", formatter_class=ShownDefaults, help="run the web service (WebSocket stream, REST, demo page); keeps the terminal",
+        description="Run the web service until Ctrl-C / SIGTERM. Flags win over ARSTREAM_* variables, "
+                    "which win over the defaults; the token is read only from ARSTREAM_TOKEN.",
+    )
+    srv.add_argument("--host", default=argparse.SUPPRESS, help="address to listen on (default 127.0.0.1; ARSTREAM_HOST)")
+    srv.add_argument("--port", type=int, default=argparse.SUPPRESS,
+                     help="port; 0 picks a free one (default 8000; ARSTREAM_PORT)")
+    srv.add_argument("--environment", choices=["development", "production"], default=argparse.SUPPRESS,
+                     help="production refuses to run without a token (default development; ARSTREAM_ENVIRONMENT)")
+    srv.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=argparse.SUPPRESS,
+                     metavar="ORIGIN", help="extra browser origin allowed to connect, repeatable (ARSTREAM_ALLOWED_ORIGINS)")
+    srv.add_argument("--log-format", choices=["json", "text"], default=argparse.SUPPRESS,
+                     help="log lines (default json; ARSTREAM_LOG_FORMAT)")
+    srv.add_argument("--max-sessions", type=int, default=argparse.SUPPRESS,
+                     help="engine session slots; memory may allow fewer (default 4; ARSTREAM_ENGINE__MAX_SESSIONS)")
+    srv.add_argument("--max-sessions-per-client", type=int, default=argparse.SUPPRESS,
+                     help="open sessions per client address (default off; ARSTREAM_MAX_SESSIONS_PER_CLIENT)")
+    srv.add_argument("--lead-chunks", type=int, default=argparse.SUPPRESS,
+                     help="paced sessions run this many blocks ahead (default 2; ARSTREAM_ENGINE__LEAD_CHUNKS)")
+    srv.add_argument("--warmup-blocks", type=int, default=argparse.SUPPRESS,
+                     help="blocks run before ready (default 1; ARSTREAM_ENGINE__WARMUP_BLOCKS)")
+    srv.add_argument("--detach-grace-s", type=float, default=argparse.SUPPRESS,
+                     help="a session without a socket lives this long (default 30; ARSTREAM_ENGINE__DETACH_GRACE_S)")
+    _engine_arguments(srv, with_defaults=False)
+    return parser
+
+
+# --- generate ---------------------------------------------------------------------------------------
+
+
+def check_output_path(out: Path) -> str | None:
+    """Why ``out`` cannot be written (one phrase), or None. Probes by opening: permissions alone lie
+    to root, and read-only mounts show only then. A file the probe created is removed again."""
+    if out.is_dir():
+        return "is a directory"
+    existed = out.exists()
+    try:
+        with open(out, "ab"):
+            pass
+    except OSError as error:
+        return f"cannot be written ({error.strerror or error})"
+    if not existed:
+        out.unlink(missing_ok=True)
+    return None
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    """Check every flag (cheapest first), then write the clip."""
+    from engine.errors import EngineError
+    from engine.prompts import check_prompt
+
+    try:
+        check_prompt(args.prompt, field="--prompt")
+        check_prompt(args.negative_prompt, field="--negative-prompt", allow_empty=True)
+    except EngineError as error:
+        return fail("generate", error.message)
+    if not (math.isfinite(args.seconds) and 0 < args.seconds <= MAX_GENERATE_SECONDS):
+        return fail("generate", f"--seconds {args.seconds}: must be a number in (0, {MAX_GENERATE_SECONDS}]")
+    if not 0 <= args.seed <= 2**63 - 1:
+        return fail("generate", f"--seed {args.seed}: must be an integer in [0, 2**63 - 1]")
+    problem = check_output_path(args.out)
+    if problem is not None:
+        return fail("generate", f"--out {args.out}: {problem}")
+    try:
+        # One session, unpaced, no warm-up: the clip is all there is.
+        config = _engine_config(args, max_sessions=1, warmup_blocks=0, max_session_s=7 * 86400.0)
+    except ValidationError as error:
+        return fail("generate", describe_validation_error(error))
+    from engine.preflight import check_before_build
+
+    try:
+        check_before_build(config)
+    except ValueError as error:
+        return fail("generate", error)
+    from app.generate import GenerateRequest, generate  # the engine and the encoders: only once the checks passed
+
+    configure_logging("text", logging.WARNING)  # progress is the bar; info lines would only interleave
+    # diffusers' audio VAE calls torch's deprecated weight_norm: nothing a user of this command can act on.
+    warnings.filterwarnings("ignore", message=r".*weight_norm.* is deprecated", category=FutureWarning)
+    request = GenerateRequest(args.prompt, args.negative_prompt, args.seconds, args.seed, args.out, args.quiet)
+    return asyncio.run(generate(config, request, lambda text: fail("generate", text)))
+
+
+# --- serve ------------------------------------------------------------------------------------------
 
 
 def _settings_from(args: argparse.Namespace):
@@ -129,18 +277,18 @@ def _settings_from(args: argparse.Namespace):
 
 def serve(args: argparse.Namespace) -> int:
     """Run the web service until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
-    from pydantic import ValidationError
-
-    from app.main import create_app
+    from engine.preflight import check_before_build
 
     try:
         settings = _settings_from(args)
     except ValidationError as error:
-        # Without the input values: they may hold the token.
-        for problem in error.errors(include_input=False, include_url=False):
-            where = ".".join(str(part) for part in problem["loc"]) or "settings"
-            print(f"arstream serve: {where}: {problem['msg']}", file=sys.stderr)
-        return 2
+        return fail("serve", describe_validation_error(error, variables=True))
+    try:
+        check_before_build(settings.engine)
+    except ValueError as error:
+        return fail("serve", error)
+    from app.main import create_app  # the service and the model code: only once the checks passed
+
     configure_logging(settings.log_format)
     app = create_app(settings)
     config = uvicorn.Config(
@@ -238,49 +386,14 @@ def configure_logging(style: str = "text", level: int = logging.INFO) -> None:
     root.setLevel(level)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="arstream", description="realtime autoregressive video diffusion")
-    commands = parser.add_subparsers(dest="command", required=True)
-
-    gen = commands.add_parser("generate", help="generate one clip offline through the engine")
-    gen.add_argument("--prompt", required=True)
-    gen.add_argument("--negative-prompt", default="")
-    gen.add_argument("--seconds", type=float, default=5.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--out", type=Path, default=Path("clip.mp4"))
-    gen.add_argument("--quiet", action="store_true", help="no progress bar")
-    _engine_arguments(gen)
-
-    srv = commands.add_parser("serve", help="run the web service (WebSocket stream, REST, demo page)")
-    srv.add_argument("--host", default=argparse.SUPPRESS, help="default 127.0.0.1 (ARSTREAM_HOST)")
-    srv.add_argument("--port", type=int, default=argparse.SUPPRESS, help="default 8000; 0 picks a free port")
-    srv.add_argument("--environment", choices=["development", "production"], default=argparse.SUPPRESS)
-    srv.add_argument("--allowed-origin", dest="allowed_origins", action="append", default=argparse.SUPPRESS,
-                     help="extra browser origin allowed to connect (repeatable); the token comes from ARSTREAM_TOKEN")
-    srv.add_argument("--log-format", choices=["json", "text"], default=argparse.SUPPRESS)
-    srv.add_argument("--max-sessions", type=int, default=argparse.SUPPRESS, help="engine session slots")
-    srv.add_argument("--max-sessions-per-client", type=int, default=argparse.SUPPRESS)
-    srv.add_argument("--lead-chunks", type=int, default=argparse.SUPPRESS, help="paced sessions run this far ahead")
-    srv.add_argument("--warmup-blocks", type=int, default=argparse.SUPPRESS)
-    srv.add_argument("--detach-grace-s", type=float, default=argparse.SUPPRESS)
-    _engine_arguments(srv, with_defaults=False)
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    configure_logging("text")
-    if args.command == "generate":
-        if not 0 < args.seconds <= MAX_GENERATE_SECONDS:
-            parser.error(f"--seconds must be in (0, {MAX_GENERATE_SECONDS}]")
-        if args.seed < 0:
-            parser.error("--seed must be >= 0")
-        return asyncio.run(generate(args))
-    parser.error(f"unknown command {args.command}")
-    return 2
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "serve":
+            return serve(args)
+        return run_generate(args)
+    except KeyboardInterrupt:  # Ctrl-C before the command's own handling began (e.g. while importing torch)
+        return fail(args.command, "interrupted by SIGINT", 130)
 
 
 if __name__ == "__main__":

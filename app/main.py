@@ -15,6 +15,7 @@ from pathlib import Path
 from fastapi import FastAPI
 from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 
 from app.routes import ApiError, health, install_error_handlers, metrics, sessions, stream
 from app.log_redaction import install_log_redaction
@@ -42,7 +43,10 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 
 
 def create_app(settings: Settings) -> FastAPI:
-    app = FastAPI(title="arstream", version="1", description=API_DESCRIPTION, lifespan=_lifespan)
+    # FastAPIOffline: FastAPI whose /docs and /redoc load Swagger UI / ReDoc from files in the
+    # fastapi-offline package (served under /static-offline-docs), not from a CDN, so the API docs
+    # render on a machine without internet.
+    app: FastAPI = FastAPIOffline(title="arstream", version="1", description=API_DESCRIPTION, lifespan=_lifespan)
     app.state.settings = settings
     app.state.on_engine_dead = None  # set by the server runner: how to stop the process when the engine dies
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_message_bytes)

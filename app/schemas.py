@@ -15,6 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from pydantic_core import PydanticCustomError
 
 from engine.api import MAX_PROMPT_CHARS, MAX_SEED
+from engine.errors import EngineError
+from engine.prompts import check_prompt
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 64
@@ -33,19 +35,17 @@ def valid_unicode(text: str) -> str:
     return text
 
 
-def not_only_whitespace(text: str) -> str:
-    if text.isspace():
-        raise PydanticCustomError("only_whitespace", "must not be only whitespace")
-    return text
+def _protocol_prompt(value: str) -> str:
+    """engine/prompts.py's rules (not only whitespace, valid Unicode) as a schema check: one rule for every
+    entry point. Emptiness and length are the Field bounds (their errors keep their own codes)."""
+    try:
+        return check_prompt(value, allow_empty=True)
+    except EngineError as error:
+        raise PydanticCustomError("invalid_prompt", error.message) from None
 
 
-# Every inbound string is one of these: the length bounds apply first (their errors keep their own
-# types, e.g. prompt_too_long), then the Unicode check.
-Prompt = Annotated[
-    str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), AfterValidator(valid_unicode),
-    AfterValidator(not_only_whitespace),
-]
-NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(valid_unicode)]
+Prompt = Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
+NegativePrompt = Annotated[str, Field(max_length=MAX_PROMPT_CHARS), AfterValidator(_protocol_prompt)]
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED, strict=True)]
 MessageId = Annotated[str, Field(max_length=MAX_ID_CHARS), AfterValidator(valid_unicode)]
 PromptPolicy = Literal["soft", "recache", "reset"]

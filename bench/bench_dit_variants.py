@@ -52,7 +52,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--profile", default=None, help="write the profiler's top CUDA kernels of one forward here")
     args = parser.parse_args()
-    bundle = build_models(EngineConfig(preset=args.preset, device=args.device, dtype=args.dtype, audio=False))
+    bundle = build_models(EngineConfig(preset=args.preset, device=args.device, dtype=args.dtype, audio=False,
+                                       random_weights=True))
     pipeline = bundle.pipeline
     transformer = pipeline.transformer
     spec = pipeline.kv_spec()

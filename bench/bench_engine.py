@@ -142,6 +142,7 @@ def main() -> None:
     config = EngineConfig(
         preset=args.preset, device=args.device, dtype=args.dtype,
         sink_frames=args.sink_frames, window_frames=args.window_frames,
+        random_weights=True,  # benchmarks: speed does not depend on weight values
     )
     bundle = build_models(config)
     device = torch.device(args.device)

@@ -36,7 +36,7 @@ sys.path.insert(0, ".")  # run from the repository root without installing
 from bench.bench_engine import naive_run  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_cache import KVCacheManager  # noqa: E402
-from engine.models.builder import build_models  # noqa: E402
+from engine.bundle import build_models  # noqa: E402
 from engine.models.kernels import EAGER_KERNELS, Kernels  # noqa: E402
 from engine.models.pipeline import CausalWanPipeline  # noqa: E402
 from decoders.video import WanStreamingDecoder  # noqa: E402
@@ -114,7 +114,7 @@ def relative_errors(fast, reference) -> list[float]:
     return errors
 
 
-def forward_section(bundle, blocks: int) -> dict:
+def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
     base = bundle.pipeline
     transformer = base.transformer
     kernels = kernel_sets()
@@ -124,6 +124,8 @@ def forward_section(bundle, blocks: int) -> dict:
         "per-forward gather, fused kernels": (False, "fused"),
         "engine (gather once, fused kernels)": (True, "fused"),
     }
+    if only is not None:
+        variants = {name: v for name, v in variants.items() if name.split(" ")[0] in only}
     results = {}
     for name, (gather_once, kernel_set) in variants.items():
         pipeline = base if gather_once else variant_pipeline(base, False)
@@ -301,6 +303,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--sections", default="equivalence,forward,attention,vae,profile")
     parser.add_argument("--smoke", action="store_true", help="tiny models on this machine's device: checks the script runs")
+    parser.add_argument("--variants", default=None, help="first words of the forward variants to run, e.g. landed,engine")
+    parser.add_argument("--no-compile-decoder", action="store_true", help="eager VAE (skips its compile)")
     args = parser.parse_args()
     OUT = args.out
     sections = args.sections.split(",")
@@ -316,9 +320,11 @@ def main() -> None:
         summary["equivalence_fp32"] = record
         del tiny
     if args.smoke:
-        config = EngineConfig(preset="tiny", device=device, height=48, width=64, audio=False, random_weights=True)
+        config = EngineConfig(preset="tiny", device=device, height=48, width=64, audio=False, random_weights=True,
+                              compile_decoder=not args.no_compile_decoder)
     else:
-        config = EngineConfig(preset="wan2.1-1.3b", device=device, dtype="bfloat16", random_weights=True)
+        config = EngineConfig(preset="wan2.1-1.3b", device=device, dtype="bfloat16", random_weights=True,
+                              compile_decoder=not args.no_compile_decoder)
     bundle = build_models(config)
     emit({"section": "built", "s": round(time.perf_counter() - started, 1),
           "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 1) if device == "cuda" else None})
@@ -330,7 +336,8 @@ def main() -> None:
         del small_window
         if device == "cuda":
             torch.cuda.empty_cache()
-    for name, fn in (("forward", lambda: forward_section(bundle, args.blocks)),
+    only = set(args.variants.split(",")) if args.variants else None
+    for name, fn in (("forward", lambda: forward_section(bundle, args.blocks, only)),
                      ("attention", lambda: attention_section(bundle)),
                      ("vae", lambda: vae_section(bundle, 4)),
                      ("profile", lambda: profile_section(bundle))):

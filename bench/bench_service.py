@@ -38,7 +38,7 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     script = Path(sys.executable).parent / "arstream"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
     command += ["serve", "--host", "127.0.0.1", "--port", "0", "--preset", args.preset, "--log-format", "json",
-                "--max-sessions", "2"]
+                "--max-sessions", "2", "--random-weights"]  # speed does not depend on weight values
     for flag in ("height", "width", "cpu_threads", "device"):
         value = getattr(args, flag)
         if value is not None:
@@ -107,7 +107,7 @@ def engine_only_fps(args: argparse.Namespace, chunks: int) -> float:
 
     async def run() -> float:
         config = EngineConfig(preset=args.preset, device=args.device or "cpu", height=args.height, width=args.width,
-                              cpu_threads=args.cpu_threads, max_sessions=1, warmup_blocks=1)
+                              cpu_threads=args.cpu_threads, max_sessions=1, warmup_blocks=1, random_weights=True)
         engine = Engine(config)
         await engine.start()
         session = engine.create_session(seed=1, pace=False)

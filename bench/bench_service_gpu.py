@@ -17,7 +17,7 @@ until the end); a short table goes to stderr.
 
     python bench/bench_service_gpu.py --concurrency 1,2 --duration 8 --out /tmp/service.json -- --preset tiny
     python bench/bench_service_gpu.py --duration 20 --budget-s 420 --out $OUT/service.json \\
-        -- --preset wan2.1-1.3b --device cuda --dtype bfloat16
+        -- --preset wan2.1-1.3b --random-weights --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
@@ -408,7 +408,7 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
             # The reference starts the engine once more: keep what the server's start took, unless that would
             # leave the cases too little of the budget (then the reference is the part that goes).
             reserve = 1.2 * result["startup"]["ready_s"] + args.engine_duration + 20
-            args.engine_reserve_s = reserve if reserve <= 0.4 * left() else 0.0
+            args.engine_reserve_s = reserve if reserve <= 0.4 * left() and args.engine_reference else 0.0
         except RuntimeError as error:
             result["startup_error"] = str(error)
             result["server_log_tail"] = list(server.tail)[-20:]
@@ -471,6 +471,9 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--transitions", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--transitions-duration", type=float, default=None, help="default: --duration")
     parser.add_argument("--engine-duration", type=float, default=None, help="engine-only seconds (--duration)")
+    parser.add_argument("--engine-reference", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the engine alone after the server (--no-engine-reference: the engine-only "
+                        "figures come from another benchmark in the same call)")
     parser.add_argument("--engine-reserve-s", type=float, default=90.0,
                         help="budget kept for the engine reference until the server's start time is known")
     parser.add_argument("--budget-s", type=float, default=600.0, help="whole run; cases that would overrun are skipped")
@@ -481,6 +484,8 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--text-encode-json", default=None, help="text_encode_gpu.py's output, added to TTFM")
     parser.add_argument("--engine-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(ours)
+    if not args.engine_reference:
+        args.engine_reserve_s = 0.0
     for name in ("first_duration", "transitions_duration", "engine_duration"):
         if getattr(args, name) is None:
             setattr(args, name, args.duration)

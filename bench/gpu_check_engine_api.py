@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 
 async def check(preset: str, dtype: str, chunks: int = 4) -> dict:
     started = time.perf_counter()
-    engine = Engine(EngineConfig(preset=preset, device="cuda", dtype=dtype, max_sessions=64))
+    engine = Engine(EngineConfig(preset=preset, device="cuda", dtype=dtype, max_sessions=64, random_weights=True))
     await engine.start()
     start_s = time.perf_counter() - started
     session = engine.create_session(seed=1, prompt="a check", pace=False)

@@ -13,7 +13,9 @@ except the server's own timings from the `chunk` messages):
 - chunk gaps: arrival to arrival of consecutive segments; the worst, and how many exceed 1.5x the nominal chunk
   duration (the most common chunk's frames / fps; a short opening chunk does not set it);
 - deadline misses: chunk i is due when its first frame should play, first arrival + pts_i / fps; a chunk that
-  arrives after that made the viewer's playback stall; and the video buffered ahead at the last arrival;
+  arrives after that made the viewer's playback stall; and the video buffered ahead at the last arrival (a lone
+  opening frame, a split first block, is a preview: playback starts with the block's rest, and how long the
+  still frame stayed beyond its own 1/fps is reported as `opening_stall_ms`);
 - the server's per-chunk timings (queued/denoise/decode/encode ms), median and max; socket latency (server
   `sent_at` -> client receipt, same host so the same clock).
 """
@@ -210,7 +212,14 @@ def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
     chunk_ms = common_frames / fps * 1000.0
     first = chunks[0].received
     gaps = [((b.received - a.received) * 1000.0, b.index) for a, b in zip(chunks, chunks[1:])]
-    late = [((c.received - (first + c.pts / fps)) * 1000.0, c.index) for c in chunks]
+    # A lone opening frame (a split first block) is a preview: playback, as the server counts it, starts
+    # with the block's rest, and the still frame's extra time on screen is reported as the opening stall.
+    anchor = first
+    opening_stall_ms = None
+    if len(chunks) > 1 and chunks[0].frames == 1 and chunks[1].pts == 1:
+        anchor = chunks[1].received - chunks[1].pts / fps
+        opening_stall_ms = round((anchor - first) * 1000.0, 1)
+    late = [((c.received - (anchor + c.pts / fps)) * 1000.0, c.index) for c in chunks]
     over = [(round(gap, 1), index) for gap, index in gaps if gap > GAP_LIMIT_FACTOR * chunk_ms]
     misses = [(round(ms, 1), index) for ms, index in late if ms > LATE_TOLERANCE_MS]
     span_s = chunks[-1].received - first
@@ -218,6 +227,7 @@ def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
                for name in ("queued_ms", "denoise_ms", "decode_ms", "encode_ms")}
     out.update(
         time_to_first_media_ms=round((first - record.start_sent) * 1000.0, 1),
+        opening_stall_ms=opening_stall_ms,
         fps_steady=round(sum(c.frames for c in chunks[1:]) / span_s, 2) if span_s > 0 else None,
         fps_overall=round(out["frames"] / (chunks[-1].received - record.start_sent), 2),
         chunk_duration_ms=round(chunk_ms, 1),

@@ -5,6 +5,7 @@
 #   MODEL_DIR        --model            model directory (diffusers layout), e.g. /models
 #   CAUSAL_WEIGHTS   --causal-weights   original-format causal DiT weights (.safetensors / .pt)
 #   PRESET           --preset           tiny | wan2.1-1.3b (frame size; geometry comes from MODEL_DIR)
+#   RANDOM_WEIGHTS   --random-weights   true: seeded random weights, no MODEL_DIR (benchmarks only: noise)
 #   HOST             --host             default 0.0.0.0 (unless ARSTREAM_HOST is set)
 #   PORT             --port             default 8000 (unless ARSTREAM_PORT is set)
 #   DEVICE           --device           default cuda (unless ARSTREAM_ENGINE__DEVICE is set)
@@ -49,6 +50,11 @@ fi
 add --model "${MODEL_DIR:-}"
 add --causal-weights "${CAUSAL_WEIGHTS:-}"
 add --preset "${PRESET:-}"
+case "${RANDOM_WEIGHTS:-}" in
+    true | 1 | yes) args+=(--random-weights) ;;
+    "" | false | 0 | no) ;;
+    *) echo "arstream-entrypoint: RANDOM_WEIGHTS=${RANDOM_WEIGHTS} must be true or false" >&2; exit 2 ;;
+esac
 add --height "${HEIGHT:-}"
 add --width "${WIDTH:-}"
 add --sink-frames "${SINK_FRAMES:-}"

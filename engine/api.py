@@ -29,9 +29,10 @@ from engine.bundle import ModelBundle
 from engine.config import EngineConfig
 from engine.controls import Close, Detach, Pause, Reset, Resume, SetPrompt, Start
 from engine.core import EngineCore
-from engine.errors import CapacityFull, EngineUnavailable, InvalidRequest, PromptTooLong, UnknownSession
+from engine.errors import CapacityFull, EngineUnavailable, InvalidRequest, UnknownSession
 from engine.loop import EngineLoop
 from engine.plan import StepPlan
+from engine.prompts import MAX_PROMPT_CHARS, check_prompt
 from engine.runner import Runner
 from engine.session import Chunk
 from engine.startup import build_engine, geometry_for
@@ -40,7 +41,6 @@ from engine.status import EngineCounters, Geometry, SessionStatus
 log = logging.getLogger("arstream.engine")
 
 PROMPT_POLICIES = ("soft", "recache", "reset")
-MAX_PROMPT_CHARS = 2000
 MAX_SEED = 2**63 - 1
 
 __all__ = ["Engine", "EngineCounters", "Geometry", "SessionStatus", "MAX_PROMPT_CHARS", "MAX_SEED"]
@@ -267,9 +267,4 @@ def _check_seed(seed: int | None) -> int:
 
 
 def _check_prompt(prompt: str, *, allow_empty: bool = False) -> None:
-    if not isinstance(prompt, str):
-        raise InvalidRequest("prompt must be a string")
-    if not prompt and not allow_empty:
-        raise InvalidRequest("prompt must not be empty")
-    if len(prompt) > MAX_PROMPT_CHARS:
-        raise PromptTooLong(f"prompt longer than {MAX_PROMPT_CHARS} characters")
+    check_prompt(prompt, allow_empty=allow_empty)

@@ -13,6 +13,7 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
+from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
 from decoders.video import WanStreamingDecoder, spatial_upscale
 from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
@@ -23,13 +24,14 @@ from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
+from engine.models.trained import trained_weights
 
 
 @dataclass
 class ModelBundle:
     preset: ModelPreset
     pipeline: CausalWanPipeline
-    decoder: WanStreamingDecoder
+    decoder: VideoDecoder
     height: int
     width: int
     audio_decoder: AudioStreamingDecoder | None = None
@@ -45,6 +47,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     preset = get_preset(config.preset)
     device = torch.device(config.device)
     height, width = config.resolved_height, config.resolved_width
+    trained = None
     if config.model_dir is not None:
         # A local model directory (+ causal weights): its configs decide the geometry, the preset only the frame size.
         loaded = load_model_dir(
@@ -56,15 +59,24 @@ def build_models(config: EngineConfig) -> ModelBundle:
         )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
+        trained = trained_weights(preset.weights, config.random_weights)
         with torch.device(device):
             torch.manual_seed(config.seed)
             transformer = WanTransformer3DModel(**preset.transformer_config)
             torch.manual_seed(config.seed + 1)
-            vae = AutoencoderKLWan(**preset.vae_config)
+            vae = AutoencoderKLWan(**preset.vae_config, **(trained.vae_overrides() if trained else {}))
+        if trained:
+            trained.load("transformer", transformer)
+            trained.load("vae", vae)
         transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
         vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
-        text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
-    audio = _build_audio(preset, config, transformer.config) if config.model_dir is None else None
+        if trained:
+            text_encoder = trained.text_encoder()
+        else:
+            text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
+    audio = None
+    if config.model_dir is None:
+        audio = _build_audio(preset, config, transformer.config, trained)
     scale = spatial_upscale(vae)  # pixels per latent pixel, from the VAE's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the VAE's {scale}x spatial compression")
@@ -86,7 +98,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     return ModelBundle(
         preset=preset,
         pipeline=pipeline,
-        decoder=WanStreamingDecoder(vae),
+        decoder=_video_decoder(config, vae),
         height=height,
         width=width,
         audio_decoder=audio[1] if audio else None,
@@ -94,7 +106,23 @@ def build_models(config: EngineConfig) -> ModelBundle:
     )
 
 
-def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):
+VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
+
+
+def _video_decoder(config: EngineConfig, vae: AutoencoderKLWan) -> VideoDecoder:
+    """The configured streaming video decoder; compiled steady state on CUDA unless switched off."""
+    compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
+    if config.video_decoder == "wan":
+        return WanStreamingDecoder(vae, compile_steady_state=compile_steady)
+    if config.model_dir is not None and not config.random_weights:
+        return taehv_decoder_from_model_dir(
+            config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady
+        )
+    model = random_taehv(config.seed + 4, device=config.device, dtype=config.torch_dtype)
+    return TAEHVStreamingDecoder(model, compile_frames=compile_steady)
+
+
+def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config, trained=None):
     """The preset's audio path (token projections, streaming codec decoder, timing), or None without audio."""
     if not config.audio or preset.audio_vae_config is None:
         return None
@@ -103,11 +131,15 @@ def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config):
     with torch.device(device):
         torch.manual_seed(config.seed + 2)
         vae = AutoencoderOobleck(**preset.audio_vae_config)
+    if trained:
+        trained.load("audio_vae", vae)
     vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
     timing = AudioTiming(sample_rate=vae.config.sampling_rate, fps=config.fps, hop=hop_length(vae))
     with torch.device(device):
         torch.manual_seed(config.seed + 3)
         projections = AudioTokenProjections(vae.config.decoder_input_channels, inner_dim, timing.tokens_per_frame)
+    if trained:
+        trained.load("audio_tokens", projections)
     projections = projections.to(config.torch_dtype).eval()
     graphs = AudioDecodeGraphs(vae) if device.type == "cuda" else None
     return projections, AudioStreamingDecoder(vae, graphs=graphs), timing

@@ -24,6 +24,10 @@ DTYPES: dict[str, torch.dtype] = {
 # Wan's VAE compresses 8x in space and the DiT patches 2x2 on top: 16-pixel alignment.
 PIXEL_ALIGNMENT = 16
 
+# Presets that ship no weights: without a model directory they would run on seeded random weights,
+# which make noise (fine for benchmarks, never what a user means), so those must be asked for.
+PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
+
 
 class EngineConfig(BaseModel):
     """Everything the engine needs to build its model, pools and scheduler."""
@@ -60,11 +64,29 @@ class EngineConfig(BaseModel):
     audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
     lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
+    split_first_block: bool | None = Field(
+        default=None,
+        description="send a session's first block as two chunks, its opening frame as soon as it is denoised "
+        "(shorter time to first media); None: on CUDA",
+    )
+    overlap_encode: bool = Field(
+        default=True,
+        description="a session's next block may run while its previous chunk is encoded and sent "
+        "(off: the next block waits until that chunk's media is on the wire)",
+    )
     detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")
     idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
     cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
     warmup_blocks: int = Field(default=1, ge=0, le=16, description="throwaway blocks at start; they seed the block cost")
+    video_decoder: Literal["wan", "taehv"] = Field(
+        default="wan",
+        description="wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random "
+        "weights with random_weights), many times faster, lower quality",
+    )
+    compile_decoder: bool = Field(
+        default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
+    )
     realtime_admission: bool = Field(
         default=True, description="admit a live (paced) session only while every live session keeps real time"
     )
@@ -85,6 +107,25 @@ class EngineConfig(BaseModel):
             data = with_model_settings(data)
         return data
 
+    @field_validator("device")
+    @classmethod
+    def _device_usable(cls, value: str) -> str:
+        """A device this torch can run on, checked before anything is built."""
+        try:
+            device = torch.device(value)
+        except (RuntimeError, ValueError):
+            raise ValueError(f"device {value!r} is not a torch device; use cpu or cuda[:N]") from None
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"device {value!r}: only cpu and cuda[:N] are supported")
+        if device.type == "cuda":
+            if torch.version.cuda is None:
+                raise ValueError(f"device {value!r}: this torch {torch.__version__} is a CPU-only build; use --device cpu")
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {value!r}: no CUDA device is visible to this process; use --device cpu")
+            if device.index is not None and device.index >= torch.cuda.device_count():
+                raise ValueError(f"device {value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        return value
+
     @field_validator("timesteps")
     @classmethod
     def _timesteps_descending(cls, value: list[float]) -> list[float]:
@@ -104,7 +145,19 @@ class EngineConfig(BaseModel):
             raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
+        if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:
+            raise ValueError(
+                f"preset {self.preset} ships no weights: give a model directory (--model DIR, "
+                "ARSTREAM_ENGINE__MODEL_DIR; docs/MODELS.md), or ask for seeded random weights explicitly "
+                "(--random-weights, ARSTREAM_ENGINE__RANDOM_WEIGHTS=true; benchmarks only: the output is noise)"
+            )
         return self
+
+    @property
+    def splits_first_block(self) -> bool:
+        if self.split_first_block is None:
+            return self.device.startswith("cuda")
+        return self.split_first_block
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -123,7 +123,7 @@ class EngineCore:
             session_id=session_id,
             seed=seed,
             pace=pace,
-            queue=ChunkQueue(),
+            queue=ChunkQueue(overlap=self.config.overlap_encode),
             cost=RunningCost(),
             negative_prompt=negative_prompt,
         )
@@ -317,10 +317,11 @@ class EngineCore:
 
     def _deliver(self, record: SessionRecord, output: BlockOutput) -> None:
         now = time.monotonic()
-        block_s, record.device_seconds_pending = record.device_seconds_pending, 0.0
-        if block_s > 0:
-            record.cost.observe(block_s)
-            self.block_cost.observe(block_s)
+        if not output.opening_frame:  # a split block's cost is observed once, whole, with its other frames
+            block_s, record.device_seconds_pending = record.device_seconds_pending, 0.0
+            if block_s > 0:
+                record.cost.observe(block_s)
+                self.block_cost.observe(block_s)
         timings = ChunkTimings(
             started_at=output.started_at,
             queued_ms=output.queued_ms,
@@ -339,15 +340,19 @@ class EngineCore:
             ready_at=now_ms(),
         )
         self._keep_time(record, chunk.pts, now)
+        if output.opening_frame:
+            # A preview ahead of its block: playback (and deadlines) start with the block's other frames.
+            record.reanchor = True
         record.chunks_emitted += 1
         record.frames_emitted += int(output.frames.shape[0])
         if output.audio is not None:
             record.audio_samples_emitted += int(output.audio.shape[1])
-        record.blocks_since_reset += 1
+        if not output.opening_frame:
+            record.blocks_since_reset += 1
+            self.blocks += 1
         record.last_timings = timings
         record.decoder_state_bytes = output.decoder_state_bytes
         record.frame_rate.add(now, int(output.frames.shape[0]))
-        self.blocks += 1
         record.queue.put_nowait(chunk)
 
     def _keep_time(self, record: SessionRecord, pts: int, now: float) -> None:

@@ -22,7 +22,7 @@ from decoders.audio import AudioDecodeState, AudioStreamingDecoder
 from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
-from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
 from engine.session import now_ms
 
 log = logging.getLogger("arstream.runner")
@@ -39,9 +39,10 @@ class DeviceSession:
     open_request: OpenSession
     audio_samples_to_trim: int = 0  # the opening latent frame's audio before t = 0 (AudioTiming)
     audio_carry: torch.Tensor | None = None  # the previous content's audio tail, flushed at reset
-    block_started_at: float | None = None  # epoch ms of the current block's first forward
+    block_started_at: float | None = None  # epoch ms of the current output's first forward
     queued_ms: float = 0.0
     denoise_s: float = 0.0
+    opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,7 @@ class BlockOutput:
     denoise_ms: float
     decode_ms: float
     decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
+    opening_frame: bool = False  # the opening frame of a session's first block; the block's other frames follow
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,11 @@ class Runner:
         stepwise: bool = False,
         audio_decoder: AudioStreamingDecoder | None = None,
         audio_trim_samples: int = 0,
+        split_first_block: bool = False,
     ) -> None:
+        """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
+        as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
+        first media; the frames are the same as unsplit (chunked decode equals one-call decode)."""
         if (audio_decoder is None) != (pipeline.audio_shape is None):
             raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
@@ -110,6 +116,7 @@ class Runner:
         self.audio_trim_samples = audio_trim_samples
         self.kv_manager = kv_manager
         self.stepwise = stepwise
+        self.split_first_block = split_first_block
         self.sessions: dict[str, DeviceSession] = {}
 
     # --- lifetime ---------------------------------------------------------
@@ -262,8 +269,13 @@ class Runner:
             device_session.block_started_at = now_ms()
             device_session.denoise_s = 0.0
             device_session.queued_ms = max(0.0, device_session.block_started_at - planned_at)
+        opening = self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
         started = time.perf_counter()
-        if self.stepwise:
+        if opening:
+            clean = self.pipeline.denoise_step(device_session.kv, progress)
+            while clean is None and not self.stepwise:
+                clean = self.pipeline.denoise_step(device_session.kv, progress)
+        elif self.stepwise:
             clean = self.pipeline.step(device_session.kv, progress)
         else:
             clean = self.pipeline.run_block(device_session.kv, progress)
@@ -272,13 +284,21 @@ class Runner:
         if clean is None:
             return None
         decode_started = time.perf_counter()
-        pixels = self.decoder.decode_chunk(self.decoder.denormalize(clean.video), device_session.decode_state)
-        frames = self.decoder.to_uint8(pixels)
-        audio = self._decode_audio(device_session, clean) if self.audio_decoder is not None else None
+        video = self.decoder.denormalize(clean.video)
+        if opening:
+            video = video[:, :, :1]
+        elif progress.block_index == 1 and device_session.opening_frame_sent:
+            video = video[:, :, 1:]  # the rest of the first block; its opening frame went out already
+        frames = self.decoder.to_uint8(self.decoder.decode_chunk(video, device_session.decode_state))
+        # The opening frame carries no audio: the block's audio is decoded whole with the rest of it.
+        audio = None
+        if self.audio_decoder is not None and not opening:
+            audio = self._decode_audio(device_session, clean)
         decode_s = time.perf_counter() - decode_started
+        device_session.opening_frame_sent |= opening
         output = BlockOutput(
             session_id=session_id,
-            block_index=progress.block_index - 1,
+            block_index=progress.block_index if opening else progress.block_index - 1,
             frames=frames,
             audio=audio,
             started_at=device_session.block_started_at,
@@ -286,6 +306,7 @@ class Runner:
             denoise_ms=device_session.denoise_s * 1000.0,
             decode_ms=decode_s * 1000.0,
             decoder_state_bytes=self.decoder_state_bytes(session_id),
+            opening_frame=opening,
         )
         device_session.block_started_at = None
         return output
@@ -310,31 +331,52 @@ class Runner:
         return pcm.float().cpu().numpy()
 
     # --- warmup -----------------------------------------------------------
-    def warmup(self, blocks: int = 2) -> list[float]:
-        """Run a throwaway session so kernels, allocators and caches are warm; the pool must come back whole.
+    def warmup(self, blocks: int = 2, *, transitions: bool = True) -> list[float]:
+        """Throwaway sessions through every shape a real session meets; the pool must come back whole.
 
-        Returns each block's device seconds (the engine seeds its per-block cost estimate with them).
+        A session runs at least ``blocks`` blocks and enough to fill its window
+        and evict (every history length, so every attention shape, compiled
+        kernel and cuDNN plan is built here, not in a viewer's stream). With
+        ``transitions``, a second session then joins mid-stream, the first
+        changes its prompt with ``recache`` and is reset, each followed by a
+        block — all through :meth:`execute`, the path real sessions take.
+        Returns the device seconds of the plain blocks (they seed the engine's
+        per-block cost estimate).
         """
-        session_id = "__warmup__"
+        first, second = "__warmup__", "__warmup_2__"
+        spec = self.kv_manager.spec
+        plain_blocks = max(blocks, -(-spec.resident_frames // spec.frames_per_block) + 1) if transitions else blocks
         free_before = self.kv_manager.block_pool.num_free_blocks
+        opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")
         seconds = []
+
+        def run(*work: SessionWork) -> None:
+            result = self.execute(StepPlan(work=list(work), planned_at=now_ms()))
+            if result.failures or result.fatal:
+                raise RuntimeError(f"warmup failed: {result.fatal or result.failures[0].message}")
+
         try:
-            self.open(session_id, OpenSession(seed=0, prompt="warmup", negative_prompt=""))
-            for _ in range(blocks):
+            for index in range(plain_blocks):
                 started = time.perf_counter()
-                with self.bound(session_id) as device_session:
-                    while self._advance(session_id, device_session, now_ms()) is None:
-                        pass
+                run(SessionWork(first, open=opening if index == 0 else None, run=True))
                 seconds.append(time.perf_counter() - started)
+            if transitions:
+                if self.kv_manager.max_sessions > 1:  # a viewer joining while another streams
+                    run(SessionWork(second, open=opening, run=True), SessionWork(first, run=True))
+                run(SessionWork(first, prompt=PromptUpdate("warmup, changed", "", "recache"), run=True))
+                run(SessionWork(first, reset=True, run=True))
         finally:
-            self.release(session_id, "warmup_complete")
+            for session_id in (first, second):
+                self.release(session_id, "warmup_complete")
         free_after = self.kv_manager.block_pool.num_free_blocks
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
         return seconds
 
 
-def runner_for(bundle, kv_manager: KVCacheManager, *, stepwise: bool = False) -> Runner:
+def runner_for(
+    bundle, kv_manager: KVCacheManager, *, stepwise: bool = False, split_first_block: bool = False
+) -> Runner:
     """A runner over a built :class:`~engine.bundle.ModelBundle` (audio wired when the model has it)."""
     timing = bundle.audio_timing
     return Runner(
@@ -344,6 +386,7 @@ def runner_for(bundle, kv_manager: KVCacheManager, *, stepwise: bool = False) ->
         stepwise=stepwise,
         audio_decoder=bundle.audio_decoder,
         audio_trim_samples=timing.samples_before_start if timing is not None else 0,
+        split_first_block=split_first_block,
     )
 
 

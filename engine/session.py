@@ -57,14 +57,19 @@ class PromptChange:
 class ChunkQueue:
     """The hand-over of one session's chunks from the engine to its consumer.
 
-    A session's next block may start only once its consumer has taken the
-    previous chunk *and come back for the next one* (:attr:`accepts_next`):
-    that is what puts block N's media on the wire before block N+1 is
-    generated, and what makes a slow or absent consumer pause its own session
-    instead of the engine. At most one chunk ever waits here.
+    At most one chunk waits here, and a slow or absent consumer pauses its own
+    session, never the engine (:attr:`accepts_next`). When the next block may start:
+
+    * ``overlap=True`` (default): once the consumer has *taken* the previous
+      chunk — block N+1 is made while chunk N is encoded and sent, so the
+      CPU's encode overlaps the device's next block; the media of block N
+      still never waits for block N+1;
+    * ``overlap=False``: only once the consumer has come back for the next
+      chunk, i.e. block N's media is on the wire before block N+1 starts.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, overlap: bool = True) -> None:
+        self.overlap = overlap
         self._item: Chunk | None = None
         self._changed = asyncio.Event()
         self.in_hand = False  # the consumer holds a chunk and has not asked for the next
@@ -75,7 +80,7 @@ class ChunkQueue:
 
     @property
     def accepts_next(self) -> bool:
-        return self._item is None and not self.in_hand
+        return self._item is None and (self.overlap or not self.in_hand)
 
     def put_nowait(self, chunk: Chunk) -> None:
         if self._item is not None:

@@ -16,6 +16,7 @@ import torch
 from engine.bundle import ModelBundle, build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, KVSpec
+from engine.memory import cpu_session_budget
 from engine.runner import Runner, runner_for
 from engine.status import Geometry
 
@@ -75,6 +76,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     budget = config.kv_memory_budget_bytes
     if budget is None and torch.device(config.device).type == "cuda":
         budget = _cuda_budget(config, bundle, spec)
+    elif budget is None and torch.device(config.device).type == "cpu":
+        budget = cpu_session_budget()  # what the host has available now, less a reserve
     capacity = config.max_sessions
     if budget is not None:
         capacity = min(capacity, budget // per_session_bytes)
@@ -85,7 +88,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         )
     manager = KVCacheManager(spec, int(capacity), config.device)
     stepwise = config.step_mode == "stepwise"
-    runner = runner_for(bundle, manager, stepwise=stepwise)
+    runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
     warmup = runner.warmup(config.warmup_blocks) if config.warmup_blocks else []
@@ -117,7 +120,7 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> int
     torch.cuda.reset_peak_memory_stats(device)
     probe = runner_for(bundle, KVCacheManager(spec, 1, device))
     resident = torch.cuda.memory_allocated(device)
-    probe.warmup(1)
+    probe.warmup(1, transitions=False)  # one session slot: the real warm-up covers the transitions
     activation_peak = torch.cuda.max_memory_allocated(device) - resident
     del probe
     torch.cuda.empty_cache()

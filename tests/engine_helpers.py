@@ -18,7 +18,8 @@ SMALL = {"height": 48, "width": 64}
 
 
 def small_config(**overrides) -> EngineConfig:
-    values = {**SMALL, "cpu_threads": None, "warmup_blocks": 0, "max_sessions": 4}
+    # The seeded random model: these tests pin its cost and output (the shipped weights have their own tests).
+    values = {**SMALL, "cpu_threads": None, "warmup_blocks": 0, "max_sessions": 4, "random_weights": True}
     values.update(overrides)
     return EngineConfig(**values)
 

@@ -54,10 +54,12 @@ def test_a_short_opening_chunk_does_not_set_the_chunk_duration():
     stats = session_stats(record_with(arrivals, frames))
     assert stats["chunk_duration_ms"] == 750.0
     assert stats["gaps_over_1_5x"] == 0
-    # Playback starts with the opening frame: chunk 1 (pts 1) is due at 62.5 ms and came at 500 ms, and the
-    # clock never catches up (chunks 2-4 due at 562.5 / 1312.5 / 2062.5 ms): the viewer saw a stall.
-    assert stats["deadline_misses"] == 4
-    assert stats["worst_late_ms"] == 637.5
+    # The opening frame is a preview: playback starts with the block's rest (pts 1 at 500 ms, so frame 0 at
+    # 437.5 ms); the still frame stayed 437.5 ms. Chunks 2-4 are then due at 1000 / 1750 / 2500 ms and came
+    # 200 / 150 / 100 ms late.
+    assert stats["opening_stall_ms"] == 437.5
+    assert stats["deadline_misses"] == 3
+    assert stats["worst_late_ms"] == 200.0
 
 
 def test_a_refused_session_reports_its_refusal_and_the_case_counts_it():

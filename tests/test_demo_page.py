@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -47,16 +48,16 @@ def _arstream() -> str:
     return str(script)
 
 
-@pytest.fixture()
-def server(tmp_path):
+@contextmanager
+def _serve(tmp_path: Path, *extra_args: str):
     """`arstream serve` on a free port, ready (GET /readyz answers 200); yields its base URL."""
     port = _free_port()
-    log_path = tmp_path / "server.log"
+    log_path = tmp_path / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             # The tiny preset at a small size: the page does not care, and the CPU is shared.
             [_arstream(), "serve", "--host", "127.0.0.1", "--port", str(port), "--preset", "tiny",
-             "--height", str(HEIGHT), "--width", str(WIDTH)],
+             "--height", str(HEIGHT), "--width", str(WIDTH), *extra_args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
@@ -84,6 +85,12 @@ def server(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture()
+def server(tmp_path):
+    with _serve(tmp_path) as base:
+        yield base
 
 
 @pytest.fixture()
@@ -201,3 +208,38 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         print(json.dumps({"chromium": browser.version, "media": mime, "first": first, "after_reset": after_reset}))
     finally:
         page.close()
+
+
+def test_first_start_with_the_untouched_prompt_streams_and_a_full_server_says_when_to_retry(tmp_path, browser):
+    with _serve(tmp_path, "--max-sessions", "1") as base:
+        first = browser.new_page()
+        second = browser.new_page()
+        try:
+            # A visitor who clicks Start without typing gets the example the box shows, not an error.
+            first.goto(f"{base}/", wait_until="load")
+            assert first.input_value("#prompt") == ""
+            example = first.get_attribute("#prompt", "placeholder")
+            first.click("#start")
+            first.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 1",
+                                    timeout=30_000)
+            assert first.inner_text("#state") == "active"
+            assert example.endswith(first.input_value("#prompt")), (example, first.input_value("#prompt"))
+            assert first.inner_text("#errors") == "0", first.inner_text("#log")
+            assert first.inner_text("#pause") == "Pause"
+            first.click("#pause")
+            first.wait_for_function("() => document.getElementById('pause').textContent === 'Resume'", timeout=10_000)
+            first.click("#pause")
+            first.wait_for_function("() => document.getElementById('pause').textContent === 'Pause'", timeout=10_000)
+
+            # The only slot is taken by a live client: a second visitor is told the server is full and when to retry.
+            second.goto(f"{base}/", wait_until="load")
+            second.click("#start")
+            _wait_for_log(second, "state", "closed (capacity)", 20)
+            second.wait_for_selector("#notice:not([hidden])", timeout=5_000)
+            hint = second.inner_text("#notice")
+            assert "busy" in hint and "Try again" in hint, hint
+            assert second.inner_text("#state") == "closed"
+            assert first.inner_text("#state") == "active"  # the refusal cost the first session nothing
+        finally:
+            second.close()
+            first.close()

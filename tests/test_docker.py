@@ -146,6 +146,18 @@ def test_entrypoint_defaults_and_arstream_variables(tmp_path):
     assert flags(argv)["--model"] == ["/nonexistent/models"]
 
 
+def test_entrypoint_asks_for_random_weights_only_when_told(tmp_path):
+    argv, _ = run_entrypoint(tmp_path, {"PRESET": "wan2.1-1.3b", "RANDOM_WEIGHTS": "true"})
+    assert "--random-weights" in argv and flags([a for a in argv if a != "--random-weights"])["--preset"] == [
+        "wan2.1-1.3b"
+    ]
+    argv, _ = run_entrypoint(tmp_path, {"PRESET": "wan2.1-1.3b", "RANDOM_WEIGHTS": ""})
+    assert "--random-weights" not in argv  # without MODEL_DIR the server itself then refuses the preset
+    refused = subprocess.run(["bash", str(ENTRYPOINT)], env={"PATH": _fake_path(tmp_path), "RANDOM_WEIGHTS": "maybe"},
+                             capture_output=True, text=True, timeout=30)
+    assert refused.returncode == 2 and "RANDOM_WEIGHTS=maybe" in refused.stderr
+
+
 def test_entrypoint_execs_the_server():
     text = ENTRYPOINT.read_text()
     assert text.startswith("#!/usr/bin/env bash")

@@ -248,3 +248,42 @@ def test_paced_session_stays_within_lead_chunks_of_its_playback_clock():
             await engine.shutdown()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_next_block_may_run_while_the_previous_chunk_is_sent_only_with_overlap(overlap):
+    """With overlap the consumer holding chunk N (encoding, sending) does not hold back block N+1; one chunk waits at most."""
+    from engine.session import ChunkQueue
+
+    async def scenario():
+        queue = ChunkQueue(overlap=overlap)
+        assert queue.accepts_next
+        queue.put_nowait("chunk 0")
+        assert not queue.accepts_next  # one chunk waits at most
+        assert await queue.get() == "chunk 0"  # taken: now being encoded and sent
+        assert queue.accepts_next is overlap
+        queue.release()  # its media is on the wire
+        assert queue.accepts_next
+
+    asyncio.run(scenario())
+
+
+def test_split_first_block_counts_time_to_first_media_at_the_opening_frame():
+    async def scenario():
+        engine = Engine(small_config(window_frames=3, split_first_block=True))
+        await engine.start()
+        try:
+            sid = engine.create_session(seed=5, pace=True).session_id
+            engine.start_session(sid, "a canyon")
+            chunks = await take(engine, sid, 4)
+            assert [c.frames.shape[0] for c in chunks] == [1, 8, 12, 12]
+            assert [c.pts for c in chunks] == [0, 1, 9, 21]
+            status = engine.status(sid)
+            # First media is the opening frame; the block's rest re-anchors playback, so it is no miss.
+            assert status.time_to_first_chunk_ms is not None
+            assert status.realtime.deadline_misses == 0
+            assert status.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
+        finally:
+            await engine.shutdown()
+
+    run(scenario())

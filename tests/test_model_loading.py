@@ -495,3 +495,19 @@ def test_model_dir_runs_on_cuda_in_reduced_precision(model_dir, tmp_path, dtype)
             difference = np.abs(got.astype(np.float32) - want.astype(np.float32)).mean()
             print(f"{dtype} causal={causal is not None}: mean |cuda - cpu fp32| = {difference:.2f} / 255")
             assert difference < 4.0  # seen: 0.7 (bf16), 0.1 (fp16) on an H200
+
+
+def test_preflight_passes_a_good_model_dir_and_counts_its_weights_from_the_file_headers(model_dir, parts, tmp_path):
+    from engine.memory import estimate_weight_bytes
+    from engine.preflight import check_before_build
+
+    config = EngineConfig(model_dir=model_dir, **SMALL)
+    check_before_build(config)  # nothing is raised, nothing is loaded
+    parameters = sum(p.numel() for module in (parts.transformer, parts.vae, parts.umt5) for p in module.parameters())
+    # the headers count stored tensors: UMT5's tied token embedding is stored once, buffers are few
+    assert abs(estimate_weight_bytes(config) - 4 * parameters) <= 0.05 * 4 * parameters
+    without_vae_weights = linked_model_dir(model_dir, tmp_path / "no-vae-weights", skip=("vae",))
+    (without_vae_weights / "vae").mkdir()
+    (without_vae_weights / "vae" / "config.json").write_text((model_dir / "vae" / "config.json").read_text())
+    with pytest.raises(ModelLoadError, match=r"no-vae-weights/vae: no \*\.safetensors weights"):
+        check_before_build(EngineConfig(model_dir=without_vae_weights, **SMALL))

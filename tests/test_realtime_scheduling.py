@@ -24,7 +24,7 @@ def run(coroutine):
 
 def _running(session_id: str, *, pace: bool, now: float, deadline_in_s: float | None = None, ready: bool = True):
     """A started session on the device whose next chunk is due ``deadline_in_s`` from ``now``."""
-    record = SessionRecord(session_id=session_id, seed=1, pace=pace, queue=ChunkQueue(), cost=RunningCost())
+    record = SessionRecord(session_id=session_id, seed=1, pace=pace, queue=ChunkQueue(overlap=False), cost=RunningCost())
     record.prompt, record.state, record.opened_on_device = "p", SessionState.ACTIVE, True
     record.frames_emitted = 9
     record.chunks_emitted = 1

@@ -262,3 +262,61 @@ def test_warmup_restores_the_pool(runner):
     runner.warmup(blocks=2)
     assert _baseline(runner) == baseline
     assert "__warmup__" not in runner.sessions
+
+
+def test_warmup_meets_every_attention_shape_and_transition(runner):
+    """Every history length, a second session, a recache and a reset are seen before any viewer is."""
+    rope = runner.pipeline.transformer.rope
+    spec = runner.kv_manager.spec
+    widths, opened = set(), []
+    original_for_frames, original_open = rope.for_frames, runner.open
+
+    def recording_for_frames(num_frames, device):
+        widths.add(num_frames)
+        return original_for_frames(num_frames, device)
+
+    def recording_open(session_id, request):
+        opened.append(session_id)
+        return original_open(session_id, request)
+
+    rope.for_frames, runner.open = recording_for_frames, recording_open
+    recaches_before = runner.pipeline.context_kv["cond"].loads
+    try:
+        seconds = runner.warmup(blocks=1)
+    finally:
+        rope.for_frames, runner.open = original_for_frames, original_open
+    frames = spec.frames_per_block
+    assert set(range(frames, spec.context_frames + 1, frames)) <= widths
+    assert len(seconds) == -(-spec.resident_frames // frames) + 1  # enough blocks to fill and evict
+    # The first session opened twice: once at the start, once more by its reset; the second joined.
+    assert opened.count("__warmup__") == 2 and opened.count("__warmup_2__") == 1
+    assert runner.pipeline.context_kv["cond"].loads > recaches_before
+    assert not runner.sessions
+
+
+@pytest.mark.parametrize("stepwise", [False, True])
+def test_split_first_block_sends_the_opening_frame_first_and_the_same_media(stepwise):
+    """Opening frame ahead of the commit pass, then the rest: the same frames and audio as unsplit."""
+    outputs = {}
+    for split in (False, True):
+        config, bundle = build_small(sink_frames=3, window_frames=3)
+        manager = KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu")
+        runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=split)
+        open_session(runner, "s", seed=4, prompt="a lantern")
+        produced = []
+        while len(produced) < (4 if split else 3):
+            result = runner.execute(StepPlan(work=[SessionWork("s", run=True)]))
+            assert not result.failures, result.failures
+            produced += result.outputs
+        outputs[split] = produced
+    whole, split = outputs[False], outputs[True]
+    assert [o.frames.shape[0] for o in whole] == [9, 12, 12]
+    assert [o.frames.shape[0] for o in split] == [1, 8, 12, 12]
+    assert [o.opening_frame for o in split] == [True, False, False, False]
+    assert [o.block_index for o in split] == [0, 0, 1, 2]
+    assert split[0].audio is None
+    np.testing.assert_array_equal(np.concatenate([o.frames for o in split]), np.concatenate([o.frames for o in whole]))
+    if whole[0].audio is not None:
+        np.testing.assert_array_equal(
+            np.concatenate([o.audio for o in split[1:]], axis=1), np.concatenate([o.audio for o in whole], axis=1)
+        )

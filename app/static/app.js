@@ -8,19 +8,23 @@ const FPS_WINDOW_MS = 4000;   // sliding window of the fps readout
 const STALL_MS = 3000;        // no chunk for this long (or 2 usual gaps): fps reads 0
 const LATENCY_KEEP = 30;      // chunks in the latency median
 const LOG_MAX = 80;
+// Shown in the empty prompt box; Start with the box left empty generates it (and puts it in the box).
+const EXAMPLE_PROMPT = "a red fox running through fresh snow, cinematic lighting";
 
 const $ = (id) => document.getElementById(id);
 const ui = {
   video: $("video"), prompt: $("prompt"), seed: $("seed"), policy: $("policy"),
-  start: $("start"), stop: $("stop"), apply: $("apply"), reset: $("reset"), close: $("close"), mute: $("mute"),
-  state: $("state"), mediaInfo: $("media-info"), log: $("log"),
+  start: $("start"), pause: $("pause"), apply: $("apply"), reset: $("reset"), close: $("close"), mute: $("mute"),
+  state: $("state"), mediaInfo: $("media-info"), log: $("log"), notice: $("notice"),
   fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
   buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"),
 };
 
 let current = null;  // the Session shown on the page
-let errorCount = 0;
+let errorCount = 0;  // problems of the current session (reset when a new one starts)
 
+// kind: "error" (counted: a server error, a refused append, a lost connection), "hint" (a mistake in
+// the form, not counted), "ack", "state", "info".
 function log(kind, text) {
   const li = document.createElement("li");
   li.className = kind;
@@ -30,6 +34,11 @@ function log(kind, text) {
   ui.log.prepend(li);
   while (ui.log.children.length > LOG_MAX) ui.log.lastChild.remove();
   if (kind === "error") ui.errors.textContent = String(++errorCount);
+}
+
+function notice(text) {
+  ui.notice.textContent = text || "";
+  ui.notice.hidden = !text;
 }
 
 const short = (text, n = 40) => (text.length > n ? `${text.slice(0, n - 1)}…` : text);
@@ -67,6 +76,7 @@ class Session {
     this.arrivals = [];              // {t, frames} of recent chunks, for fps
     this.latencies = [];
     this.timings = null;
+    this.lastError = null;           // the last `error` message, to explain a `closed` that follows it
 
     this.ws = new WebSocket(streamUrl(), subprotocols());
     this.ws.binaryType = "arraybuffer";
@@ -99,15 +109,30 @@ class Session {
         log("state", `state ${msg.state}${msg.reason ? ` (${msg.reason})` : ""}`);
         break;
       case "error":
+        this.lastError = msg;
         log("error", `${msg.code}: ${msg.message}${msg.id && this.sent.has(msg.id) ? ` [${this.sent.get(msg.id)}]` : ""}`);
         break;
       case "closed":
-        log("state", `closed (${msg.reason})`);
-        this.setState("closed");
+        this.onClosed(msg);
         break;
       default:
         log("info", `ignored message type ${msg.type}`);
     }
+  }
+
+  onClosed(msg) {
+    const retry = typeof msg.retry_after_s === "number" ? msg.retry_after_s : null;
+    const when = retry === null ? "later" : `in ${Math.max(1, Math.ceil(retry))} s`;
+    log("state", `closed (${msg.reason})${retry === null ? "" : `, retry after ${retry} s`}`);
+    if (msg.reason === "capacity") {
+      // A warming-up server says so in the `error` just before; otherwise every slot is taken.
+      const warming = this.lastError && /warm/i.test(this.lastError.message || "");
+      notice(warming ? `The server is still warming up. Try again ${when}.`
+                     : `The server is busy: every session slot is in use. Try again ${when}.`);
+    } else if (msg.reason === "draining") {
+      notice(`The server is shutting down. Try again ${when}.`);
+    }
+    this.setState("closed");
   }
 
   onSession(msg) {
@@ -293,9 +318,9 @@ function render() {
   ui.state.dataset.state = state;
 
   const live = s && s.open && state !== "closed";
-  ui.start.disabled = live && !["created", "paused"].includes(state);
-  ui.start.textContent = live && state === "paused" ? "Resume" : "Start";
-  ui.stop.disabled = !(live && state === "active");
+  ui.start.disabled = live && state !== "created";
+  ui.pause.disabled = !(live && ["active", "paused"].includes(state));
+  ui.pause.textContent = live && state === "paused" ? "Resume" : "Pause";
   ui.apply.disabled = !(live && ["active", "paused"].includes(state));
   ui.reset.disabled = ui.apply.disabled;
   ui.close.disabled = !live;
@@ -326,31 +351,40 @@ function render() {
 
 function promptText() {
   const prompt = ui.prompt.value.trim();
-  if (!prompt) { log("error", "type a prompt first"); ui.prompt.focus(); return null; }
+  if (!prompt) { log("hint", "type the new prompt in the box first"); ui.prompt.focus(); return null; }
   return prompt;
 }
 
 function start() {
-  if (current && current.open && current.state === "paused") {
-    current.send("resume");
-    return;
+  let prompt = ui.prompt.value.trim();
+  if (!prompt) {
+    prompt = EXAMPLE_PROMPT;  // the box was left empty: generate the example it shows
+    ui.prompt.value = prompt;
+    log("info", "no prompt typed: starting with the example prompt");
   }
-  const prompt = promptText();
-  if (prompt === null) return;
   const fields = { prompt };
   if (ui.seed.value !== "") {
     const seed = Number(ui.seed.value);
-    if (!Number.isInteger(seed) || seed < 0) { log("error", "seed must be an integer ≥ 0"); return; }
+    if (!Number.isInteger(seed) || seed < 0) { log("hint", "seed must be an integer ≥ 0, or empty for a random one"); return; }
     fields.seed = seed;
   }
+  notice("");
   if (current && current.open && current.state === "created") {
     current.startClick = performance.now();
     current.send("start", fields, `start “${short(prompt)}”`);
     return;
   }
   if (current) current.close();
+  errorCount = 0;  // the counter is per session
+  ui.errors.textContent = "0";
   current = new Session(fields);
   render();
+}
+
+function togglePause() {
+  if (!current) return;
+  if (current.state === "paused") current.send("resume");
+  else current.send("pause", {}, "pause (the session keeps its memory)");
 }
 
 function changePrompt() {
@@ -361,7 +395,7 @@ function changePrompt() {
 }
 
 ui.start.addEventListener("click", start);
-ui.stop.addEventListener("click", () => current && current.send("pause", {}, "pause (stop generating)"));
+ui.pause.addEventListener("click", togglePause);
 ui.apply.addEventListener("click", changePrompt);
 ui.reset.addEventListener("click", () => current && current.send("reset"));
 ui.close.addEventListener("click", () => current && current.send("close"));
@@ -380,6 +414,12 @@ window.addEventListener("pagehide", () => {
   if (current && current.open) current.ws.send(JSON.stringify({ type: "close" }));  // free the session now
 });
 
+ui.prompt.placeholder = `e.g. ${EXAMPLE_PROMPT}`;
 ui.video.muted = true;  // muted autoplay is allowed everywhere; sound comes on with a click
 setInterval(tick, 250);
 render();
+
+// Example prompts (the built-in tiny model's caption grammar): a click puts one in the prompt box.
+for (const button of document.querySelectorAll("#examples button[data-prompt]")) {
+  button.addEventListener("click", () => { ui.prompt.value = button.dataset.prompt; ui.prompt.focus(); });
+}

@@ -293,6 +293,17 @@ class CausalWanPipeline:
         progress.clean = None
         return clean
 
+    def denoise_step(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents | None:
+        """One denoising forward; the block's clean latents once the last one ran (its commit pass still to come).
+
+        Lets a caller show a block before its commit: the commit pass (the next
+        :meth:`step`) changes nothing the block's frames depend on.
+        """
+        if progress.step_index >= self.num_steps:
+            raise RuntimeError("the block is denoised; its commit pass is next")
+        self.step(kv, progress)
+        return progress.clean if progress.step_index == self.num_steps else None
+
     def run_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
         """All remaining steps of the current block (grouped execution); same result as stepping."""
         while True:

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # The embedded default: the same architecture class as Wan2.1 at toy size, so it
-# runs live on a 2-core CPU. Random weights from a seed: it produces abstract
-# video, not content.
+# runs live on a 2-core CPU. Its shipped weights were trained on the procedural
+# world (world/, train/, docs/TINY_MODEL.md); random_weights gives seeded ones.
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 2,
@@ -45,13 +45,14 @@ TINY_VAE_CONFIG: dict[str, Any] = {
 
 # diffusers AutoencoderOobleck (Stable Audio's codec family) at toy size: hop 2*2*5*5*6 = 600
 # samples (12.5 ms at 48 kHz), which divides the 3000 samples of a 16 fps video frame, so a
-# 3-latent-frame AR block carries 60 audio latent frames. Sized so that block decodes in a few
-# ms on a 2-core CPU.
+# 3-latent-frame AR block carries 60 audio latent frames. Decoder width 8 (was 2 with random
+# weights): enough to learn clean tones from the world's sound features; a block's window
+# (84 latent frames) decodes in ~20-50 ms on one core of the 2-core CPU (~7-18 ms at width 2).
 TINY_AUDIO_VAE_CONFIG: dict[str, Any] = {
     "encoder_hidden_size": 4,
     "downsampling_ratios": [2, 2, 5, 5, 6],
     "channel_multiples": [1, 2, 4, 4, 8],
-    "decoder_channels": 2,
+    "decoder_channels": 8,
     "decoder_input_channels": 8,
     "audio_channels": 2,
     "sampling_rate": 48000,
@@ -101,6 +102,7 @@ class ModelPreset:
     width: int
     text_len: int = 512
     audio_vae_config: dict[str, Any] | None = None  # an AutoencoderOobleck config when the preset has audio
+    weights: str | None = None  # shipped weights under engine/models/weights/ (engine.models.trained); None: seeded random
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -113,7 +115,9 @@ PRESETS: dict[str, ModelPreset] = {
         height=144,
         width=256,
         audio_vae_config=TINY_AUDIO_VAE_CONFIG,
-        notes="toy-size Wan2.1-class model with seeded random weights: abstract video, not content",
+        weights="tiny",
+        notes="toy-size Wan2.1-class model trained on a procedural world (shapes, colours, motion, sound); "
+        "random_weights gives the seeded random model",
     ),
     "wan2.1-1.3b": ModelPreset(
         name="wan2.1-1.3b",

@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# The closing GPU run of the performance work, in one device call (the device tool: carry .whl):
+#
+#     bash bench/device/run_final.sh [TOTAL_S=560]
+#
+# 1. engine only: the landed per-forward path, the engine's path and the naive concatenated-KV path, per
+#    forward and per block, plus a profile of the engine's block (bench/bench_fast_paths.py);
+# 2. the service, standard window, full Wan VAE (the standard benchmark), real WebSocket clients;
+# 3. the service, fast window with the TAEHV decoder, several paced viewers.
+# Everything lands in $OUT as at most 8 files: the JSON of each part and one tarball of the logs.
+set -u -o pipefail
+TOTAL=${1:-560}
+OUT=${OUT:-$PWD/out-device}
+mkdir -p "$OUT/logs"
+left() { echo $(( TOTAL - SECONDS )); }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
+
+echo "== $(left)s left: engine fast paths"
+timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py --sections forward,profile --blocks 6 \
+  --variants landed,engine --no-compile-decoder --out "$OUT/fast.jsonl" > /dev/null 2> "$OUT/logs/fast.stderr"
+echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-1500
+[ -f "$OUT/fast_profile.txt" ] && mv "$OUT/fast_profile.txt" "$OUT/logs/"
+
+service() {  # NAME BUDGET_S SERVER_ARGS... -- BENCH_ARGS...
+  local name=$1 budget=$2; shift 2
+  echo "== $(left)s left: service $name, budget ${budget}s"
+  timeout -k 20 "$(( budget + 15 ))" python3 bench/bench_service_gpu.py --budget-s "$budget" --no-engine-reference \
+    --out "$OUT/service_$name.json" --server-log "$OUT/logs/server_$name.log" "$@" \
+    > /dev/null 2> "$OUT/logs/service_$name.stderr"
+  echo "service $name exit $?"
+  python3 - "$OUT/service_$name.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_error"), "skipped": r.get("skipped"),
+                  "cases": {k: v["summary"] for k, v in r.get("cases", {}).items()}})[:2500])
+PY
+}
+
+STANDARD=${STANDARD_S:-250}
+service standard "$STANDARD" --concurrency 1,2 --pacing on,off --duration 14 --first-duration 12 \
+  --transitions-duration 16 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
+
+FAST=$(( $(left) - 25 ))
+ARSTREAM_ENGINE__VIDEO_DECODER=taehv service fast_taehv "$FAST" --concurrency 2,3,1 --pacing on --duration 14 \
+  --first-duration 10 --no-transitions -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights \
+  --window-frames 6
+
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+ls -la "$OUT"
+echo "== done, $(left)s left"

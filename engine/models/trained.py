@@ -1,0 +1,58 @@
+"""Weights shipped in the package for a preset (engine/models/weights/<name>/), one safetensors file per module.
+
+    transformer.safetensors   WanTransformer3DModel state dict
+    vae.safetensors           AutoencoderKLWan state dict; metadata: latents_mean, latents_std (JSON lists)
+    audio_vae.safetensors     AutoencoderOobleck state dict
+    audio_tokens.safetensors  AudioTokenProjections state dict
+    text_encoder.safetensors  WordTextEncoder (vocabulary in its metadata)
+
+They are loaded into modules built from the preset's own configs, so a file
+that does not fit the architecture fails loudly (load_state_dict is strict).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from engine.models.text_encoder import WordTextEncoder
+
+WEIGHTS_ROOT = Path(__file__).parent / "weights"
+
+
+@dataclass(frozen=True)
+class TrainedWeights:
+    directory: Path
+
+    def _path(self, name: str) -> Path:
+        path = self.directory / f"{name}.safetensors"
+        if not path.is_file():
+            raise FileNotFoundError(f"shipped weights are incomplete: {path} is missing")
+        return path
+
+    def load(self, name: str, module: torch.nn.Module) -> None:
+        module.load_state_dict(load_file(str(self._path(name))))
+
+    def vae_overrides(self) -> dict[str, list[float]]:
+        """The latent statistics measured at training time (the decoder denormalises with them)."""
+        with safe_open(str(self._path("vae")), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+        try:
+            return {"latents_mean": json.loads(metadata["latents_mean"]), "latents_std": json.loads(metadata["latents_std"])}
+        except (KeyError, ValueError) as exc:
+            raise ValueError(f"{self._path('vae')}: no latents_mean / latents_std metadata") from exc
+
+    def text_encoder(self) -> WordTextEncoder:
+        return WordTextEncoder.load(self._path("text_encoder"))
+
+
+def trained_weights(weights: str | None, random_weights: bool) -> TrainedWeights | None:
+    """The preset's shipped weights, or None for seeded random weights (asked for, or none shipped)."""
+    if random_weights or weights is None:
+        return None
+    return TrainedWeights(WEIGHTS_ROOT / weights)

@@ -1,0 +1,104 @@
+"""The shipped tiny weights, streamed through the engine's model path on the CPU: does the prompt show?
+
+Thresholds are the issue's; a check the current weights miss is marked xfail
+(strict) with its measured score, so it cannot pass silently or rot: the
+scores are in docs/TINY_MODEL.md (``python -m train.score`` measures them).
+"""
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from train import checks
+from world.grammar import EXAMPLE_PROMPTS, SHAPES, Scene
+
+torch.set_num_threads(1)
+MIN_SHARE = 0.8  # of frames
+MIN_SPEED_PX_S, MAX_STILL_PX_S = 10.0, 3.0
+CHUNKS_3S = 5  # 9 + 4 * 12 = 57 frames >= 48 = 3 s at 16 fps
+FRAMES_3S = 48
+# The shipped weights' measured misses (docs/TINY_MODEL.md); an improvement turns these into XPASS failures.
+WEAK = pytest.mark.xfail(strict=True, reason="the shipped weights miss this check; scores in docs/TINY_MODEL.md")
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return checks.build()
+
+
+def _stream(bundle, prompt, seed=0, chunks=CHUNKS_3S, **kw):
+    return checks.stream(bundle, prompt, seed, chunks, **kw)
+
+
+def test_tiny_preset_loads_the_shipped_weights_and_random_weights_still_differ(bundle):
+    random = checks.build(random_weights=True)
+    trained = dict(bundle.pipeline.transformer.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in random.pipeline.transformer.named_parameters())
+    assert type(bundle.pipeline.text_encoder).__name__ == "WordTextEncoder"
+    assert type(random.pipeline.text_encoder).__name__ == "TinyTextEncoder"
+
+
+def test_demo_page_offers_the_grammars_example_prompts():
+    page = (Path(__file__).parents[1] / "app" / "static" / "index.html").read_text()
+    offered = re.findall(r'data-prompt="([^"]+)"', page)
+    assert tuple(offered) == EXAMPLE_PROMPTS
+
+
+@WEAK
+def test_colour_follows_the_prompt_over_the_first_3_seconds(bundle):
+    for colour in ("red", "green"):
+        prompt = Scene("circle", colour, "bouncing", "blue").caption
+        scores = checks.colour_scores(_stream(bundle, prompt).video[:FRAMES_3S], prompt)
+        assert scores["foreground_colour"] >= MIN_SHARE, (prompt, scores)
+        assert scores["background_colour"] >= MIN_SHARE, (prompt, scores)
+
+
+@WEAK
+def test_shape_is_the_prompted_one_for_every_shape_colour_and_seed(bundle):
+    for shape in SHAPES:
+        for colour in ("red", "yellow", "white"):
+            for seed in (0, 1):
+                prompt = Scene(shape, colour, "drifting", "black").caption
+                share = checks.shape_score(_stream(bundle, prompt, seed, chunks=2).video, shape)
+                assert share >= MIN_SHARE, (prompt, seed, share)
+
+
+@WEAK
+def test_moving_prompts_move_still_ones_do_not_and_chunks_join_smoothly(bundle):
+    for motion in ("bouncing", "drifting", "orbiting", "still"):
+        scores = checks.motion_scores(_stream(bundle, Scene("square", "white", motion, "black").caption).frames)
+        assert scores["tracked_frames"] >= MIN_SHARE, (motion, scores)
+        if motion == "still":
+            assert scores["speed_px_s"] < MAX_STILL_PX_S, scores
+        else:
+            assert scores["speed_px_s"] >= MIN_SPEED_PX_S, (motion, scores)
+            assert scores["max_step_boundary_px"] <= 2 * scores["max_step_inside_px"], (motion, scores)
+
+
+@WEAK
+def test_prompt_change_shows_the_new_colour_within_two_chunks(bundle):
+    old = Scene("circle", "red", "drifting", "black").caption
+    new = Scene("circle", "green", "drifting", "black").caption
+    result = _stream(bundle, old, chunks=6, switch=(3, new))
+    scores = checks.colour_scores(result.frames[4], new)  # the second chunk after the switch
+    assert scores["foreground_colour"] >= MIN_SHARE, scores
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_audio_is_the_prompted_shapes_tone(bundle, shape):
+    result = _stream(bundle, Scene(shape, "white", "bouncing", "blue").caption, chunks=3)
+    scores = checks.audio_score(result.mono, shape)
+    assert scores["relative_error"] <= 0.05, scores
+
+
+@pytest.mark.slow
+@WEAK
+def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
+    prompt = Scene("circle", "yellow", "orbiting", "blue").caption
+    chunks = 1 + (2000 - 9 + 11) // 12  # 9 + 12 k >= 2000 frames
+    result = _stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2)  # the model runs every block
+    scores = checks.colour_scores(result.frames[-1], prompt)
+    assert scores["object_present"] >= MIN_SHARE and scores["foreground_colour"] >= MIN_SHARE, scores

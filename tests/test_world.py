@@ -1,0 +1,106 @@
+"""The procedural world: captions, rendering, motion, sound, reproducibility, and the readers the model checks use."""
+
+import numpy as np
+import pytest
+import torch
+
+from world import measure, sound
+from world.clips import make_clip, random_clip, video_frames
+from world.grammar import EXAMPLE_PROMPTS, SHAPES, Scene, all_scenes, parse_caption
+
+
+def _frames(clip):
+    return ((clip.video.permute(1, 2, 3, 0).numpy() + 1) / 2).astype(np.float32)
+
+
+def test_caption_round_trips_through_the_parser_for_every_scene():
+    for scene in all_scenes():
+        assert parse_caption(scene.caption) == scene
+
+
+def test_parser_reads_free_text_and_refuses_text_without_a_shape():
+    scene = parse_caption("Please show a YELLOW triangle, orbiting, on a purple checkered background!")
+    assert scene == Scene("triangle", "yellow", "orbiting", "purple", "checkered")
+    with pytest.raises(ValueError, match="no shape"):
+        parse_caption("a red thing bouncing on a blue background")
+
+
+def test_scene_refuses_unknown_words_and_invisible_objects():
+    with pytest.raises(ValueError, match="unknown colour"):
+        Scene("circle", "pink", "still", "blue")
+    with pytest.raises(ValueError, match="invisible"):
+        Scene("circle", "blue", "still", "blue")
+
+
+def test_example_prompts_are_captions_of_the_grammar():
+    assert len(EXAMPLE_PROMPTS) >= 4
+    for prompt in EXAMPLE_PROMPTS:
+        assert parse_caption(prompt).caption == prompt
+
+
+def test_clip_has_the_codecs_frame_counts_and_range():
+    clip = make_clip(Scene("circle", "red", "bouncing", "blue"), seed=0, latent_frames=4)
+    assert clip.video.shape == (3, video_frames(4), 144, 256) == (3, 13, 144, 256)
+    assert clip.features.shape == (sound.FEATURES, 80)
+    assert clip.video.min() >= -1 and clip.video.max() <= 1
+
+
+def test_same_seed_same_clip_other_seed_other_clip():
+    a = random_clip(11, 6, switch_probability=0.5)
+    b = random_clip(11, 6, switch_probability=0.5)
+    c = random_clip(12, 6, switch_probability=0.5)
+    assert torch.equal(a.video, b.video) and torch.equal(a.features, b.features) and a.caption == b.caption
+    assert not torch.equal(a.video, c.video)
+
+
+def test_readers_name_colour_background_and_shape_of_rendered_frames():
+    for scene in all_scenes()[::9]:
+        for frame in _frames(make_clip(scene, seed=3, latent_frames=2))[::2]:
+            reading = measure.read_frame(frame)
+            assert measure.colour_name(reading) == scene.colour
+            assert measure.background_name(reading) == scene.background
+            assert measure.shape_name(reading) == scene.shape
+
+
+def test_moving_objects_move_and_still_ones_do_not():
+    speeds = {}
+    for motion in ("bouncing", "drifting", "orbiting", "still"):
+        frames = _frames(make_clip(Scene("square", "white", motion, "black"), seed=5, latent_frames=9))
+        xy = np.array([measure.read_frame(f).centroid for f in frames])
+        speeds[motion] = np.linalg.norm(np.diff(xy, axis=0), axis=1).mean() * 16  # px / s
+    assert speeds["still"] < 1.0
+    assert all(speeds[m] > 20.0 for m in ("bouncing", "drifting", "orbiting")), speeds
+
+
+def test_switch_changes_the_scene_at_its_latent_frame_and_keeps_the_trajectory():
+    old, new = Scene("circle", "red", "drifting", "blue"), Scene("square", "yellow", "drifting", "black")
+    clip = make_clip(old, seed=2, latent_frames=9, switch_to=new, switch_latent=6)
+    frames = _frames(clip)
+    before, after = measure.read_frame(frames[4 * 6 - 4]), measure.read_frame(frames[4 * 6 - 3])
+    assert (measure.colour_name(before), measure.colour_name(after)) == ("red", "yellow")
+    assert clip.caption == new.caption
+    assert np.hypot(*(np.subtract(before.centroid, after.centroid))) < 4.0
+
+
+def test_sound_is_the_shapes_tone_and_clicks_on_bounces():
+    for shape in SHAPES:
+        clip = make_clip(Scene(shape, "green", "bouncing", "black"), seed=0, latent_frames=12)
+        wave = sound.synthesize(clip.features).numpy()
+        assert np.median(measure.dominant_frequencies(wave)) == pytest.approx(measure.tone_of(shape), rel=0.02)
+        clicks = (clip.features[4] > 0).nonzero().flatten()
+        assert len(clicks) >= 2  # ~2.75 s of a 1.25 s bounce period
+    still = make_clip(Scene("circle", "green", "still", "black"), seed=0, latent_frames=12)
+    assert (still.features[4] < 0).all()
+
+
+def test_height_raises_the_octave_partial():
+    clip = make_clip(Scene("circle", "red", "bouncing", "blue"), seed=0, latent_frames=12)
+    height = clip.features[3].numpy()
+    assert height.max() - height.min() > 1.0  # the bounce spans most of the frame
+
+
+def test_readers_see_no_object_in_noise():
+    noise = np.random.default_rng(0).random((144, 256, 3)).astype(np.float32)
+    reading = measure.read_frame(noise)
+    assert not reading.has_object
+    assert measure.colour_name(reading) is None and measure.shape_name(reading) is None

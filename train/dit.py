@@ -1,0 +1,314 @@
+"""Stages 4-6: the causal DiT (+ audio tokens + text encoder) on latents, with the engine's block structure.
+
+The engine runs blocks of 3 latent frames: 4 denoising steps at σ = 1, 0.9375,
+0.8333, 0.625 (x0 = x − σ·v, re-noise to the next σ), then a commit pass at
+t = 0 whose K/V later blocks attend to; context = sink (3 frames) + window
+(15) + the block, numbered 0..20 from the oldest resident frame. Training
+uses the same CausalWanTransformer forward (diffusers modules, the project's
+rotary and attention processors) with a dense block-causal mask:
+
+    teacher forcing   sequence = clean frames (t = 0) | noisy copies (t = σ per block)
+                      a noisy block attends to the clean blocks before it and to itself;
+                      a clean block to the clean blocks up to itself (the commit pass)
+
+Every sequence is at most sink + window + block = 21 frames, so positions stay
+inside what the engine uses; an "evicted" sample puts a clip's first block
+(the sink) before a window from much later in it, as a long session sees.
+
+    A  flow matching at random σ (shifted), all blocks at once          (tf)
+    B  the engine's 4 σ, each step's input built from the model's own
+       previous x0, as the engine does; x0 loss                       (fewstep)
+    C  rollouts: the model generates the history itself (4 steps +
+       commit), then learns the next block against the clip          (rollout)
+"""
+
+from __future__ import annotations
+
+import os
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+
+from engine.models.attention import SelfAttentionContext, project_cross_kv
+from engine.models.causal_wan import CausalWanTransformer
+from engine.models.latents import BlockLatents
+from engine.models.schedule import shifted_sigmas
+from train.common import LossLog, StageClock
+from train.data import LatentSet
+
+# The decorated forward runs under no_grad; training needs the same arithmetic with gradients.
+_forward = CausalWanTransformer.forward.__wrapped__
+BLOCK = 3
+SINK = 3
+ENGINE_SIGMAS = shifted_sigmas([1000.0, 750.0, 500.0, 250.0], 5.0)
+AUDIO_WEIGHT = 1.0
+
+
+def text_kv(causal: CausalWanTransformer, text_embeddings: torch.Tensor) -> torch.Tensor:
+    """``project_text`` with gradients: ``[B, layers, 2, text_len, heads, head_dim]``."""
+    model = causal.transformer
+    states = model.condition_embedder.text_embedder(text_embeddings)
+    return torch.stack([torch.stack(project_cross_kv(b.attn2, states), dim=1) for b in model.blocks], dim=1)
+
+
+def doubled_mask(frames: int, tokens: int, device) -> torch.Tensor:
+    block = torch.arange(frames, device=device) // BLOCK
+    clean_to_clean = block.unsqueeze(1) >= block.unsqueeze(0)
+    noisy_to_clean = block.unsqueeze(1) > block.unsqueeze(0)
+    noisy_to_noisy = block.unsqueeze(1) == block.unsqueeze(0)
+    top = torch.cat([clean_to_clean, torch.zeros_like(clean_to_clean)], dim=1)
+    bottom = torch.cat([noisy_to_clean, noisy_to_noisy], dim=1)
+    mask = torch.cat([top, bottom], dim=0)
+    return mask.repeat_interleave(tokens, dim=0).repeat_interleave(tokens, dim=1)
+
+
+def causal_mask(frames: int, tokens: int, device) -> torch.Tensor:
+    block = torch.arange(frames, device=device).repeat_interleave(tokens) // BLOCK
+    return block.unsqueeze(1) >= block.unsqueeze(0)
+
+
+def cat_frames(a: BlockLatents, b: BlockLatents) -> BlockLatents:
+    return BlockLatents(torch.cat([a.video, b.video], dim=2), torch.cat([a.audio, b.audio], dim=2))
+
+
+def tail_frames(x: BlockLatents, frames: int) -> BlockLatents:
+    per = x.audio.shape[2] // x.video.shape[2]
+    return BlockLatents(x.video[:, :, -frames:], x.audio[:, :, -frames * per :])
+
+
+def teacher_forced_flow(causal, clean: BlockLatents, noisy: BlockLatents, noisy_t: torch.Tensor, cross_kv) -> BlockLatents:
+    """Flow for every noisy frame, each block seeing the clean blocks before it (one dense forward)."""
+    frames = clean.video.shape[2]
+    cos, sin = causal.rotary(frames)
+    context = SelfAttentionContext(
+        cos=torch.cat([cos, cos]), sin=torch.cat([sin, sin]),
+        attn_mask=doubled_mask(frames, causal.tokens_per_frame, clean.video.device),
+    )
+    timesteps = torch.cat([torch.zeros_like(noisy_t), noisy_t], dim=1)
+    out = _forward(causal, cat_frames(clean, noisy), timesteps, context, cross_kv)
+    return tail_frames(out, frames)
+
+
+def block_flow(causal, history: BlockLatents | None, x: BlockLatents, timestep: float, cross_kv) -> BlockLatents:
+    """Flow for one block after a clean history (the engine's forward, dense): what rollouts run."""
+    sequence = x if history is None else cat_frames(history, x)
+    frames = sequence.video.shape[2]
+    cos, sin = causal.rotary(frames)
+    context = SelfAttentionContext(cos=cos, sin=sin, attn_mask=causal_mask(frames, causal.tokens_per_frame, x.video.device))
+    batch = x.video.shape[0]
+    history_frames = frames - x.video.shape[2]
+    timesteps = torch.cat(
+        [torch.zeros(batch, history_frames, device=x.video.device), torch.full((batch, x.video.shape[2]), timestep, device=x.video.device)],
+        dim=1,
+    )
+    return tail_frames(_forward(causal, sequence, timesteps, context, cross_kv), x.video.shape[2])
+
+
+class Sampler:
+    """Draws training sequences of ``frames`` latent frames from a :class:`LatentSet`, with per-block loss weights."""
+
+    def __init__(self, data: LatentSet, frames: int, rng: np.random.Generator) -> None:
+        if frames % BLOCK or frames > data.video.shape[2]:
+            raise ValueError(f"{frames} frames: must be a multiple of {BLOCK} within the clips' {data.video.shape[2]}")
+        self.data, self.frames, self.rng = data, frames, rng
+        self.length = data.video.shape[2]
+
+    def draw(self, batch: int, evicted_share: float = 0.5, switches: bool = True):
+        data, frames = self.data, self.frames
+        candidates = np.arange(len(data)) if switches else np.nonzero(data.switch.cpu().numpy() < 0)[0]
+        rows = self.rng.choice(candidates, size=batch)
+        videos, audios, weights = [], [], []
+        per = data.audio.shape[2] // self.length
+        for row in rows:
+            switch = int(data.switch[row])
+            evict = self.length >= frames + BLOCK and self.rng.random() < evicted_share
+            if evict:
+                starts = np.arange(2 * BLOCK, self.length - (frames - SINK) + 1, BLOCK)
+                start = int(self.rng.choice(starts))
+                index = list(range(SINK)) + list(range(start, start + frames - SINK))
+            else:
+                index = list(range(frames))
+            weight = np.zeros(frames // BLOCK, dtype=np.float32)
+            for b in range(frames // BLOCK):
+                first = index[b * BLOCK]
+                if (not evict or b == frames // BLOCK - 1) and (switch < 0 or first >= switch):
+                    weight[b] = 1.0
+            idx = torch.tensor(index, device=data.video.device)
+            videos.append(data.video[row].index_select(1, idx))
+            audio_idx = (idx.unsqueeze(1) * per + torch.arange(per, device=idx.device)).flatten()
+            audios.append(data.audio[row].index_select(1, audio_idx))
+            weights.append(weight)
+        ids = [data.token_ids[r] for r in rows]
+        weight = torch.tensor(np.stack(weights), device=data.video.device)
+        return BlockLatents(torch.stack(videos), torch.stack(audios)), ids, weight
+
+
+def _noise_like(x: BlockLatents) -> BlockLatents:
+    return BlockLatents(torch.randn_like(x.video), torch.randn_like(x.audio))
+
+
+def _per_block(x: BlockLatents, sigma_per_block: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """σ broadcast to video ``[B, 1, F, 1, 1]`` and audio ``[B, 1, F*A]``."""
+    frames = x.video.shape[2]
+    per_frame = sigma_per_block.repeat_interleave(BLOCK, dim=1)  # [B, F]
+    per_audio = per_frame.repeat_interleave(x.audio.shape[2] // frames, dim=1)
+    return per_frame.view(x.video.shape[0], 1, frames, 1, 1), per_audio.unsqueeze(1)
+
+
+def _mix(x0: BlockLatents, noise: BlockLatents, sigma_per_block: torch.Tensor) -> BlockLatents:
+    sv, sa = _per_block(x0, sigma_per_block)
+    return BlockLatents((1 - sv) * x0.video + sv * noise.video, (1 - sa) * x0.audio + sa * noise.audio)
+
+
+def _x0(x: BlockLatents, flow: BlockLatents, sigma_per_block: torch.Tensor) -> BlockLatents:
+    sv, sa = _per_block(x, sigma_per_block)
+    return BlockLatents(x.video - sv * flow.video.float(), x.audio - sa * flow.audio.float())
+
+
+def _weighted_block_mse(pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor, frames_axis: int, per: int) -> torch.Tensor:
+    err = (pred.float() - target.float()) ** 2
+    if frames_axis == 2 and err.ndim == 5:
+        per_frame = err.mean(dim=(1, 3, 4))  # [B, F]
+    else:
+        per_frame = err.mean(dim=1).view(err.shape[0], -1, per).mean(dim=2)  # audio: [B, F]
+    per_block = per_frame.view(per_frame.shape[0], -1, BLOCK).mean(dim=2)
+    return (per_block * weight).sum() / weight.sum().clamp_min(1.0)
+
+
+def block_losses(pred: BlockLatents, target: BlockLatents, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    per = target.audio.shape[2] // target.video.shape[2]
+    return (
+        _weighted_block_mse(pred.video, target.video, weight, 2, per),
+        _weighted_block_mse(pred.audio, target.audio, weight, 1, per),
+    )
+
+
+class DiTTrainer:
+    """Owns the trainable modules' optimiser across stages A-C."""
+
+    def __init__(self, causal, text_encoder, *, lr: float, device) -> None:
+        self.causal, self.text_encoder, self.device = causal, text_encoder, device
+        params = list(causal.parameters()) + list(text_encoder.parameters())
+        self.params = params
+        self.optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, betas=(0.9, 0.99))
+        kind = torch.device(device).type
+        # bf16 on the GPU; TRAIN_AUTOCAST_CPU=1 runs the same casts on the CPU (the smoke test of that path).
+        use = kind == "cuda" or os.environ.get("TRAIN_AUTOCAST_CPU") == "1"
+        self.autocast_kind = kind
+        self.use_autocast = use
+
+    @property
+    def autocast(self):
+        return torch.autocast(self.autocast_kind, dtype=torch.bfloat16) if self.use_autocast else nullcontext()
+
+    def cross_kv(self, ids):
+        return text_kv(self.causal, self.text_encoder.embed_ids(ids))
+
+    def update(self, loss: torch.Tensor) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.params, 1.0)
+        self.optimizer.step()
+
+    # -- A: flow matching, teacher forced ----------------------------------
+    def flow_matching(self, sampler: Sampler, log: LossLog, clock: StageClock, batch: int) -> int:
+        step = 0
+        while not clock.expired(step):
+            clean, ids, weight = sampler.draw(batch)
+            blocks = clean.video.shape[2] // BLOCK
+            u = torch.rand(batch, blocks, device=self.device)
+            sigma = 5 * u / (1 + 4 * u)
+            noise = _noise_like(clean)
+            noisy = _mix(clean, noise, sigma)
+            t = 1000 * sigma.repeat_interleave(BLOCK, dim=1)
+            with self.autocast:
+                flow = teacher_forced_flow(self.causal, clean, noisy, t, self.cross_kv(ids))
+            target = BlockLatents(noise.video - clean.video, noise.audio - clean.audio)
+            video, audio = block_losses(flow, target, weight)
+            self.update(video + AUDIO_WEIGHT * audio)
+            step += 1
+            if step % 25 == 0 or step == 1:
+                log.write("tf", step, video=video.item(), audio=audio.item())
+        return step
+
+    # -- B: the engine's 4 steps, teacher-forced history --------------------
+    def few_step(self, sampler: Sampler, log: LossLog, clock: StageClock, batch: int, rng: np.random.Generator) -> int:
+        step = 0
+        while not clock.expired(step):
+            clean, ids, weight = sampler.draw(batch)
+            blocks = clean.video.shape[2] // BLOCK
+            target_step = int(rng.integers(len(ENGINE_SIGMAS)))
+            kv = self.cross_kv(ids)
+            x = _noise_like(clean)
+            for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
+                s = torch.full((batch, blocks), sigma, device=self.device)
+                t = 1000 * s.repeat_interleave(BLOCK, dim=1)
+                grad = index == target_step
+                with self.autocast, (nullcontext() if grad else torch.no_grad()):
+                    flow = teacher_forced_flow(self.causal, clean, x, t, kv if grad else kv.detach())
+                x0 = _x0(x, flow, s)
+                if not grad:
+                    nxt = torch.full((batch, blocks), ENGINE_SIGMAS[index + 1], device=self.device)
+                    x = _mix(BlockLatents(x0.video.detach(), x0.audio.detach()), _noise_like(clean), nxt)
+            video, audio = block_losses(x0, clean, weight)
+            self.update(video + AUDIO_WEIGHT * audio)
+            step += 1
+            if step % 25 == 0 or step == 1:
+                log.write("fewstep", step, video=video.item(), audio=audio.item(), step_index=float(target_step))
+        return step
+
+    @torch.no_grad()
+    def generate_block(self, history: BlockLatents | None, shape_like: BlockLatents, kv) -> BlockLatents:
+        """The engine's 4 steps for one block after ``history`` (no gradients)."""
+        x = _noise_like(shape_like)
+        for index, sigma in enumerate(ENGINE_SIGMAS):
+            with self.autocast:
+                flow = block_flow(self.causal, history, x, 1000 * sigma, kv)
+            x0 = BlockLatents(x.video - sigma * flow.video.float(), x.audio - sigma * flow.audio.float())
+            if index + 1 < len(ENGINE_SIGMAS):
+                nxt = ENGINE_SIGMAS[index + 1]
+                noise = _noise_like(shape_like)
+                x = BlockLatents((1 - nxt) * x0.video + nxt * noise.video, (1 - nxt) * x0.audio + nxt * noise.audio)
+        return x0
+
+    # -- C: rollouts on the model's own history -----------------------------
+    def rollout(self, sampler: Sampler, log: LossLog, clock: StageClock, batch: int, rng: np.random.Generator) -> int:
+        step = 0
+        frames = sampler.frames
+        while not clock.expired(step):
+            evicted = sampler.length >= frames + BLOCK and rng.random() < 0.5
+            clip, ids, _ = sampler.draw(batch, evicted_share=1.0 if evicted else 0.0, switches=False)
+            kv = self.cross_kv(ids)
+            # The clip's first block stands in for the sink (and, in an evicted sample, the first block of the
+            # later window too); the model then generates `generated` blocks; the block after them is learned.
+            given = BLOCK * (2 if evicted else 1)
+            max_generated = (frames - given) // BLOCK - 1
+            generated = int(rng.integers(1, max_generated + 1)) if max_generated >= 1 else 0
+            history = BlockLatents(clip.video[:, :, :given], clip.audio[:, :, : given * clip.audio.shape[2] // frames])
+            per = clip.audio.shape[2] // frames
+            for b in range(generated):
+                start = given + b * BLOCK
+                like = BlockLatents(clip.video[:, :, start : start + BLOCK], clip.audio[:, :, start * per : (start + BLOCK) * per])
+                new = self.generate_block(history, like, kv.detach())
+                history = cat_frames(history, new)
+            start = given + generated * BLOCK
+            target = BlockLatents(clip.video[:, :, start : start + BLOCK], clip.audio[:, :, start * per : (start + BLOCK) * per])
+            target_step = int(rng.integers(len(ENGINE_SIGMAS)))
+            x = _noise_like(target)
+            for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
+                grad = index == target_step
+                with self.autocast, (nullcontext() if grad else torch.no_grad()):
+                    flow = block_flow(self.causal, history, x, 1000 * sigma, kv if grad else kv.detach())
+                x0 = BlockLatents(x.video - sigma * flow.video.float(), x.audio - sigma * flow.audio.float())
+                if not grad:
+                    nxt = ENGINE_SIGMAS[index + 1]
+                    noise = _noise_like(target)
+                    x = BlockLatents((1 - nxt) * x0.video.detach() + nxt * noise.video, (1 - nxt) * x0.audio.detach() + nxt * noise.audio)
+            ones = torch.ones(batch, 1, device=self.device)
+            video, audio = block_losses(x0, target, ones)
+            self.update(video + AUDIO_WEIGHT * audio)
+            step += 1
+            if step % 10 == 0 or step == 1:
+                log.write("rollout", step, video=video.item(), audio=audio.item(), generated=float(generated))
+        return step

@@ -1,0 +1,41 @@
+"""Copy a training checkpoint's module files into the shipped weights (engine/models/weights/tiny/).
+
+    python -m train.export CKPT [--to engine/models/weights/tiny]
+
+The checkpoint's files already have the shipped layout (engine.models.trained);
+this checks each one loads into the preset's modules before copying it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+from pathlib import Path
+
+from engine.models.trained import WEIGHTS_ROOT, TrainedWeights
+from train.common import MODULE_FILES, build_modules
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--to", type=Path, default=WEIGHTS_ROOT / "tiny")
+    args = parser.parse_args(argv)
+    source = TrainedWeights(args.checkpoint)
+    modules = build_modules("cpu")
+    source.vae_overrides()
+    for name in MODULE_FILES:
+        if name == "text_encoder":
+            source.text_encoder()
+        else:
+            source.load(name, modules[name])
+    args.to.mkdir(parents=True, exist_ok=True)
+    for name in MODULE_FILES:
+        shutil.copyfile(args.checkpoint / f"{name}.safetensors", args.to / f"{name}.safetensors")
+        print(f"{args.to / name}.safetensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
