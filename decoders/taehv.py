@@ -44,10 +44,11 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from decoders.video import frames_to_uint8
 
 log = logging.getLogger("arstream.taehv")
 
@@ -318,13 +319,7 @@ class TAEHVStreamingDecoder:
                 log.warning("compiled TAEHV decode unavailable; decoding eagerly", exc_info=True)
         return self.model.decode_latent_frame(latent, state.memory, channels_last=self.channels_last)
 
-    @staticmethod
-    def to_uint8(frames: torch.Tensor) -> np.ndarray:
-        """``[1, 3, T, H, W]`` in ``[-1, 1]`` -> ``[T, H, W, 3]`` uint8 (``round((x + 1) / 2 * 255)``)."""
-        if frames.ndim != 5 or frames.shape[0] != 1 or frames.shape[1] != 3:
-            raise ValueError(f"frames must be [1, 3, T, H, W]; got shape {tuple(frames.shape)}")
-        scaled = ((frames[0].float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return scaled.to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu().numpy()
+    to_uint8 = staticmethod(frames_to_uint8)
 
     # -- admission ---------------------------------------------------------
 

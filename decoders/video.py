@@ -285,6 +285,15 @@ class SteadyStateDecode:
 # The decoder
 
 
+def frames_to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """``[1, 3, T, H, W]`` in ``[-1, 1]`` -> ``[T, H, W, 3]`` uint8 (``round((x + 1) / 2 * 255)``); every video decoder's output."""
+    if frames.ndim != 5 or frames.shape[0] != 1 or frames.shape[1] != 3:
+        raise ValueError(f"frames must be [1, 3, T, H, W]; got shape {tuple(frames.shape)}")
+    scaled = ((frames[0].float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
+    return scaled.to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu().numpy()
+
+
+
 class WanStreamingDecoder:
     """Streaming decode over a diffusers ``AutoencoderKLWan``, one state per session.
 
@@ -387,13 +396,7 @@ class WanStreamingDecoder:
             out = unpatchify(out, patch_size=self.vae.config.patch_size)
         return out.clamp(-1.0, 1.0)
 
-    @staticmethod
-    def to_uint8(frames: torch.Tensor) -> np.ndarray:
-        """``[1, 3, T, H, W]`` in ``[-1, 1]`` -> ``[T, H, W, 3]`` uint8 (``round((x + 1) / 2 * 255)``)."""
-        if frames.ndim != 5 or frames.shape[0] != 1 or frames.shape[1] != 3:
-            raise ValueError(f"frames must be [1, 3, T, H, W]; got shape {tuple(frames.shape)}")
-        scaled = ((frames[0].float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-        return scaled.to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu().numpy()
+    to_uint8 = staticmethod(frames_to_uint8)
 
     # -- admission ---------------------------------------------------------
 
