@@ -8,7 +8,6 @@ scores are in docs/TINY_MODEL.md (``python -m train.score`` measures them).
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 

@@ -14,7 +14,7 @@ import torch
 
 from train.common import LossLog, StageClock
 from world import sound
-from world.clips import AUDIO_FRAMES_PER_LATENT, random_clip
+from world.clips import AUDIO_FRAMES_PER_LATENT
 
 FFT_SIZES = (256, 1024, 4096)
 
