@@ -57,14 +57,6 @@ def kernel_sets() -> dict[str, Kernels]:
     return {"eager": EAGER_KERNELS, "rotation_fused": rotation_only, "fused": Kernels.make(True)}
 
 
-def variant_pipeline(base: CausalWanPipeline, gather_once: bool) -> CausalWanPipeline:
-    return CausalWanPipeline(
-        base.transformer, base.text_encoder, sigmas=base.sigmas, frames_per_block=base.frames_per_block,
-        sink_frames=base.sink_frames, window_frames=base.window_frames, guidance_scale=base.guidance_scale,
-        gather_history_once=gather_once,
-    )
-
-
 def sync() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -129,7 +121,7 @@ def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
         variants = {name: v for name, v in variants.items() if name.split(" ")[0] in only}
     results = {}
     for name, (gather_once, kernel_set, graphs) in variants.items():
-        pipeline = base if gather_once else variant_pipeline(base, False)
+        pipeline = base if gather_once else base.variant(gather_history_once=False)
         transformer.kernels = kernels[kernel_set]
         pipeline.forwards.enabled = graphs and torch.cuda.is_available()
         timed_blocks(pipeline, 2, per_forward=False)  # warm-up: compiles, cuDNN plans, allocator
@@ -153,7 +145,7 @@ def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
 def equivalence_section(bundle, blocks: int, label: str) -> dict:
     base = bundle.pipeline
     transformer = base.transformer
-    reference = variant_pipeline(base, False)
+    reference = base.variant(gather_history_once=False)
     transformer.kernels = EAGER_KERNELS
     _, _, _, eager = timed_blocks(reference, blocks, per_forward=False, seed=7)
     transformer.kernels = Kernels.make(True)

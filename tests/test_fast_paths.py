@@ -22,16 +22,7 @@ def _pipelines(**overrides) -> tuple[CausalWanPipeline, CausalWanPipeline]:
     """(gathered-once, per-forward) pipelines over one transformer."""
     _, bundle = build_small(**overrides)
     fast = bundle.pipeline
-    reference = CausalWanPipeline(
-        fast.transformer,
-        fast.text_encoder,
-        sigmas=fast.sigmas,
-        frames_per_block=fast.frames_per_block,
-        sink_frames=fast.sink_frames,
-        window_frames=fast.window_frames,
-        guidance_scale=fast.guidance_scale,
-        gather_history_once=False,
-    )
+    reference = fast.variant(gather_history_once=False)
     assert fast.context_kv and not reference.context_kv
     return fast, reference
 
@@ -111,7 +102,7 @@ def test_cuda_graph_forwards_match_eager_forwards():
     """Replayed graphs compute what the eager forwards compute (float32, past the first eviction)."""
     _, bundle = build_small(device="cuda", sink_frames=3, window_frames=3, cuda_graphs=True)
     fast = bundle.pipeline
-    _, eager = _pipelines(device="cuda", sink_frames=3, window_frames=3, cuda_graphs=False)
+    eager = fast.variant(gather_history_once=True, cuda_graphs=False)
     outputs = []
     for pipeline in (fast, eager):
         manager = KVCacheManager(pipeline.kv_spec(), 1, "cuda")

@@ -142,6 +142,20 @@ class CausalWanPipeline:
                 for branch in self.branch_names
             }
 
+    def variant(self, *, gather_history_once: bool, cuda_graphs: bool = False) -> "CausalWanPipeline":
+        """The same model, schedule and windows on other execution paths (the reference for equivalence checks)."""
+        return CausalWanPipeline(
+            self.transformer,
+            self.text_encoder,
+            sigmas=self.sigmas,
+            frames_per_block=self.frames_per_block,
+            sink_frames=self.sink_frames,
+            window_frames=self.window_frames,
+            guidance_scale=self.guidance_scale,
+            gather_history_once=gather_history_once,
+            cuda_graphs=cuda_graphs,
+        )
+
     # --- what the runner needs to build pools ---------------------------
     @property
     def num_steps(self) -> int:
