@@ -262,6 +262,18 @@ def test_text_embeddings_are_zero_after_the_tokens_and_long_prompts_truncate(mod
     assert all("fox" not in record.getMessage() for record in caplog.records)
 
 
+def test_text_encode_on_the_prompt_tokens_equals_wans_padded_encode(model_dir):
+    """The fast path runs the encoder on the prompts' tokens only; Wan runs it on all 512 positions."""
+    encoder = load_text_encoder(model_dir, torch.float32)
+    prompts = ["a red fox", " ".join((WORDS * 4)[:30]), "fox"]  # a batch of different lengths
+    fast, reference = encoder.encode(prompts), encoder.encode_padded(prompts)
+    assert fast.shape == reference.shape == (3, 512, 32)
+    assert torch.count_nonzero(reference[0, :4].abs().sum(dim=1)) == 4  # real states, not zeros
+    assert torch.allclose(fast, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+    for one, prompt in enumerate(prompts):  # alone or in a batch: the same rows
+        assert torch.allclose(encoder.encode([prompt])[0], fast[one], atol=1e-5 * float(reference.abs().max()))
+
+
 def test_model_dir_settings_fill_what_settings_leave_unset(model_dir, tmp_path, monkeypatch):
     from app.cli import _engine_config, _settings_from, build_parser
     from app.settings import Settings

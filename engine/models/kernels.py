@@ -85,6 +85,17 @@ def rms_norm_rotate(
     return rotate_pairs(rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
 
 
+def compile_kernel(fn: Callable) -> Callable:
+    """``torch.compile`` of one kernel function, rounding where the eager function rounds.
+
+    Inductor keeps a fused chain's intermediates in float32 unless told otherwise; eager rounds each op's
+    bf16 output (e.g. the RMS norm's before the rotation). ``emulate_precision_casts`` rounds the same
+    places, so the fused kernel matches its eager reference to ~1e-5 in bf16 instead of ~3e-3 (measured
+    in docs/BENCHMARKS.md); the extra conversions cost nothing in these memory-bound kernels.
+    """
+    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+
+
 class DeviceKernel:
     """``fn`` through ``torch.compile`` on CUDA tensors; eager elsewhere, or if compiling fails.
 
@@ -115,7 +126,7 @@ class DeviceKernel:
         if self._compiled is None:
             with self._lock:  # importing the compiler costs the CPU-only path time: only on first CUDA use
                 if self._compiled is None:
-                    self._compiled = torch.compile(self.eager, dynamic=True)
+                    self._compiled = compile_kernel(self.eager)
         return self._compiled
 
 

@@ -441,10 +441,15 @@ def clean_prompt(text: str) -> str:
 class UMT5TextEncoder:
     """Wan's text conditioning: UMT5 encoder states of the prompt's tokens, zero-padded to ``text_len``.
 
-    As Wan and diffusers' WanPipeline do: tokens (with ``</s>``) padded to ``text_len``, encoded with
-    the attention mask, states after the prompt's tokens replaced by zeros. Prompts longer than
+    As Wan and diffusers' WanPipeline do: tokens (with ``</s>``) encoded with the attention mask, states
+    after the prompt's tokens replaced by zeros, ``text_len`` rows in all. Prompts longer than
     ``text_len`` tokens are truncated to their first ``text_len - 1`` tokens + ``</s>`` (the
     tokenizer's truncation, which the checkpoints were trained with), with a warning in the log.
+
+    The encoder runs on the prompts' tokens only (padded to the longest prompt of the call), not on
+    ``text_len`` positions: the mask gives padding zero attention weight and every other op is per
+    token, so the prompt's states are the same function — padding to 512 only cost time (36.8 ms
+    → see docs/BENCHMARKS.md for UMT5-XXL on the H200); ``encode_padded`` is that reference.
     """
 
     def __init__(self, model, tokenizer, text_len: int = TEXT_ENCODER_MAX_TOKENS) -> None:
@@ -458,8 +463,16 @@ class UMT5TextEncoder:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()  # not inference_mode: the cached embeddings must stay ordinary tensors
     def encode(self, prompts: list[str]) -> torch.Tensor:
+        """``[len(prompts), text_len, text_dim]`` float32 on the CPU, zero after each prompt's tokens."""
+        return self._encode(prompts, padding="longest")
+
+    def encode_padded(self, prompts: list[str]) -> torch.Tensor:
+        """The same, with the encoder run on all ``text_len`` positions (Wan's own call; the reference)."""
+        return self._encode(prompts, padding="max_length")
+
+    @torch.no_grad()  # not inference_mode: the cached embeddings must stay ordinary tensors
+    def _encode(self, prompts: list[str], padding: str) -> torch.Tensor:
         texts = [clean_prompt(prompt) for prompt in prompts]
         probe = self.tokenizer(texts, add_special_tokens=True, truncation=True, max_length=self.text_len + 1)
         too_long = sum(len(ids) > self.text_len for ids in probe["input_ids"])
@@ -467,7 +480,7 @@ class UMT5TextEncoder:
             log.warning("prompt longer than the text encoder's tokens; truncated", extra={"max_tokens": self.text_len})
         tokens = self.tokenizer(
             texts,
-            padding="max_length",
+            padding=padding,
             max_length=self.text_len,
             truncation=True,
             add_special_tokens=True,
