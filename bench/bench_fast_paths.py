@@ -158,6 +158,34 @@ def equivalence_section(bundle, blocks: int, label: str) -> dict:
             "max_rel_err": max(errors), "max_abs_diff": max_abs}
 
 
+def equivalence_ablation(bundle, blocks: int) -> dict:
+    """Where a bf16 difference comes from: each fast path alone against the eager path, and every path
+    against the same weights run in float32 (how far bf16 itself is from the function). Leaves the
+    bundle's transformer in float32: run it last on a bundle of its own."""
+    base = bundle.pipeline
+    transformer = base.transformer
+    per_forward = base.variant(gather_history_once=False)
+    paths = {
+        "eager": (per_forward, EAGER_KERNELS),
+        "gather_once": (base.variant(gather_history_once=True), EAGER_KERNELS),
+        "fused": (per_forward, Kernels.make(True)),
+        "engine": (base, Kernels.make(True)),
+    }
+    outputs = {}
+    for name, (pipeline, kernels) in paths.items():
+        transformer.kernels = kernels
+        outputs[name] = timed_blocks(pipeline, blocks, per_forward=False, seed=7)[3]
+    transformer.float()
+    transformer.kernels = EAGER_KERNELS
+    outputs["float32"] = timed_blocks(base.variant(gather_history_once=False), blocks, per_forward=False, seed=7)[3]
+    record = {"blocks": blocks}
+    for name in ("gather_once", "fused", "engine"):
+        record[f"{name}_vs_eager_max_rel"] = max(relative_errors(outputs[name], outputs["eager"]))
+    for name in ("eager", "engine"):
+        record[f"{name}_vs_float32_max_rel"] = max(relative_errors(outputs[name], outputs["float32"]))
+    return record
+
+
 def attention_section(bundle) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -331,6 +359,10 @@ def main() -> None:
         record = equivalence_section(small_window, 12, f"{config.preset} {config.dtype}, sink 3 + window 6")
         emit({"section": "equivalence", **record})
         summary["equivalence_bf16"] = record
+        if "ablation" in sections:
+            record = equivalence_ablation(small_window, 12)
+            emit({"section": "equivalence_ablation", **record})
+            summary["equivalence_ablation"] = record
         del small_window
         if device == "cuda":
             torch.cuda.empty_cache()

@@ -56,6 +56,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
             dtype=config.torch_dtype,
             causal_weights=config.causal_weights,
             text_len=preset.text_len,
+            text_encoder_graphs=config.cuda_graphs,
         )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:

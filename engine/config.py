@@ -85,7 +85,9 @@ class EngineConfig(BaseModel):
         "weights with random_weights), many times faster, lower quality",
     )
     cuda_graphs: bool = Field(
-        default=True, description="on CUDA, replay each DiT forward shape as a CUDA graph (captured at warm-up)"
+        default=True,
+        description="on CUDA, replay each DiT forward shape and the text encoder (per padded prompt length) as CUDA "
+        "graphs (captured at warm-up)",
     )
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"

@@ -274,6 +274,27 @@ def test_text_encode_on_the_prompt_tokens_equals_wans_padded_encode(model_dir):
         assert torch.allclose(encoder.encode([prompt])[0], fast[one], atol=1e-5 * float(reference.abs().max()))
 
 
+def test_text_encoder_graph_buckets_pad_without_changing_the_prompt_states(model_dir):
+    """The CUDA graphs pad a prompt to a bucket length with mask 0; that padding leaves its states as they are."""
+    from engine.models.text_graphs import bucket_for, token_buckets
+
+    buckets = token_buckets(512)
+    assert buckets == (16, 32, 64, 128, 256, 512) and token_buckets(20) == (16, 20)
+    assert [bucket_for(n, buckets) for n in (1, 16, 17, 300, 512)] == [16, 16, 32, 512, 512]
+    with pytest.raises(ValueError, match="513 tokens"):
+        bucket_for(513, buckets)
+    encoder = load_text_encoder(model_dir, torch.float32)
+    tokens = encoder.tokenizer(["a red fox"], return_tensors="pt")
+    ids, mask = tokens["input_ids"], tokens["attention_mask"]
+    length = ids.shape[1]
+    padded_ids, padded_mask = torch.zeros(1, 16, dtype=torch.long), torch.zeros(1, 16, dtype=torch.long)
+    padded_ids[:, :length], padded_mask[:, :length] = ids, mask
+    exact = encoder._states(ids, mask)
+    padded = encoder._states(padded_ids, padded_mask)[:, :length]
+    assert torch.allclose(padded, exact, atol=1e-5 * float(exact.abs().max()))
+    assert encoder.graphed is None  # graphs only when asked for (the engine asks on CUDA)
+
+
 def test_model_dir_settings_fill_what_settings_leave_unset(model_dir, tmp_path, monkeypatch):
     from app.cli import _engine_config, _settings_from, build_parser
     from app.settings import Settings

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.models.dtypes import cast_keeping_fp32_modules
+from engine.models.text_graphs import GraphedTextEncoder
 
 if TYPE_CHECKING:
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
@@ -125,15 +126,17 @@ def load_model_dir(
     dtype: torch.dtype,
     causal_weights: str | Path | None = None,
     text_len: int = TEXT_ENCODER_MAX_TOKENS,
+    text_encoder_graphs: bool = False,
 ) -> LoadedModels:
-    """Load ``model_dir`` (and ``causal_weights`` in place of its transformer weights) for ``device`` / ``dtype``."""
+    """Load ``model_dir`` (and ``causal_weights`` in place of its transformer weights) for ``device`` / ``dtype``;
+    ``text_encoder_graphs``: CUDA graphs for the text encoder (on a CUDA device)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
     check_device_dtype(device, dtype)
     configs = check_model_dir(model_dir)
     transformer = load_transformer(model_dir, dtype, causal_weights)
     vae = load_vae(model_dir, dtype)
-    text_encoder = load_text_encoder(model_dir, dtype, device, text_len=text_len)
+    text_encoder = load_text_encoder(model_dir, dtype, device, text_len=text_len, cuda_graphs=text_encoder_graphs)
     log.info(
         "model directory loaded",
         extra={
@@ -452,12 +455,17 @@ class UMT5TextEncoder:
     → see docs/BENCHMARKS.md for UMT5-XXL on the H200); ``encode_padded`` is that reference.
     """
 
-    def __init__(self, model, tokenizer, text_len: int = TEXT_ENCODER_MAX_TOKENS) -> None:
+    def __init__(self, model, tokenizer, text_len: int = TEXT_ENCODER_MAX_TOKENS, *, cuda_graphs: bool = False) -> None:
+        """``cuda_graphs``: on a CUDA device, one prompt's encode replays a graph (engine/models/text_graphs.py)."""
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.tokenizer.padding_side = "right"  # zeros go after the tokens
         self.text_len = text_len
         self.text_dim = int(model.config.d_model)
+        self.graphed = GraphedTextEncoder(self._states, text_len, self.device) if cuda_graphs else None
+
+    def _states(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     @property
     def device(self) -> torch.device:
@@ -488,8 +496,10 @@ class UMT5TextEncoder:
             return_tensors="pt",
         )
         mask = tokens["attention_mask"]
-        device = self.device
-        states = self.model(input_ids=tokens["input_ids"].to(device), attention_mask=mask.to(device)).last_hidden_state
+        if self.graphed is not None and padding == "longest":
+            states = self.graphed(tokens["input_ids"], mask)
+        else:
+            states = self._states(tokens["input_ids"].to(self.device), mask.to(self.device))
         states = states.float().cpu()
         out = torch.zeros(len(texts), self.text_len, self.text_dim)
         for row, length in enumerate(mask.sum(dim=1).tolist()):
@@ -498,7 +508,12 @@ class UMT5TextEncoder:
 
 
 def load_text_encoder(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", *, text_len: int = TEXT_ENCODER_MAX_TOKENS
+    model_dir: str | Path,
+    dtype: torch.dtype,
+    device: torch.device | str = "cpu",
+    *,
+    text_len: int = TEXT_ENCODER_MAX_TOKENS,
+    cuda_graphs: bool = False,
 ) -> UMT5TextEncoder:
     """``text_encoder/`` (UMT5 encoder) and ``tokenizer/`` through transformers, local files only."""
     from transformers import AutoTokenizer, UMT5EncoderModel
@@ -511,4 +526,4 @@ def load_text_encoder(
         raise ModelLoadError(f"{model_dir / 'tokenizer'}: {error}") from error
     if tokenizer.pad_token_id is None:
         raise ModelLoadError(f"{model_dir / 'tokenizer'}: the tokenizer has no pad token")
-    return UMT5TextEncoder(model.to(device), tokenizer, text_len=text_len)
+    return UMT5TextEncoder(model.to(device), tokenizer, text_len=text_len, cuda_graphs=cuda_graphs)

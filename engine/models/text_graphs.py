@@ -1,0 +1,106 @@
+"""CUDA graphs of the text encoder: one per padded token length, so a prompt's encode is one replay.
+
+A prompt is a few dozen tokens: UMT5-XXL's 24 layers at that size are hundreds of small kernels whose
+launches, not their arithmetic, set the time (26.8 ms on the H200 for 24 tokens, docs/BENCHMARKS.md), and
+the encode sits on every new session's path to its first media. A graph replays them in one launch.
+
+A graph has fixed shapes, so the tokens are padded to the smallest of a few lengths (``bucket_for``)
+with mask 0: the mask gives padding zero attention weight and every other op is per token, so the
+prompt's states do not depend on the padding (the same property that lets a batch pad to its longest
+prompt). All lengths are captured together at the first encode — the engine's warm-up — never after.
+One prompt at a time (the engine encodes one per session); a batch runs eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("arstream.models")
+
+TOKEN_BUCKETS = (16, 32, 64, 128, 256)
+WARMUP_RUNS = 2  # eager runs before a capture: lazy initialisation and cuBLAS workspaces happen there
+
+
+def token_buckets(text_len: int) -> tuple[int, ...]:
+    """The padded lengths for prompts of up to ``text_len`` tokens (``text_len`` is always the last)."""
+    return tuple(b for b in TOKEN_BUCKETS if b < text_len) + (text_len,)
+
+
+def bucket_for(length: int, buckets: tuple[int, ...]) -> int:
+    for bucket in buckets:
+        if length <= bucket:
+            return bucket
+    raise ValueError(f"{length} tokens is more than the encoder's {buckets[-1]}")
+
+
+@dataclass
+class _Captured:
+    graph: torch.cuda.CUDAGraph
+    ids: torch.Tensor  # [1, bucket] static input
+    mask: torch.Tensor
+    states: torch.Tensor  # [1, bucket, dim] static output
+
+
+class GraphedTextEncoder:
+    """``encoder(ids, mask) -> states`` on the encoder's device: CUDA graphs for one prompt, eager otherwise.
+
+    ``encoder`` takes ``[B, L]`` token ids and attention mask and returns ``[B, L, dim]`` states (a UMT5
+    encoder's ``last_hidden_state``). If a capture fails, every call runs eagerly (logged once).
+    """
+
+    def __init__(self, encoder: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], text_len: int, device) -> None:
+        self.encoder = encoder
+        self.device = torch.device(device)
+        self.buckets = token_buckets(text_len)
+        self.enabled = self.device.type == "cuda"
+        self._graphs: dict[int, _Captured] | None = None
+        self.replays = 0
+
+    @property
+    def num_graphs(self) -> int:
+        return len(self._graphs or {})
+
+    def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or ids.shape[0] != 1:
+            return self.encoder(ids.to(self.device), mask.to(self.device))
+        if self._graphs is None:
+            self._capture_all()
+            if not self.enabled:
+                return self.encoder(ids.to(self.device), mask.to(self.device))
+        length = ids.shape[1]
+        captured = self._graphs[bucket_for(length, self.buckets)]
+        captured.ids.zero_()
+        captured.mask.zero_()
+        captured.ids[:, :length].copy_(ids, non_blocking=True)
+        captured.mask[:, :length].copy_(mask, non_blocking=True)
+        captured.graph.replay()
+        self.replays += 1
+        return captured.states[:, :length]
+
+    def _capture_all(self) -> None:
+        pool = torch.cuda.graph_pool_handle()  # one output at a time is live: the graphs share memory
+        graphs = {}
+        try:
+            for bucket in self.buckets:
+                ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+                mask = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+                ids[:, 0], mask[:, 0] = 1, 1  # one real token (</s>): no row is all padding
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(WARMUP_RUNS):
+                        self.encoder(ids, mask)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    states = self.encoder(ids, mask)
+                graphs[bucket] = _Captured(graph, ids, mask, states)
+        except Exception:  # an op this encoder runs that a graph cannot hold: eager, as before
+            log.warning("text encoder: CUDA graph capture failed; encoding eagerly", exc_info=True)
+            self.enabled = False
+            graphs = {}
+        self._graphs = graphs
