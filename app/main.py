@@ -56,7 +56,7 @@ def create_app(settings: Settings) -> FastAPI:
         worker_secret = settings.worker.secret.get_secret_value()
         app.add_middleware(InternalCallerOnly, secret=worker_secret)  # outermost: only the front end gets in
     token = settings.token.get_secret_value() if settings.token is not None else None
-    install_log_redaction([s for s in (token, worker_secret) if s])  # query strings and secrets never reach a log line
+    install_log_redaction([s for s in (token, worker_secret) if s])  # query strings, secrets: never in a log line
     install_error_handlers(app)
     app.include_router(health.router)
     if settings.worker is not None:  # a worker behind a front end (app/cluster): its placement numbers

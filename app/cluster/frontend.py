@@ -48,6 +48,7 @@ log = logging.getLogger("arstream.cluster")
 
 PER_CLIENT_RETRY_AFTER_S = 1.0
 CAPACITY_TIMEOUT_S = 2.0
+UNANSWERED_POLLS = 3
 
 
 class FrontEnd:
@@ -74,6 +75,7 @@ class FrontEnd:
         self._seen: dict[str, tuple[int, int]] = {}  # worker name -> (first generation seen, latest)
         self._lost: dict[str, int] = {}
         self._placed: dict[str, int] = {}
+        self._unanswered: dict[str, int] = {}  # worker name -> capacity polls in a row it did not answer
         self._tasks: set[asyncio.Task] = set()
         self._drain: asyncio.Task | None = None
 
@@ -107,6 +109,9 @@ class FrontEnd:
         log.info("drained")
 
     def _spawn(self, coroutine: Coroutine, name: str | None = None) -> None:
+        if self.draining:  # the workers are stopping and the HTTP client closes: nothing more to ask them
+            coroutine.close()
+            return
         task = asyncio.get_running_loop().create_task(coroutine, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -140,13 +145,20 @@ class FrontEnd:
         return None
 
     async def refresh(self, endpoint: WorkerEndpoint) -> None:
-        """Read one worker's capacity now (placement and /metrics use the last answer)."""
+        """Read one worker's capacity now (placement and /metrics use the last answer). A worker that does not
+        answer keeps its last answer for ``UNANSWERED_POLLS`` polls (one slow answer on a busy machine must not
+        flip readiness; a dead worker is noticed by its exit, not here), then counts as not ready."""
         try:
             answer = await self.http.call(endpoint, "GET", "/internal/capacity", timeout_s=CAPACITY_TIMEOUT_S)
             load = WorkerLoad.from_answer(endpoint.name, endpoint.generation, answer.json())
             if answer.status != 200:
                 load = replace(load, ready=False, admitting=False)
+            self._unanswered.pop(endpoint.name, None)
         except WorkerUnreachable:
+            unanswered = self._unanswered[endpoint.name] = self._unanswered.get(endpoint.name, 0) + 1
+            previous = self.loads.get(endpoint.name)
+            if previous is not None and previous.generation == endpoint.generation and unanswered < UNANSWERED_POLLS:
+                return  # keep the last answer a little longer
             load = WorkerLoad(endpoint.name, endpoint.generation, ready=False, admitting=False, live_sessions=0,
                               live_capacity=None, slots_free=0, utilisation=0.0, open_sessions=0)
         if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
@@ -165,19 +177,25 @@ class FrontEnd:
             headers["authorization"] = f"Bearer {self.settings.token.get_secret_value()}"
         while True:
             await asyncio.sleep(self.cluster.reconcile_s)
-            self.table.sweep()
-            current = self.endpoints()
-            self.table.retain_generations({name: e.generation for name, e in current.items()})
-            for endpoint in list(current.values()):
-                since = time.monotonic()
-                try:
-                    answer = await self.http.call(endpoint, "GET", "/v1/sessions", headers=headers)
-                except WorkerUnreachable:
-                    continue
-                if answer.status == 200:
-                    listed = answer.json().get("sessions") or []
-                    states = {s.get("session_id"): s.get("state") for s in listed if isinstance(s, dict)}
-                    self.table.reconcile(endpoint.name, endpoint.generation, states, since)
+            try:
+                await self._reconcile_once(headers)
+            except Exception:
+                log.exception("session reconcile failed")
+
+    async def _reconcile_once(self, headers: dict[str, str]) -> None:
+        self.table.sweep()
+        current = self.endpoints()
+        self.table.retain_generations({name: e.generation for name, e in current.items()})
+        for endpoint in list(current.values()):
+            since = time.monotonic()
+            try:
+                answer = await self.http.call(endpoint, "GET", "/v1/sessions", headers=headers)
+            except WorkerUnreachable:
+                continue
+            if answer.status == 200:
+                listed = answer.json().get("sessions") or []
+                states = {s.get("session_id"): s.get("state") for s in listed if isinstance(s, dict)}
+                self.table.reconcile(endpoint.name, endpoint.generation, states, since)
 
     def _worker_lost(self, endpoint: WorkerEndpoint) -> None:
         """Only that worker's sessions end: its relayed clients get ``closed`` ``failed``, its ids are forgotten."""

@@ -36,7 +36,6 @@ from app.streaming import (
     StreamConnection,
     closed_message,
 )
-from app.telemetry import ServiceMetrics
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
 log = logging.getLogger("arstream.stream")
@@ -58,7 +57,7 @@ async def create_stream(websocket: WebSocket, service: ServiceDep) -> None:
         return
     except EngineError as error:  # too many sessions for this client
         await refuse_socket(websocket, service, "capacity", error=(error.code, error.message),
-                      retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+                            retry_after_s=PER_CLIENT_RETRY_AFTER_S)
         return
     if isinstance(record, CapacityFull):
         await refuse_socket(websocket, service, "capacity", retry_after_s=record.retry_after_s)
@@ -78,11 +77,17 @@ async def attach_stream(websocket: WebSocket, session_id: str, service: ServiceD
     await StreamConnection(websocket, service, session_id, caller).run()
 
 
+class RefusalCounts(Protocol):
+    refused: dict[str, int]  # reason -> count
+
+    def count(self, table: dict[str, int], key: str) -> None: ...
+
+
 class Gate(Protocol):
     """What the socket checks need of the process answering: the service here, or a front end (app/cluster)."""
 
     settings: Settings
-    metrics: ServiceMetrics
+    metrics: RefusalCounts
 
 
 async def admit_socket(websocket: WebSocket, service: Gate) -> Caller | None:
@@ -117,7 +122,8 @@ async def _serving(websocket: WebSocket, service: Service) -> bool:
         await refuse_socket(websocket, service, "failed", error=("internal", "the engine is not available"))
         return False
     if not service.engine.ready:
-        await refuse_socket(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"),
+        await refuse_socket(websocket, service, "capacity",
+                            error=("internal", "the engine is warming up; try again later"),
                             retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
         return False
     return True
