@@ -13,6 +13,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import re
 import sys
 import time
@@ -202,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="blocks run before ready (default 1; ARSTREAM_ENGINE__WARMUP_BLOCKS)")
     srv.add_argument("--detach-grace-s", type=float, default=argparse.SUPPRESS,
                      help="a session without a socket lives this long (default 30; ARSTREAM_ENGINE__DETACH_GRACE_S)")
+    srv.add_argument("--devices", default=argparse.SUPPRESS, metavar="LIST",
+                     help="one engine worker process per device behind this server: cuda:0,cuda:1 or all (every "
+                          "visible GPU); cpu,cpu runs CPU workers (tests). One device: a single process, as "
+                          "--device. docs/SCALE_OUT.md (default off; ARSTREAM_DEVICES)")
     _engine_arguments(srv, with_defaults=False)
     return parser
 
@@ -275,22 +280,129 @@ def _settings_from(args: argparse.Namespace):
     return Settings(engine=engine, **service)
 
 
+MAX_WORKER_DEVICES = 64
+_DEVICE_ITEM = re.compile(r"^(cpu|cuda(?::(\d{1,3}))?)$")
+# serve flags a front end keeps for itself; its workers get every other flag it was given
+_FRONT_END_ONLY_DESTS = frozenset({"host", "port", "devices", "device", "max_sessions_per_client", "log_format"})
+
+
+def parse_devices(value: str) -> list[str]:
+    """``--devices``: ``all`` (every visible CUDA device) or a comma-separated list of ``cuda:N`` / ``cpu``.
+
+    ``cpu`` may repeat (several CPU workers: tests and demos); a GPU may not (one worker per GPU); CPU and
+    CUDA workers are not mixed. A ``ValueError`` says what is wrong, in a phrase."""
+    value = value.strip()
+    if value == "all":
+        import torch
+
+        if torch.version.cuda is None:
+            raise ValueError(f"this torch {torch.__version__} is a CPU-only build: there are no CUDA devices")
+        if torch.cuda.device_count() == 0:
+            raise ValueError("no CUDA device is visible to this process")
+        return [f"cuda:{index}" for index in range(torch.cuda.device_count())]
+    items = [item.strip() for item in value.split(",")]
+    if not value or any(not item for item in items):
+        raise ValueError("give all, or a comma-separated list such as cuda:0,cuda:1")
+    devices = []
+    for item in items:
+        match = _DEVICE_ITEM.match(item)
+        if match is None:
+            raise ValueError(f"{item!r} is not a device: use cuda:N or cpu")
+        device = "cpu" if item == "cpu" else f"cuda:{int(match.group(2) or 0)}"
+        if device != "cpu" and device in devices:
+            raise ValueError(f"{device} is named twice (one worker per GPU)")
+        devices.append(device)
+    if len(devices) > MAX_WORKER_DEVICES:
+        raise ValueError(f"{len(devices)} devices: at most {MAX_WORKER_DEVICES} workers")
+    if len({device.partition(":")[0] for device in devices}) > 1:
+        raise ValueError("cpu and cuda workers cannot be mixed")
+    from engine.config import EngineConfig
+
+    for device in dict.fromkeys(devices):
+        try:
+            EngineConfig(device=device)
+        except ValidationError as error:
+            raise ValueError(error.errors()[0]["msg"].removeprefix("Value error, ")) from None
+    return devices
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The ``serve`` flags a front end passes to each worker: every flag it was given, except its own
+    address, device list, per-client limit and log format (the pool sets those per worker)."""
+    parser = build_parser()
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    given = vars(args)
+    argv: list[str] = []
+    for action in commands.choices["serve"]._actions:
+        if not action.option_strings or action.dest not in given or action.dest in _FRONT_END_ONLY_DESTS:
+            continue
+        value, flag = given[action.dest], action.option_strings[0]
+        if action.nargs == 0:  # store_true / store_false: the flag alone, when it was given its way
+            if value == action.const:
+                argv.append(flag)
+        elif isinstance(value, list):  # repeatable
+            for item in value:
+                argv += [flag, str(item)]
+        else:
+            argv += [flag, str(value)]
+    return argv
+
+
 def serve(args: argparse.Namespace) -> int:
-    """Run the web service until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1)."""
+    """Run the web service until SIGINT/SIGTERM (exit 0) or until the engine dies (exit 1).
+
+    With ``--devices`` naming several devices, this process is a front end and runs one worker process per
+    device (docs/SCALE_OUT.md); with one device, it is the single server on that device."""
     from engine.preflight import check_before_build
 
+    devices = None
+    devices_value = vars(args).get("devices", os.environ.get("ARSTREAM_DEVICES"))
+    if devices_value is not None:
+        try:
+            devices = parse_devices(devices_value)
+        except ValueError as error:
+            return fail("serve", f"--devices {devices_value} (ARSTREAM_DEVICES): {error}")
+        if "device" in vars(args):
+            return fail("serve", "--device and --devices: give one of them")
+        args.device = devices[0]
     try:
         settings = _settings_from(args)
     except ValidationError as error:
         return fail("serve", describe_validation_error(error, variables=True))
     try:
-        check_before_build(settings.engine)
+        check_before_build(settings.engine)  # on the CPU: the memory of one worker
     except ValueError as error:
         return fail("serve", error)
-    from app.main import create_app  # the service and the model code: only once the checks passed
-
     configure_logging(settings.log_format)
-    app = create_app(settings)
+    if devices is not None and len(devices) > 1:
+        app = _front_end_app(args, settings, devices)
+    else:
+        from app.main import create_app  # the service and the model code: only once the checks passed
+
+        app = create_app(settings)
+    return _run_server(app, settings)
+
+
+def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
+    from app.cluster.frontend import new_internal_secret
+    from app.cluster.local_pool import LocalPool, PoolLimits
+    from app.cluster.server import create_frontend_app
+
+    cluster = settings.cluster
+    limits = PoolLimits(
+        restart_backoff_s=cluster.restart_backoff_s,
+        restart_backoff_max_s=cluster.restart_backoff_max_s,
+        max_starts_per_minute=cluster.max_restarts_per_minute,
+        start_timeout_s=cluster.worker_start_timeout_s,
+        stop_timeout_s=settings.drain_timeout_s + 5.0,  # a worker drains its sockets within drain_timeout_s
+        hang_timeout_s=cluster.worker_hang_timeout_s,
+    )
+    secret = new_internal_secret()
+    pool = LocalPool(devices, worker_argv(args), secret=secret, limits=limits, log_format=settings.log_format)
+    return create_frontend_app(settings, pool, secret)
+
+
+def _run_server(app, settings) -> int:
     config = uvicorn.Config(
         app,
         host=settings.host,

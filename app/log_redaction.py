@@ -57,3 +57,20 @@ def install_log_redaction(secrets: Iterable[str] = (), loggers: Iterable[str] = 
             logger.removeFilter(old)
         logger.addFilter(redaction)
     return redaction
+
+
+class QuietPolls(logging.Filter):
+    """Drops the access-log lines of a front end's polls (``/internal/capacity``, ``/healthz``) on a worker:
+    several a second, every second, they would bury the lines that matter."""
+
+    POLLED_PATHS = ("/internal/capacity ", "/healthz ")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not any(isinstance(arg, str) and (arg + " ").startswith(self.POLLED_PATHS) for arg in args)
+
+
+def quiet_polls(logger: str = "uvicorn.access") -> None:
+    target = logging.getLogger(logger)
+    if not any(isinstance(f, QuietPolls) for f in target.filters):
+        target.addFilter(QuietPolls())

@@ -17,9 +17,9 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
-from app.routes import ApiError, health, install_error_handlers, metrics, sessions, stream
-from app.log_redaction import install_log_redaction
-from app.security import BodySizeLimit, StrictRequestTarget
+from app.routes import ApiError, health, install_error_handlers, internal, metrics, sessions, stream
+from app.log_redaction import install_log_redaction, quiet_polls
+from app.security import BodySizeLimit, InternalCallerOnly, StrictRequestTarget
 from app.service import Service
 from app.settings import Settings
 
@@ -50,19 +50,26 @@ def create_app(settings: Settings) -> FastAPI:
     app.state.settings = settings
     app.state.on_engine_dead = None  # set by the server runner: how to stop the process when the engine dies
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_message_bytes)
-    app.add_middleware(StrictRequestTarget)  # outermost: a target that is not valid UTF-8 goes no further
+    app.add_middleware(StrictRequestTarget)  # a target that is not valid UTF-8 goes no further
+    worker_secret = None
+    if settings.worker is not None and settings.worker.secret is not None:
+        worker_secret = settings.worker.secret.get_secret_value()
+        app.add_middleware(InternalCallerOnly, secret=worker_secret)  # outermost: only the front end gets in
     token = settings.token.get_secret_value() if settings.token is not None else None
-    install_log_redaction([token] if token else [])  # query strings and tokens never reach a log line
+    install_log_redaction([s for s in (token, worker_secret) if s])  # query strings, secrets: never in a log line
     install_error_handlers(app)
     app.include_router(health.router)
+    if settings.worker is not None:  # a worker behind a front end (app/cluster): its placement numbers
+        app.include_router(internal.router)
+        quiet_polls()
     app.include_router(metrics.router)
     app.include_router(sessions.router)
     app.include_router(stream.router)
-    _add_demo_page(app)
+    add_demo_page(app)
     return app
 
 
-def _add_demo_page(app: FastAPI) -> None:
+def add_demo_page(app: FastAPI) -> None:
     app.mount("/static", StaticFiles(directory=STATIC_DIR, check_dir=False), name="static")
 
     @app.get("/", include_in_schema=False)

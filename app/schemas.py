@@ -400,3 +400,23 @@ class ErrorResponse(BaseModel):
 class Health(BaseModel):
     status: Literal["ok", "unavailable"]
     detail: str | None = None
+
+
+class WorkerCapacity(BaseModel):
+    """``GET /internal/capacity`` of a worker: what a front end places sessions by (docs/SCALE_OUT.md).
+
+    The fields up to ``generation`` are the shared interface (``app/cluster/pool.py``); the rest are
+    additions a front end may use when present.
+    """
+
+    ready: bool = Field(description="warm, alive and not draining")
+    admitting: bool = Field(description="a new live (paced) session would be admitted now")
+    live_sessions: int = Field(description="open sessions with pacing on")
+    live_capacity: int | None = Field(description="more live sessions it keeps in real time (null: not measured)")
+    slots_free: int = Field(description="memory (KV) slots no open session holds")
+    utilisation: float = Field(description="device time the running live sessions need per second")
+    device: str
+    generation: int
+    name: str
+    open_sessions: int = Field(description="open sessions, paced or not")
+    retry_after_s: float = Field(description="when not admitting: when the soonest blocking session must end")

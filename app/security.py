@@ -23,6 +23,7 @@ from app.settings import WILDCARD_ORIGIN, Settings
 LOCAL_HOSTNAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
 PROTOCOL_SUBPROTOCOL = "arstream.v1"
+INTERNAL_HEADER = "x-arstream-internal"  # a front end's secret, on every request it makes to its workers
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,30 @@ def _target_is_unicode(scope: Scope) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+class InternalCallerOnly:
+    """A worker behind a front end answers only that front end: every request and socket handshake must
+    carry the secret the front end started it with (``X-Arstream-Internal``). Workers listen on loopback;
+    this also keeps other local processes (and pages a browser on this machine visits) out of them.
+    HTTP without it gets 403 ``forbidden``; a WebSocket handshake is refused before accept."""
+
+    def __init__(self, app: ASGIApp, secret: str) -> None:
+        self.app = app
+        self.secret = secret.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        presented = Headers(scope=scope).get(INTERNAL_HEADER)
+        if presented is not None and hmac.compare_digest(presented.encode(), self.secret):
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 1008, "reason": "front end only"})
+            return
+        await _send_json_error(send, 403, "forbidden", "this worker answers only its front end")
 
 
 class BodySizeLimit:

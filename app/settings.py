@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from engine.config import EngineConfig
@@ -22,6 +22,54 @@ MIN_PRODUCTION_TOKEN_CHARS = 16
 # Tokens travel as a WebSocket subprotocol (`bearer.<token>`), which allows only RFC 7230 token
 # characters; URL-safe base64 (`secrets.token_urlsafe`) fits.
 TOKEN_CHARACTERS = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_.~")
+
+
+class WorkerSettings(BaseModel):
+    """Present when this process is one engine worker behind a front end (``arstream serve --devices``,
+    ``app/cluster``), which sets it through ``ARSTREAM_WORKER__*``: never by hand."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9:._-]+$", description="e.g. cuda:0, cpu-1")
+    generation: int = Field(default=0, ge=0, description="+1 on every (re)start of this worker")
+    secret: SecretStr | None = Field(
+        default=None, description="when set, every request must carry it (X-Arstream-Internal): the front end only"
+    )
+
+
+class ClusterSettings(BaseModel):
+    """Bounds of a front end in front of several workers (``arstream serve --devices``; docs/SCALE_OUT.md)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    capacity_poll_s: float = Field(default=0.5, gt=0, le=60, description="how often each worker's capacity is read")
+    reconcile_s: float = Field(
+        default=5.0, gt=0, le=600, description="how often each worker's session list is matched against the table"
+    )
+    proxy_timeout_s: float = Field(default=10.0, gt=0, le=300, description="a REST call or socket opening to a worker")
+    max_proxied_body_bytes: int = Field(
+        default=1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="largest REST answer taken from a worker"
+    )
+    max_relay_message_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=64 * 1024, le=1024 * 1024 * 1024,
+        description="largest message taken from a worker's socket (a media segment)",
+    )
+    relay_queue_messages: int = Field(
+        default=4, ge=1, le=1024,
+        description="messages read ahead from a worker's socket while the client is slow (then the worker waits)",
+    )
+    max_tracked_sessions: int = Field(
+        default=4096, ge=1, le=1_000_000, description="session ids the front end routes; beyond: new sessions refused"
+    )
+    restart_backoff_s: float = Field(default=0.5, gt=0, le=600, description="first restart of a lost worker")
+    restart_backoff_max_s: float = Field(default=30.0, gt=0, le=3600)
+    max_restarts_per_minute: int = Field(default=5, ge=1, le=600, description="per worker")
+    worker_start_timeout_s: float = Field(
+        default=180.0, gt=0, le=3600, description="launch to listening (not the warm-up); then it is killed and restarted"
+    )
+    worker_hang_timeout_s: float = Field(
+        default=30.0, gt=0, le=3600, description="a worker that answers no /healthz this long is killed and restarted"
+    )
 
 
 class Settings(BaseSettings):
@@ -71,6 +119,8 @@ class Settings(BaseSettings):
     encode_threads: int = Field(default=2, ge=1, le=64, description="media encoder worker threads")
     drain_timeout_s: float = Field(default=10.0, ge=0, le=600, description="how long shutdown waits for sockets")
     log_format: Literal["json", "text"] = "json"
+    worker: WorkerSettings | None = Field(default=None, description="set only for a worker behind a front end")
+    cluster: ClusterSettings = Field(default_factory=ClusterSettings)
 
     @field_validator("allowed_origins")
     @classmethod

@@ -36,7 +36,7 @@ from engine.prompts import MAX_PROMPT_CHARS, check_prompt
 from engine.runner import Runner
 from engine.session import Chunk
 from engine.startup import build_engine, geometry_for
-from engine.status import EngineCounters, Geometry, SessionStatus
+from engine.status import AdmissionOutlook, EngineCounters, Geometry, SessionStatus
 
 log = logging.getLogger("arstream.engine")
 
@@ -229,6 +229,10 @@ class Engine:
 
     def open_sessions(self) -> list[SessionStatus]:
         return [status for status in self.list_sessions() if status.is_open]
+
+    def outlook(self) -> AdmissionOutlook | None:
+        """Whether a live newcomer would be admitted now, and the room left (None until the engine is built)."""
+        return self._core.outlook() if self._core is not None else None
 
     def counters(self) -> EngineCounters:
         if self._core is None:

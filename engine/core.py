@@ -58,7 +58,7 @@ from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_
 from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
 from engine.startup import BuiltEngine
 from engine.snapshots import session_status
-from engine.status import EngineCounters, SessionStatus
+from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
 
@@ -150,14 +150,49 @@ class EngineCore:
 
     def _evict_one(self, records: Iterable[SessionRecord]) -> bool:
         """End the least recently active session without a live client that is detached or paused."""
-        # A session with a live client is never evicted: the newcomer is refused instead.
-        candidates = [
-            r for r in records if not r.attached and (r.detached_at is not None or r.state is SessionState.PAUSED)
-        ]
+        candidates = [r for r in records if _evictable(r)]
         if not candidates:
             return False
         self._finish(min(candidates, key=lambda r: r.last_active), "evicted")
         return True
+
+    def outlook(self) -> AdmissionOutlook:
+        """What :meth:`admit` would decide now for a live (paced) newcomer, without admitting it or evicting
+        anyone: a front end placing sessions across engines reads it (``app/cluster``). Controls still queued
+        are not applied first, so it may trail :meth:`admit` by up to one tick."""
+        open_records = self._open_records()
+        live = [r for r in open_records if r.pace]
+        slots_free = max(0, self.capacity - self.kv.num_reserved)
+        live_capacity = self.live_capacity()
+        return AdmissionOutlook(
+            admitting=self.alive and not self.draining and self._would_admit(open_records, slots_free),
+            slots_free=slots_free,
+            open_sessions=len(open_records),
+            live_sessions=len(live),
+            live_headroom=max(0, live_capacity - len(live)) if live_capacity is not None else None,
+            utilisation=self._utilisation(),
+            retry_after_s=self._expected_wait(open_records),
+        )
+
+    def _would_admit(self, open_records: list[SessionRecord], slots_free: int) -> bool:
+        """:meth:`admit`'s two budgets over a copy: evictions are only pretended."""
+        remaining = list(open_records)
+
+        def pretend_evict(among: list[SessionRecord]) -> bool:
+            candidates = [r for r in among if _evictable(r)]
+            if not candidates:
+                return False
+            remaining.remove(min(candidates, key=lambda r: r.last_active))
+            return True
+
+        if slots_free <= 0 and not pretend_evict(remaining):
+            return False
+        while True:
+            live = [r for r in remaining if r.pace]
+            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
+                return True
+            if not pretend_evict(live):
+                return False
 
     def _expected_wait(self, blocking: list[SessionRecord]) -> float:
         """Seconds until the soonest of ``blocking`` must end on its own (grace, idle timeout, maximum duration)."""
@@ -515,6 +550,12 @@ class EngineCore:
             raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
         if self.draining:
             raise EngineUnavailable("the engine is draining")
+
+
+def _evictable(record: SessionRecord) -> bool:
+    """Detached, or paused, and without a live client: a session with a live client is never evicted
+    (the newcomer is refused instead)."""
+    return not record.attached and (record.detached_at is not None or record.state is SessionState.PAUSED)
 
 
 def _checked(state: SessionState, control: Control, record: SessionRecord) -> SessionState:

@@ -78,6 +78,19 @@ class EngineCounters:
 
 
 @dataclass(frozen=True)
+class AdmissionOutlook:
+    """Would a live newcomer be admitted now, and how much room is left (read without admitting anyone)."""
+
+    admitting: bool  # a live (paced) newcomer would be admitted now, evicting an idle session if need be
+    slots_free: int  # memory slots not reserved by an open session
+    open_sessions: int
+    live_sessions: int  # open sessions with pacing on
+    live_headroom: int | None  # more live sessions the device keeps in real time (None: nothing measured yet)
+    utilisation: float  # the running live sessions' demand on the device (> 1: they fall behind)
+    retry_after_s: float  # when refused: when the soonest blocking session must end on its own
+
+
+@dataclass(frozen=True)
 class Geometry:
     """What a client needs to know about the media the engine produces."""
 

@@ -103,6 +103,10 @@ def offline_cases(tmp_path: Path, silent_port: int) -> list[Case]:
         Case("serve_invalid_model_dir", ["serve", "--model", str(empty_model)], str(empty_model)),
         Case("serve_cuda_on_cpu_torch", ["serve", "--device", "cuda"], "cuda"),
         Case("serve_bad_port", ["serve", "--port", "70000"], "--port"),
+        Case("serve_all_devices_on_cpu_torch", ["serve", "--devices", "all"], "--devices all"),
+        Case("serve_gpu_named_twice", ["serve", "--devices", "cuda:0,cuda:0"], "cuda:0 is named twice"),
+        Case("serve_bad_device_in_list", ["serve", "--devices", "cpu,gpu1"], "'gpu1'"),
+        Case("serve_device_and_devices", ["serve", "--device", "cpu", "--devices", "cpu,cpu"], "--device and --devices"),
         # generate
         Case("generate_no_prompt", ["generate", "--out", out], "--prompt"),
         Case("generate_empty_prompt", [*gen, "--prompt", ""], "--prompt"),

@@ -10,6 +10,7 @@ Order of checks, so a refused client learns why:
 from __future__ import annotations
 
 import logging
+from typing import Protocol
 
 from fastapi import APIRouter, WebSocket
 
@@ -27,6 +28,7 @@ from app.security import (
     origin_allowed,
 )
 from app.service import Service
+from app.settings import Settings
 from app.streaming import (
     CLOSE_CODE_BY_REASON,
     CLOSE_POLICY,
@@ -45,27 +47,27 @@ PER_CLIENT_RETRY_AFTER_S = 1.0  # as REST's 429 for the same refusal
 
 @router.websocket("/v1/stream")
 async def create_stream(websocket: WebSocket, service: ServiceDep) -> None:
-    caller = await _admit(websocket, service)
+    caller = await admit_socket(websocket, service)
     if caller is None or not await _serving(websocket, service):
         return
     try:
         record = service.registry.create(caller, via="websocket")
     except EngineUnavailable:
-        await _refuse(websocket, service, "draining" if service.engine.draining else "failed")
+        await refuse_socket(websocket, service, "draining" if service.engine.draining else "failed")
         return
     except EngineError as error:  # too many sessions for this client
-        await _refuse(websocket, service, "capacity", error=(error.code, error.message),
-                      retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+        await refuse_socket(websocket, service, "capacity", error=(error.code, error.message),
+                            retry_after_s=PER_CLIENT_RETRY_AFTER_S)
         return
     if isinstance(record, CapacityFull):
-        await _refuse(websocket, service, "capacity", retry_after_s=record.retry_after_s)
+        await refuse_socket(websocket, service, "capacity", retry_after_s=record.retry_after_s)
         return
     await StreamConnection(websocket, service, record.session_id, caller).run()
 
 
 @router.websocket("/v1/sessions/{session_id}/stream", name="attach_stream")
 async def attach_stream(websocket: WebSocket, session_id: str, service: ServiceDep) -> None:
-    caller = await _admit(websocket, service)
+    caller = await admit_socket(websocket, service)
     if caller is None or not await _serving(websocket, service):
         return
     if len(session_id) > MAX_ID_CHARS or session_id not in service.registry.records:
@@ -75,7 +77,20 @@ async def attach_stream(websocket: WebSocket, session_id: str, service: ServiceD
     await StreamConnection(websocket, service, session_id, caller).run()
 
 
-async def _admit(websocket: WebSocket, service: Service) -> Caller | None:
+class RefusalCounts(Protocol):
+    refused: dict[str, int]  # reason -> count
+
+    def count(self, table: dict[str, int], key: str) -> None: ...
+
+
+class Gate(Protocol):
+    """What the socket checks need of the process answering: the service here, or a front end (app/cluster)."""
+
+    settings: Settings
+    metrics: RefusalCounts
+
+
+async def admit_socket(websocket: WebSocket, service: Gate) -> Caller | None:
     """Origin and token checks before accept; on success the socket is accepted (``arstream.v1``)."""
     settings = service.settings
     address = client_address(websocket.scope)
@@ -92,7 +107,7 @@ async def _admit(websocket: WebSocket, service: Service) -> Caller | None:
     return Caller(principal=principal, address=address)
 
 
-async def _deny(websocket: WebSocket, service: Service, reason: str, address: str) -> None:
+async def _deny(websocket: WebSocket, service: Gate, reason: str, address: str) -> None:
     service.metrics.count(service.metrics.refused, reason)
     log.info("socket refused", extra={"reason": reason, "client": address})
     await websocket.close(CLOSE_POLICY, f"{reason} not allowed")
@@ -101,20 +116,21 @@ async def _deny(websocket: WebSocket, service: Service, reason: str, address: st
 
 async def _serving(websocket: WebSocket, service: Service) -> bool:
     if service.draining or service.engine.draining:
-        await _refuse(websocket, service, "draining")
+        await refuse_socket(websocket, service, "draining")
         return False
     if not service.engine.alive or service.start_error is not None:
-        await _refuse(websocket, service, "failed", error=("internal", "the engine is not available"))
+        await refuse_socket(websocket, service, "failed", error=("internal", "the engine is not available"))
         return False
     if not service.engine.ready:
-        await _refuse(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"),
-                      retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+        await refuse_socket(websocket, service, "capacity",
+                            error=("internal", "the engine is warming up; try again later"),
+                            retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
         return False
     return True
 
 
-async def _refuse(websocket: WebSocket, service: Service, reason: str, error: tuple[str, str] | None = None,
-                  retry_after_s: float | None = None) -> None:
+async def refuse_socket(websocket: WebSocket, service: Gate, reason: str, error: tuple[str, str] | None = None,
+                        retry_after_s: float | None = None) -> None:
     """An accepted socket that gets no session: optional ``error``, then ``closed`` (with ``retry_after_s``
     for capacity and draining) and the close code."""
     service.metrics.count(service.metrics.refused, reason)

@@ -1,0 +1,1 @@
+"""Scale-out: one front end, several engine workers (docs/SCALE_OUT.md)."""

@@ -1,0 +1,431 @@
+"""The front end: the FastAPI app in front of several engine workers (``arstream serve --devices``).
+
+Same routes, status codes and wire protocol as a single server (docs/PROTOCOL.md, docs/SERVICE.md);
+what changes is where a session lives. Each new session is placed on the worker with the most headroom
+(``app/cluster/placement.py``) and pinned there for its life; REST and re-attach for its id go to that
+worker (``app/cluster/table.py``); its media is encoded on the worker and relayed as bytes
+(``app/cluster/relay.py``). When a worker is lost, only its sessions end — each relayed client gets
+``closed`` ``failed`` — and the pool starts it again.
+
+The front end checks origin and token itself (before accept, as a single server does) and passes the
+client's credentials on, so sessions keep their owners; a worker answers only requests that carry the
+front end's secret.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import time
+from collections.abc import Coroutine
+from dataclasses import replace
+
+from fastapi import Request, Response, WebSocket
+
+from app.cluster.metrics import FrontEndMetrics, FrontEndView, WorkerView
+from app.cluster.placement import WorkerLoad, placement_order, soonest_retry_s
+from app.cluster.pool import WorkerEndpoint, WorkerPool
+from app.cluster.relay import (
+    Proxied,
+    SocketLimits,
+    StreamRelay,
+    WorkerHttp,
+    WorkerUnreachable,
+    first_answer,
+    forwarded_headers,
+    open_upstream,
+)
+from app.cluster.table import SessionTable
+from app.routes import UNAVAILABLE_RETRY_AFTER_S, ApiError
+from app.routes.stream import admit_socket, refuse_socket
+from app.security import Caller
+from app.settings import Settings
+from app.streaming import CLOSE_UNKNOWN_SESSION
+
+log = logging.getLogger("arstream.cluster")
+
+PER_CLIENT_RETRY_AFTER_S = 1.0
+CAPACITY_TIMEOUT_S = 2.0
+UNANSWERED_POLLS = 3
+
+
+class FrontEnd:
+    """The running front end: its pool, the workers' last capacity answers, the session table, the relays."""
+
+    def __init__(self, settings: Settings, pool: WorkerPool, secret: str) -> None:
+        self.settings = settings
+        self.cluster = settings.cluster
+        self.pool = pool
+        self.secret = secret
+        self.metrics = FrontEndMetrics()
+        self.table = SessionTable(self.cluster.max_tracked_sessions, settings.closed_retention_s)
+        self.http = WorkerHttp(secret, self.cluster.proxy_timeout_s, self.cluster.max_proxied_body_bytes)
+        self.socket_limits = SocketLimits(
+            open_timeout_s=self.cluster.proxy_timeout_s,
+            max_message_bytes=self.cluster.max_relay_message_bytes,
+            queue_messages=self.cluster.relay_queue_messages,
+            receive_buffer_bytes=settings.send_buffer_bytes,
+        )
+        self.loads: dict[str, WorkerLoad] = {}
+        self.relays: set[StreamRelay] = set()
+        self.draining = False
+        self.exit_code = 0
+        self._seen: dict[str, tuple[int, int]] = {}  # worker name -> (first generation seen, latest)
+        self._lost: dict[str, int] = {}
+        self._placed: dict[str, int] = {}
+        self._unanswered: dict[str, int] = {}  # worker name -> capacity polls in a row it did not answer
+        self._tasks: set[asyncio.Task] = set()
+        self._drain: asyncio.Task | None = None
+
+    # --- lifetime -------------------------------------------------------------------------------------
+    async def start(self) -> None:
+        self.pool.on_worker_lost(self._worker_lost)
+        await self.pool.start()
+        self._spawn(self._poll_capacity(), "arstream-capacity")
+        self._spawn(self._reconcile_sessions(), "arstream-reconcile")
+        log.info("front end started")
+
+    async def drain(self) -> None:
+        """Shut down once: refuse new work, stop the workers (each drains its own sockets: relayed clients get
+        ``closed`` ``draining`` and 1001 from them), wait for the relays, close."""
+        if self._drain is None:
+            self._drain = asyncio.get_running_loop().create_task(self._drain_once(), name="arstream-drain")
+        await asyncio.shield(self._drain)
+
+    async def _drain_once(self) -> None:
+        self.draining = True
+        log.info("draining", extra={"sockets": len(self.relays), "sessions": len(self.table)})
+        for task in list(self._tasks):
+            task.cancel()
+        await self.pool.stop()
+        waiting = [asyncio.ensure_future(relay.finished.wait()) for relay in list(self.relays)]
+        if waiting:
+            _, pending = await asyncio.wait(waiting, timeout=self.settings.drain_timeout_s)
+            for task in pending:
+                task.cancel()
+        await self.http.aclose()
+        log.info("drained")
+
+    def _spawn(self, coroutine: Coroutine, name: str | None = None) -> None:
+        if self.draining:  # the workers are stopping and the HTTP client closes: nothing more to ask them
+            coroutine.close()
+            return
+        task = asyncio.get_running_loop().create_task(coroutine, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # --- workers --------------------------------------------------------------------------------------
+    def endpoints(self) -> dict[str, WorkerEndpoint]:
+        current = {endpoint.name: endpoint for endpoint in self.pool.endpoints()}
+        for name, endpoint in current.items():
+            first, _ = self._seen.get(name, (endpoint.generation, endpoint.generation))
+            self._seen[name] = (first, endpoint.generation)
+        return current
+
+    def endpoint_of(self, worker: str, generation: int) -> WorkerEndpoint | None:
+        endpoint = self.endpoints().get(worker)
+        return endpoint if endpoint is not None and endpoint.generation == generation else None
+
+    def current_loads(self) -> list[WorkerLoad]:
+        endpoints = self.endpoints()
+        return [load for name, load in self.loads.items()
+                if name in endpoints and endpoints[name].generation == load.generation]
+
+    @property
+    def ready(self) -> bool:
+        return self.not_ready_reason() is None
+
+    def not_ready_reason(self) -> str | None:
+        if self.draining:
+            return "draining"
+        if not any(load.ready for load in self.current_loads()):
+            return "no engine worker is ready"
+        return None
+
+    async def refresh(self, endpoint: WorkerEndpoint) -> None:
+        """Read one worker's capacity now (placement and /metrics use the last answer). A worker that does not
+        answer keeps its last answer for ``UNANSWERED_POLLS`` polls (one slow answer on a busy machine must not
+        flip readiness; a dead worker is noticed by its exit, not here), then counts as not ready."""
+        try:
+            answer = await self.http.call(endpoint, "GET", "/internal/capacity", timeout_s=CAPACITY_TIMEOUT_S)
+            load = WorkerLoad.from_answer(endpoint.name, endpoint.generation, answer.json())
+            if answer.status != 200:
+                load = replace(load, ready=False, admitting=False)
+            self._unanswered.pop(endpoint.name, None)
+        except WorkerUnreachable:
+            unanswered = self._unanswered[endpoint.name] = self._unanswered.get(endpoint.name, 0) + 1
+            previous = self.loads.get(endpoint.name)
+            if previous is not None and previous.generation == endpoint.generation and unanswered < UNANSWERED_POLLS:
+                return  # keep the last answer a little longer
+            load = WorkerLoad(endpoint.name, endpoint.generation, ready=False, admitting=False, live_sessions=0,
+                              live_capacity=None, slots_free=0, utilisation=0.0, open_sessions=0)
+        if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
+            self.loads[endpoint.name] = load
+
+    async def _poll_capacity(self) -> None:
+        while True:
+            endpoints = list(self.endpoints().values())
+            await asyncio.gather(*(self.refresh(e) for e in endpoints), return_exceptions=True)
+            await asyncio.sleep(self.cluster.capacity_poll_s)
+
+    async def _reconcile_sessions(self) -> None:
+        """Forget ids whose worker forgot them while no socket was relayed (grace periods, idle timeouts)."""
+        headers = {}
+        if self.settings.token is not None:  # with one configured token, its holder sees every session
+            headers["authorization"] = f"Bearer {self.settings.token.get_secret_value()}"
+        while True:
+            await asyncio.sleep(self.cluster.reconcile_s)
+            try:
+                await self._reconcile_once(headers)
+            except Exception:
+                log.exception("session reconcile failed")
+
+    async def _reconcile_once(self, headers: dict[str, str]) -> None:
+        self.table.sweep()
+        current = self.endpoints()
+        self.table.retain_generations({name: e.generation for name, e in current.items()})
+        for endpoint in list(current.values()):
+            since = time.monotonic()
+            try:
+                answer = await self.http.call(endpoint, "GET", "/v1/sessions", headers=headers)
+            except WorkerUnreachable:
+                continue
+            if answer.status == 200:
+                listed = answer.json().get("sessions") or []
+                states = {s.get("session_id"): s.get("state") for s in listed if isinstance(s, dict)}
+                self.table.reconcile(endpoint.name, endpoint.generation, states, since)
+
+    def _worker_lost(self, endpoint: WorkerEndpoint) -> None:
+        """Only that worker's sessions end: its relayed clients get ``closed`` ``failed``, its ids are forgotten."""
+        self.loads.pop(endpoint.name, None)
+        forgotten = self.table.forget_worker(endpoint.name, endpoint.generation)
+        relays = [relay for relay in self.relays if relay.endpoint == endpoint]
+        for relay in relays:
+            relay.lose()
+        self._lost[endpoint.name] = self._lost.get(endpoint.name, 0) + 1
+        self.metrics.failed_by_worker_loss += len(relays)
+        log.warning("worker lost", extra={"worker": endpoint.name, "generation": endpoint.generation,
+                                          "session_ids": len(forgotten), "sockets": len(relays)})
+
+    def _placed_on(self, endpoint: WorkerEndpoint, session_id: str, address: str, via: str) -> None:
+        if self.endpoint_of(endpoint.name, endpoint.generation) is None:
+            self.table.cancel()  # the worker was lost while it answered: the session is gone with it
+            return
+        self.table.add(session_id, endpoint.name, endpoint.generation, address)
+        self._placed[endpoint.name] = self._placed.get(endpoint.name, 0) + 1
+        load = self.loads.get(endpoint.name)
+        if load is not None and load.generation == endpoint.generation:
+            self.loads[endpoint.name] = load.after_placement()  # until its next answer: spread what comes next
+        log.info("session placed", extra={"session_id": session_id, "worker": endpoint.name,
+                                          "generation": endpoint.generation, "via": via})
+        self._spawn(self.refresh(endpoint))
+
+    def _placement(self) -> list[WorkerEndpoint]:
+        endpoints = self.endpoints()
+        return [endpoints[load.name] for load in placement_order(self.current_loads())]
+
+    def _check_client_limit(self, caller: Caller) -> str | None:
+        limit = self.settings.max_sessions_per_client
+        if limit is None:
+            return None
+        held = self.table.open_sessions_of(caller.address)
+        return f"this client already holds {held} open sessions (limit {limit})" if held >= limit else None
+
+    # --- REST -----------------------------------------------------------------------------------------
+    async def create_session(self, request: Request, caller: Caller, body: bytes) -> Response:
+        """Ask the workers in placement order until one admits; refused exactly when every ready one refuses."""
+        if self.draining:
+            raise ApiError.from_code("unavailable", "the server is draining", UNAVAILABLE_RETRY_AFTER_S)
+        too_many = self._check_client_limit(caller)
+        if too_many is not None:
+            raise ApiError.from_code("rate_limited", too_many, PER_CLIENT_RETRY_AFTER_S)
+        if not self.table.reserve():
+            raise ApiError.from_code("capacity", "the front end routes as many sessions as it may; try again later",
+                                     PER_CLIENT_RETRY_AFTER_S)
+        placed = False
+        try:
+            refusals: list[Proxied] = []
+            for endpoint in self._placement():
+                try:
+                    answer = await self.http.call(endpoint, "POST", "/v1/sessions", headers=forwarded_headers(request),
+                                                  body=body)
+                except WorkerUnreachable:
+                    continue
+                session_id = answer.json().get("session_id") if answer.status == 201 else None
+                if isinstance(session_id, str):
+                    self._placed_on(endpoint, session_id, caller.address, "rest")
+                    placed = True
+                    return proxied_response(answer)
+                if answer.status != 503:  # refused for what it asked (400, 409, 413, ...): the same on any worker
+                    return proxied_response(answer)
+                refusals.append(answer)
+                self._spawn(self.refresh(endpoint))
+            if not refusals:
+                raise ApiError.from_code("unavailable", "no engine worker is ready; try again later",
+                                         UNAVAILABLE_RETRY_AFTER_S)
+            self.metrics.placement_refusals += 1
+            soonest = min(refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else float("inf"))
+            return proxied_response(soonest)  # the same 503 `capacity` + Retry-After a single full engine answers
+        finally:
+            if not placed:
+                self.table.cancel()
+
+    async def list_sessions(self, request: Request) -> list[dict]:
+        headers = forwarded_headers(request)
+        calls = [self.http.call(e, "GET", "/v1/sessions", headers=headers) for e in self.endpoints().values()]
+        sessions: list[dict] = []
+        for answer in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(answer, Proxied) and answer.status == 200:
+                sessions.extend(s for s in answer.json().get("sessions") or [] if isinstance(s, dict))
+        return sessions
+
+    async def forward(self, request: Request, session_id: str, method: str, suffix: str = "",
+                      body: bytes | None = None) -> Response:
+        """A REST call for one session, to the worker it lives on."""
+        entry = self.table.lookup(session_id)
+        endpoint = self.endpoint_of(entry.worker, entry.generation) if entry is not None else None
+        if endpoint is None:
+            raise ApiError(404, "unknown_session", "unknown session")
+        try:
+            answer = await self.http.call(endpoint, method, f"/v1/sessions/{session_id}{suffix}",
+                                          headers=forwarded_headers(request), body=body)
+        except WorkerUnreachable:
+            if self.endpoint_of(endpoint.name, endpoint.generation) is None:
+                raise ApiError(404, "unknown_session", "unknown session") from None
+            raise ApiError.from_code("unavailable", "the session's engine worker did not answer",
+                                     UNAVAILABLE_RETRY_AFTER_S) from None
+        if answer.status == 404 or (method == "DELETE" and answer.status == 204):
+            self.table.forget(session_id)
+        return proxied_response(answer)
+
+    # --- sockets --------------------------------------------------------------------------------------
+    async def create_stream(self, websocket: WebSocket) -> None:
+        """``WS /v1/stream``: the worker that admits it creates the session; every socket byte is relayed."""
+        caller = await admit_socket(websocket, self)
+        if caller is None:
+            return
+        if self.draining:
+            await refuse_socket(websocket, self, "draining")
+            return
+        too_many = self._check_client_limit(caller)
+        if too_many is not None:
+            await refuse_socket(websocket, self, "capacity", error=("rate_limited", too_many),
+                                retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+            return
+        if not self.table.reserve():
+            await refuse_socket(websocket, self, "capacity", retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+            return
+        placed = False
+        try:
+            refusals: list[float | None] = []
+            for endpoint in self._placement():
+                try:
+                    upstream = await open_upstream(endpoint, "/v1/stream", websocket, secret=self.secret,
+                                                   limits=self.socket_limits)
+                except WorkerUnreachable:
+                    continue
+                opening = await first_answer(upstream, self.cluster.proxy_timeout_s)
+                session_id = opening.session_id
+                if session_id is None:
+                    refusals.append(opening.retry_after_s)
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(upstream.close(), 2.0)
+                    self._spawn(self.refresh(endpoint))
+                    continue
+                self._placed_on(endpoint, session_id, caller.address, "websocket")
+                placed = True
+                await self._relay(websocket, upstream, endpoint, session_id, opening.session_text)
+                return
+            if not refusals:
+                await refuse_socket(websocket, self, "capacity",
+                                    error=("internal", "no engine worker is ready; try again later"),
+                                    retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+                return
+            self.metrics.placement_refusals += 1
+            await refuse_socket(websocket, self, "capacity",
+                                retry_after_s=soonest_retry_s(refusals, UNAVAILABLE_RETRY_AFTER_S))
+        finally:
+            if not placed:
+                self.table.cancel()
+
+    async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
+        """``WS /v1/sessions/{id}/stream``: to the worker the session lives on (4404 when none has it)."""
+        caller = await admit_socket(websocket, self)
+        if caller is None:
+            return
+        if self.draining:
+            await refuse_socket(websocket, self, "draining")
+            return
+        entry = self.table.lookup(session_id)
+        endpoint = self.endpoint_of(entry.worker, entry.generation) if entry is not None else None
+        upstream = None
+        if endpoint is not None:
+            try:
+                upstream = await open_upstream(endpoint, f"/v1/sessions/{session_id}/stream", websocket,
+                                               secret=self.secret, limits=self.socket_limits)
+            except WorkerUnreachable:
+                if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
+                    await refuse_socket(websocket, self, "capacity", retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+                    return
+        if endpoint is None or upstream is None:
+            self.metrics.count(self.metrics.refused, "unknown_session")
+            await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+            return
+        await self._relay(websocket, upstream, endpoint, session_id, None)
+
+    async def _relay(self, websocket: WebSocket, upstream, endpoint: WorkerEndpoint, session_id: str,
+                     first: str | None) -> None:
+        relay = StreamRelay(
+            websocket, upstream, endpoint, session_id,
+            on_ended=self.table.ended, on_unknown=self.table.forget, on_bytes=self._count_media,
+            is_current=lambda: self.endpoint_of(endpoint.name, endpoint.generation) is not None,
+        )
+        self.relays.add(relay)
+        self.metrics.connections_open += 1
+        self.metrics.connections_total += 1
+        try:
+            await relay.run(first)
+        finally:
+            self.relays.discard(relay)
+            self.metrics.connections_open -= 1
+            if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
+                self._spawn(self.refresh(endpoint))
+
+    def _count_media(self, size: int) -> None:
+        self.metrics.media_bytes_relayed += size
+
+    # --- metrics --------------------------------------------------------------------------------------
+    def view(self) -> FrontEndView:
+        endpoints = self.endpoints()
+        loads = {load.name: load for load in self.current_loads()}
+        workers = []
+        for name in sorted(self._seen):
+            load = loads.get(name)
+            first, latest = self._seen[name]
+            workers.append(WorkerView(
+                name=name,
+                up=name in endpoints,
+                ready=load is not None and load.ready,
+                admitting=load is not None and load.admitting,
+                generation=latest,
+                restarts=latest - first,
+                lost=self._lost.get(name, 0),
+                live_sessions=load.live_sessions if load else 0,
+                open_sessions=load.open_sessions if load else 0,
+                live_capacity=load.live_capacity if load else None,
+                slots_free=load.slots_free if load else 0,
+                utilisation=load.utilisation if load else 0.0,
+                placed=self._placed.get(name, 0),
+            ))
+        return FrontEndView(ready=self.ready, draining=self.draining, tracked_sessions=len(self.table),
+                            workers=workers)
+
+
+def proxied_response(answer: Proxied) -> Response:
+    return Response(answer.body, status_code=answer.status, headers=answer.headers)
+
+
+def new_internal_secret() -> str:
+    return secrets.token_urlsafe(32)
