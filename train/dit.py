@@ -117,7 +117,7 @@ class Sampler:
         self.data, self.frames, self.rng = data, frames, rng
         self.length = data.video.shape[2]
 
-    def draw(self, batch: int, evicted_share: float = 0.5, switches: bool = True, objects: bool = False):
+    def draw(self, batch: int, evicted_share: float = 0.3, switches: bool = True, objects: bool = False):
         """``(latents, token ids, per-block weights)``, and the ``[B, F, h, w]`` object footprints when ``objects``."""
         data, frames = self.data, self.frames
         candidates = np.arange(len(data)) if switches else np.nonzero(data.switch.cpu().numpy() < 0)[0]
