@@ -63,3 +63,47 @@ def test_sampler_learns_only_blocks_after_a_switch_and_only_the_last_block_of_an
         index = latents.video[0, 0, :, 0, 0] - (0 if ids == [[1]] else length)
         assert index[:3].tolist() == [0, 1, 2] and index[3] >= 6  # the sink, then a later window
         assert weight[0].tolist() == [0, 0, 1]
+
+
+def _tiny_vae_step():
+    from diffusers import AutoencoderKLWan
+
+    from engine.models.presets import TINY_VAE_CONFIG
+    from train.vae import _vae_loss
+
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
+    params = list(vae.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-3)
+    video = torch.rand(1, 3, 5, 16, 16) * 2 - 1
+    weight = torch.ones(1, 1, 5, 16, 16)
+
+    def step(lr=1e-3):
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=False)
+        loss, _, _ = _vae_loss(vae, video, weight, noise=0.0)
+        loss.backward()
+        optimizer.step()
+
+    return vae, params, optimizer, video, weight, step
+
+
+def test_vae_loss_decodes_the_posterior_mean_not_a_sample():
+    from train.vae import _vae_loss
+
+    vae, _, _, video, weight, _ = _tiny_vae_step()
+    with torch.no_grad():
+        first, second = (_vae_loss(vae, video, weight, noise=0.0)[1] for _ in range(2))
+    assert torch.equal(first, second)  # no posterior sample: the same clip gives the same loss
+
+
+def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_it():
+    from train.vae import update_mismatch
+
+    _, params, optimizer, _, _, step = _tiny_vae_step()
+    step()  # optimiser state exists, as after the warm-up
+    before = [p.detach().clone() for p in params]
+    assert update_mismatch(params, optimizer, step, step) < 1e-5
+    assert update_mismatch(params, optimizer, step, lambda: step(lr=3e-3)) > 0.3
+    assert all(torch.equal(p, b) for p, b in zip(params, before))

@@ -79,6 +79,14 @@ class Checkpoint:
         return True
 
 
+def load_module_file(path: Path, module: torch.nn.Module) -> bool:
+    """Load ``path`` (one module's safetensors) into ``module`` if the file exists (strict)."""
+    if not Path(path).exists():
+        return False
+    module.load_state_dict(load_file(str(path)))
+    return True
+
+
 def latent_stats_metadata(mean: torch.Tensor, std: torch.Tensor) -> dict[str, str]:
     return {"latents_mean": json.dumps([float(x) for x in mean]), "latents_std": json.dumps([float(x) for x in std])}
 

@@ -1,20 +1,31 @@
 """Train the tiny preset on the procedural world, stage by stage, each within its time budget.
 
-    python -m train.run --checkpoint CKPT --log train/logs/tiny_train.log [--toy]
+    python -m train.run --checkpoint CKPT --log LOG [--init DIR] [--only audio|video|dit] [--budget k=s,...] [--toy]
 
-Resumable: each stage's weights go to the checkpoint directory when it ends,
-and a stage marked done there is skipped on the next run (the DiT stages
-then resume from its saved weights; optimiser state is not kept). ``--toy``
-runs every stage for a few steps at small sizes (a CPU smoke test of the
-whole pipeline). Export to the shipped weights with ``python -m train.export``.
+``--only video`` (the default): the VAE from scratch, its reconstruction check
+(true world clips read back with world.measure), the latent set, then the DiT
+(teacher forcing, few-step, rollout) from scratch, then a sampled check of the
+DiT (sessions generated as the engine does, decoded and read back).
+``--only dit``: keep the VAE (and its latent statistics) and continue the DiT
+(stages tf2, fewstep2, rollout2, from the loaded weights). ``--only audio``:
+the audio decoder alone.
+
+``--init DIR`` loads module files from DIR first (e.g. the shipped weights, to
+reuse the audio decoder); files in the checkpoint directory win. Resumable:
+each stage's weights go to the checkpoint directory when it ends (and every
+~45 s while it runs), and a stage marked done there is skipped on the next run
+(optimiser state is not kept). ``--toy`` runs every stage for 2 steps at small
+sizes (a CPU smoke test of the whole pipeline). Export with ``python -m train.export``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -22,140 +33,219 @@ import torch
 
 from engine.models.causal_wan import CausalWanTransformer
 from train.audio import train_audio_decoder
-from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_stats_metadata
+from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_stats_metadata, load_module_file
 from train.data import build_latent_set
-from train.dit import DiTTrainer, Sampler
+from train.dit import DiTTrainer, Sampler, sample_session
 
-# Session 1 ran --only audio beside --only video; session 2 ran --only vae-decoder beside --only dit-more
-# (the decoder fine-tune keeps the encoder, so the DiT's latent space stays put).
 FULL = {
-    "vae_s": 85, "audio_s": 150, "data_clips": 768, "clip_latents": 39, "tf_s": 95, "fewstep_s": 75, "rollout_s": 55,
-    "vae_batch": 8, "dit_batch": 16, "frames": 21, "max_steps": None,
-    "vae_decoder_s": 85, "vae_decoder_latents": 7, "vae_decoder_batch": 6, "more_clips": 512, "fewstep2_s": 35,
-    "rollout2_s": 30,
+    "audio_s": 150, "vae_s": 160, "vae_batch": 12, "vae_latents": 9, "vae_lr": 2e-3, "vae_pool": 1024,
+    "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
+    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
-    "vae_s": 60, "audio_s": 60, "data_clips": 4, "clip_latents": 12, "tf_s": 60, "fewstep_s": 60, "rollout_s": 60,
-    "vae_batch": 1, "dit_batch": 2, "frames": 9, "max_steps": 2,
-    "vae_decoder_s": 60, "vae_decoder_latents": 3, "vae_decoder_batch": 1, "more_clips": 4, "fewstep2_s": 60,
-    "rollout2_s": 60,
+    "audio_s": 60, "vae_s": 60, "vae_batch": 1, "vae_latents": 3, "vae_lr": 1e-3, "vae_pool": 2,
+    "data_clips": 4, "clip_latents": 12, "data_batch": 4,
+    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
-STATE_FILES = {"audio": "state.audio.json", "vae-decoder": "state.vae.json"}
+STATE_FILES = {"audio": "state.audio.json"}
+SAVE_EVERY_S = 45.0
+# The DiT check: prompts of tests/test_tiny_model.py, sampled as sessions of 6 blocks (69 frames).
+SAMPLE_PROMPTS = (
+    "a red circle bouncing on a blue background",
+    "a green circle bouncing on a blue background",
+    "a white square drifting on a black background",
+    "a yellow triangle drifting on a black background",
+    "a yellow circle orbiting on a blue background",
+    "a white square still on a black background",
+)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, required=True)
     parser.add_argument("--log", type=Path, required=True)
+    parser.add_argument("--init", type=Path, help="a directory of module files to start from (e.g. the shipped weights)")
+    parser.add_argument("--init-modules", default="", help="comma-separated modules to take from --init (default: all there)")
     parser.add_argument("--toy", action="store_true")
-    parser.add_argument(
-        "--only", choices=["audio", "video", "vae-decoder", "dit-more"],
-        help="audio: the audio stage alone; video: every stage but it; vae-decoder: fine-tune the VAE decoder; "
-        "dit-more: a second round of the few-step and rollout stages",
-    )
+    parser.add_argument("--only", choices=["audio", "video", "dit"], default="video")
+    parser.add_argument("--budget", default="", help="stage seconds (and other plan values), e.g. vae_s=150,tf_s=90")
+    parser.add_argument("--images", type=Path, help="directory for the check images (vae_check.png, dit_check.png)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
-    cfg = TOY if args.toy else FULL
+    cfg = dict(TOY if args.toy else FULL)
+    for item in filter(None, args.budget.split(",")):
+        key, value = item.split("=")
+        if key not in cfg:
+            parser.error(f"unknown plan value {key!r}; known: {sorted(cfg)}")
+        cfg[key] = type(cfg[key] if cfg[key] is not None else 0)(float(value)) if key != "max_steps" else int(value)
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
-    if device.type == "cuda":
-        from engine.models import rope
-
-        rope._compile_failed = True  # rotate eagerly: compiling the fused kernel for autograd costs budget
     ckpt = Checkpoint(args.checkpoint, STATE_FILES.get(args.only, "state.json"))
     log = LossLog(args.log)
+    print(f"plan ({args.only}): {json.dumps(cfg)}", flush=True)
     modules = build_modules(device)
+    from_init = set(filter(None, args.init_modules.split(","))) or set(modules)
     for name, module in modules.items():
-        if (name == "audio_vae") == (args.only == "audio") or args.only is None:
-            if ckpt.load_into(name, module):
-                print(f"resumed {name} from {ckpt.directory}", flush=True)
+        for source in (args.init if name in from_init else None, ckpt.directory):
+            if source is not None and load_module_file(source / f"{name}.safetensors", module):
+                print(f"loaded {name} from {source}", flush=True)
     steps = lambda: cfg["max_steps"]  # noqa: E731
 
-    if args.only in (None, "audio") and not ckpt.done("audio"):
-        n = train_audio_decoder(modules["audio_vae"], log, StageClock(cfg["audio_s"], steps()), device=device)
-        ckpt.save("audio_vae", modules["audio_vae"])
-        ckpt.mark("audio", steps=n)
     if args.only == "audio":
+        if not ckpt.done("audio"):
+            n = train_audio_decoder(modules["audio_vae"], log, StageClock(cfg["audio_s"], steps()), device=device)
+            ckpt.save("audio_vae", modules["audio_vae"])
+            ckpt.mark("audio", steps=n)
         return 0
 
-    from train.vae import train_vae
+    from train.vae import print_report, reconstruction_report, train_vae
 
     vae = modules["vae"]
-    if args.only == "vae-decoder":
-        if not ckpt.done("vae_decoder"):
-            metadata = _vae_metadata(ckpt)
-            n = train_vae(vae, log, StageClock(cfg["vae_decoder_s"], steps()), device=device, batch=cfg["vae_decoder_batch"],
-                          latent_frames=cfg["vae_decoder_latents"], decoder_only=True, stage="vae_decoder", lr=1.5e-3)
-            ckpt.save("vae", vae, metadata=metadata)
-            ckpt.mark("vae_decoder", steps=n)
-        _summary(log, ckpt)
-        return 0
-    if args.only != "dit-more" and not ckpt.done("vae"):
-        n = train_vae(vae, log, StageClock(cfg["vae_s"], steps()), device=device, batch=cfg["vae_batch"])
+    continuing = args.only == "dit"
+    if not continuing and not ckpt.done("vae"):
+        from train.vae import ClipPool
+
+        started = time.monotonic()
+        pool = ClipPool(cfg["vae_pool"], cfg["vae_latents"], device)
+        print(f"VAE clip pool: {len(pool)} clips x {cfg['vae_latents']} latent frames in {time.monotonic() - started:.1f}s", flush=True)
+        n = train_vae(vae, log, StageClock(cfg["vae_s"], steps()), device=device, seconds=cfg["vae_s"], batch=cfg["vae_batch"],
+                      latent_frames=cfg["vae_latents"], lr=cfg["vae_lr"], save=lambda m: ckpt.save("vae", m), pool=pool)
+        del pool
         ckpt.save("vae", vae)
         ckpt.mark("vae", steps=n)
+    vae.eval()
+    started = time.monotonic()
+    try:  # a failing check must not cost the DiT its budget
+        rows, image = reconstruction_report(vae, device, latent_frames=12 if not args.toy else 4)
+        print_report(f"VAE reconstruction of true world clips ({time.monotonic() - started:.1f}s)", rows)
+        _save_image(args.images, "vae_check.png", image)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
 
     t0 = time.monotonic()
-    more = args.only == "dit-more"
     stats = None
-    if more:
-        metadata = _vae_metadata(ckpt)
+    if continuing:
+        metadata = _vae_metadata(ckpt.directory if (ckpt.directory / "vae.safetensors").exists() else args.init)
         stats = (json.loads(metadata["latents_mean"]), json.loads(metadata["latents_std"]))
-    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["more_clips" if more else "data_clips"],
-                            latent_frames=cfg["clip_latents"], device=device, stats=stats, seed=5 if more else 3)
+    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
+                            device=device, stats=stats, seed=5 if continuing else 3, batch=cfg["data_batch"])
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
           f"VAE latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
-    if not more:
-        ckpt.save("vae", vae, metadata=latent_stats_metadata(data.mean, data.std))
+    vae_metadata = latent_stats_metadata(data.mean, data.std)
+    if not continuing:
+        ckpt.save("vae", vae, metadata=vae_metadata)
 
     latent_h, latent_w = data.video.shape[3], data.video.shape[4]
-    causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w, audio=modules["audio_tokens"])
+    causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w,
+                                  audio=modules["audio_tokens"], fused_kernels=False)  # no compile time in the budget
     causal.train()
     modules["text_encoder"].train()
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(4 if not continuing else 6)
     sampler = Sampler(data, cfg["frames"], rng)
-    trainer = DiTTrainer(causal, modules["text_encoder"], lr=1e-3 if not args.toy else 1e-4, device=device)
+    names = ("tf2", "fewstep2", "rollout2") if continuing else ("tf", "fewstep", "rollout")
+    seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s")) if not ckpt.done(name)}
+    total = max(sum(seconds.values()), 1e-6)
+    clock_start = time.monotonic()
+    last_save = [time.monotonic()]
 
-    def save_dit(stage: str, n: int) -> None:
+    def schedule() -> float:  # one warm-up + cosine over all DiT stages of this run, by the clock
+        fraction = (time.monotonic() - clock_start) / total
+        warm = 0.03
+        if fraction < warm:
+            return cfg["dit_lr"] * max(fraction / warm, 0.02)
+        progress = min((fraction - warm) / (1 - warm), 1.0)
+        return cfg["dit_lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    def save_dit() -> None:
         ckpt.save("transformer", modules["transformer"])
         ckpt.save("audio_tokens", modules["audio_tokens"])
         ckpt.save("text_encoder", modules["text_encoder"])
-        ckpt.mark(stage, steps=n)
 
+    def on_step() -> None:
+        if time.monotonic() - last_save[0] > SAVE_EVERY_S:
+            save_dit()
+            last_save[0] = time.monotonic()
+
+    trainer = DiTTrainer(causal, modules["text_encoder"], lr=cfg["dit_lr"], device=device, schedule=schedule, on_step=on_step)
     batch = cfg["dit_batch"]
-    if more:
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = 5e-4 if not args.toy else 1e-4
-        if not ckpt.done("fewstep2"):
-            save_dit("fewstep2", trainer.few_step(sampler, log, StageClock(cfg["fewstep2_s"], steps()), batch, rng))
-        if not ckpt.done("rollout2"):
-            save_dit("rollout2", trainer.rollout(sampler, log, StageClock(cfg["rollout2_s"], steps()), batch, rng))
-        _summary(log, ckpt)
-        return 0
-    if not ckpt.done("tf"):
-        save_dit("tf", trainer.flow_matching(sampler, log, StageClock(cfg["tf_s"], steps()), batch))
-    if not ckpt.done("fewstep"):
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = 5e-4 if not args.toy else 1e-4
-        save_dit("fewstep", trainer.few_step(sampler, log, StageClock(cfg["fewstep_s"], steps()), batch, rng))
-    if not ckpt.done("rollout"):
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = 2e-4 if not args.toy else 1e-4
-        save_dit("rollout", trainer.rollout(sampler, log, StageClock(cfg["rollout_s"], steps()), batch, rng))
+    tf, fewstep, rollout = names
+    if tf in seconds:
+        n = trainer.flow_matching(sampler, log, StageClock(seconds[tf], steps()), batch, name=tf)
+        save_dit()
+        ckpt.mark(tf, steps=n)
+    if fewstep in seconds:
+        n = trainer.few_step(sampler, log, StageClock(seconds[fewstep], steps()), batch, rng, name=fewstep)
+        save_dit()
+        ckpt.mark(fewstep, steps=n)
+    if rollout in seconds:
+        n = trainer.rollout(sampler, log, StageClock(seconds[rollout], steps()), batch, rng, name=rollout)
+        save_dit()
+        ckpt.mark(rollout, steps=n)
 
+    causal.eval()
+    modules["text_encoder"].eval()
+    try:
+        _sample_check(trainer, vae, data, args.images, blocks=6 if not args.toy else 2)
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
     _summary(log, ckpt)
     return 0
 
 
-def _vae_metadata(ckpt: Checkpoint) -> dict[str, str]:
+def _vae_metadata(directory: Path) -> dict[str, str]:
     from safetensors import safe_open
 
-    with safe_open(str(ckpt.directory / "vae.safetensors"), framework="pt") as handle:
+    with safe_open(str(directory / "vae.safetensors"), framework="pt") as handle:
         return dict(handle.metadata() or {})
+
+
+def _save_image(directory: Path | None, name: str, image: np.ndarray) -> None:
+    if directory is None:
+        return
+    from PIL import Image
+
+    directory.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(image).save(directory / name)
+
+
+@torch.no_grad()
+def _sample_check(trainer: DiTTrainer, vae, data, images: Path | None, blocks: int) -> None:
+    """Sessions of the checks' prompts generated as the engine does, decoded, read back with world.measure."""
+    from engine.models.latents import BlockLatents
+    from world import measure
+    from world.grammar import parse_caption
+
+    started = time.monotonic()
+    ids = [trainer.text_encoder.token_ids(p) for p in SAMPLE_PROMPTS]
+    count = len(ids)
+    like = BlockLatents(torch.zeros(count, *data.video.shape[1:2], 3, *data.video.shape[3:], device=data.video.device),
+                        torch.zeros(count, data.audio.shape[1], 3 * data.audio.shape[2] // data.video.shape[2], device=data.video.device))
+    latents = sample_session(trainer, ids, blocks, like)
+    mean = data.mean.to(latents.video.device).view(1, -1, 1, 1, 1)
+    std = data.std.to(latents.video.device).view(1, -1, 1, 1, 1)
+    pixels = vae.decode(latents.video.float() * std + mean).sample
+    frames = ((pixels.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 4, 1).cpu().numpy()
+    print("\nDiT sessions (engine sampler, dense context), read back:\n"
+          "| prompt | object | colour | background | shape | speed px/s |\n| --- | --- | --- | --- | --- | --- |")
+    tiles = []
+    for prompt, clip in zip(SAMPLE_PROMPTS, frames):
+        scene = parse_caption(prompt)
+        rs = [measure.read_frame(f) for f in clip]
+        xy = np.array([r.centroid if r.has_object else (np.nan, np.nan) for r in rs])
+        steps = np.linalg.norm(np.diff(xy, axis=0), axis=1)
+        speed = float(np.nanmedian(steps) * 16) if np.isfinite(steps).any() else float("nan")
+        print(f"| {prompt} | {np.mean([r.has_object for r in rs]):.2f} | "
+              f"{np.mean([measure.colour_name(r) == scene.colour for r in rs]):.2f} | "
+              f"{np.mean([measure.background_name(r) == scene.background for r in rs]):.2f} | "
+              f"{np.mean([measure.shape_name(r) == scene.shape for r in rs]):.2f} | {speed:.1f} |", flush=True)
+        picks = [t for t in (4, 30, 60) if t < clip.shape[0]]
+        tiles.append(np.concatenate([clip[t] for t in picks], axis=1))
+    print(f"({time.monotonic() - started:.1f}s)", flush=True)
+    _save_image(images, "dit_check.png", np.concatenate(tiles, axis=0))
 
 
 def _summary(log: LossLog, ckpt: Checkpoint) -> None:
