@@ -104,7 +104,8 @@ class LocalPool:
         self.worker_args = list(worker_args)
         self.log_format = log_format
         self._secret = secret
-        self._workers = [_Worker(name, device) for name, device in zip(worker_names(devices), devices)]
+        names = worker_names(devices)
+        self._workers = [_Worker(name, device) for name, device in zip(names, devices, strict=True)]
         self._callbacks: list[Callable[[WorkerEndpoint], None]] = []
         self._stopping = False
         self._http: httpx.AsyncClient | None = None
