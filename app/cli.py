@@ -403,6 +403,17 @@ def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
 
 
 def _run_server(app, settings) -> int:
+    server = build_server(app, settings)
+    app.state.on_engine_dead = server.request_exit
+    server.run()
+    if not server.started:
+        return 3  # start-up failed (engine build, port in use); the reason is in the log
+    return app.state.service.exit_code if hasattr(app.state, "service") else 0
+
+
+def build_server(app, settings) -> "_DrainingServer":
+    """The uvicorn server ``serve`` runs ``app`` with. A Ray Serve worker replica runs the same one on its own
+    event loop (``app/cluster/ray_worker.py``), so both serve the protocol with the same bounds."""
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -416,12 +427,7 @@ def _run_server(app, settings) -> int:
         log_config=None,  # our structured logging, configured above
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
     )
-    server = _DrainingServer(config)
-    app.state.on_engine_dead = server.request_exit
-    server.run()
-    if not server.started:
-        return 3  # start-up failed (engine build, port in use); the reason is in the log
-    return app.state.service.exit_code if hasattr(app.state, "service") else 0
+    return _DrainingServer(config)
 
 
 def _websocket_implementation(send_buffer_bytes: int):
