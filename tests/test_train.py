@@ -141,7 +141,7 @@ def test_the_vae_step_overfits_one_world_frame_object_colour_and_shape_included(
     """Sessions 1-3's object-weighted L1 learned the background in ~20 steps and never the object (a flat field)."""
     from world import measure
 
-    clip, video, recon = _overfit_one_frame(steps=150)
+    _, video, recon = _overfit_one_frame(steps=150)
     frame = ((recon[0, :, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
     reading = measure.read_frame(frame)
     assert float((recon - video).abs().mean()) < 0.05
