@@ -89,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan ({args.only}): {json.dumps(cfg)}", flush=True)
     modules = build_modules(device)
     from_init = set(filter(None, args.init_modules.split(","))) or set(modules)
+    loaded = set()
     for name, module in modules.items():
         for source in (args.init if name in from_init else None, ckpt.directory):
             if source is not None and load_module_file(source / f"{name}.safetensors", module):
+                loaded.add(name)
                 print(f"loaded {name} from {source}", flush=True)
     steps = lambda: cfg["max_steps"]  # noqa: E731
 
@@ -107,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     vae = modules["vae"]
     continuing = args.only == "dit"
     if not continuing and not ckpt.done("vae"):
-        from train.vae import ClipPool
+        from train.vae import ClipPool, init_for_training
+
+        if "vae" not in loaded:  # from scratch: the default init's latents do not depend on the image
+            init_for_training(vae)
 
         started = time.monotonic()
         pool = ClipPool(cfg["vae_pool"], cfg["vae_latents"], device)

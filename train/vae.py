@@ -1,7 +1,16 @@
 """Stage 1: the tiny Wan VAE (diffusers AutoencoderKLWan, the preset's config) on world clips.
 
-Loss: L1 on pixels, weighted up on the object (it covers ~3 % of a frame and
-is what the checks read).
+Loss: squared error on pixels (``LOSS``), weighted up on the object (it
+covers ~3 % of a frame and is what the checks read). Sessions 1-3 used L1:
+overfitting a single world frame on the CPU, L1 learned the background in ~20
+steps and then held a flat field with no object for 150+ steps (its first-order
+cost on every already-right background pixel outweighs a blurry object), where
+the squared error brings the object, its colour and its shape back in ~100.
+
+Initialisation (``init_for_training``, applied by ``train.run`` to a VAE trained
+from scratch): with PyTorch's default conv init the tiny VAE's posterior means
+hardly depend on the image and stay so in training, so the decoder learns the
+data's mean colour; see the function.
 
 The decoder reads the posterior *mean* plus a small noise (a tenth of the
 batch's per-channel spread), not a posterior sample. Sessions 1-3 decoded
@@ -44,6 +53,7 @@ from world.render import frame_times, render_with_coverage
 OBJECT_WEIGHT = 8.0
 LATENT_NOISE = 0.1  # decoder input noise, relative to each latent channel's spread in the batch
 MEAN_L2 = 1e-4
+LOSS = "mse"  # "l1": sessions 1-3 (the object never appears, even overfitting one frame; docs/TINY_MODEL.md)
 
 
 class ClipPool:
@@ -88,6 +98,35 @@ class ClipPool:
         weight.copy_(torch.where(flip, cover.flip(-1), cover))
 
 
+def init_for_training(vae, zero_branches: bool = True) -> None:
+    """Re-initialise every convolution for training from scratch: normal(0, 1/fan_in) weights, zero biases.
+
+    PyTorch's default (kaiming-uniform with a = sqrt 5: a gain of 1/sqrt 3 per conv) plus its uniform
+    biases lets the input fade against the biases along the Wan VAE's stream of plain convs (resamples,
+    shortcuts, quant convs, every one followed by an RMS norm that rescales signal and bias alike). At
+    the preset's size the encoder's posterior means then hardly depend on the image (at init: std across
+    4 world frames 0.012 against 0.040 across positions; here 0.077 against 0.109) and the decoder
+    hardly depends on the latent (a unit latent moves its output by 0.06; here 0.23). Trained from the
+    default init on 8 world frames, the means' std across frames stayed at 0.002-0.005 for 140 steps
+    (0.4-0.7 from this init): the latent carried a position pattern, not the picture, and the decoder
+    learned one flat field of the data's mean colour (docs/TINY_MODEL.md).
+    ``zero_branches`` also zeroes each residual block's second conv (every block starts as identity).
+    """
+    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+
+    with torch.no_grad():
+        for module in vae.modules():
+            if isinstance(module, (torch.nn.Conv2d, torch.nn.Conv3d)):
+                fan_in = module.weight[0].numel()
+                module.weight.normal_(0.0, fan_in ** -0.5)
+                if module.bias is not None:
+                    module.bias.zero_()
+        if zero_branches:
+            for module in vae.modules():
+                if isinstance(module, WanResidualBlock):
+                    module.conv2.weight.zero_()
+
+
 def cosine_lr(peak: float, fraction: float, warm: float) -> float:
     """Linear warm-up over the first ``warm`` of the stage, then a cosine from ``peak`` to ``peak / 10``."""
     if fraction < warm:
@@ -101,9 +140,13 @@ def _vae_loss(vae, video: torch.Tensor, weight: torch.Tensor, noise: torch.Tenso
     mean = vae.encode(video).latent_dist.mode()
     spread = mean.detach().std(dim=(0, 2, 3, 4), keepdim=True)
     recon = vae.decode(mean + noise * spread * torch.randn_like(mean)).sample
-    l1 = ((recon - video).abs() * weight).mean() / weight.mean()
+    error = recon - video
+    l1 = (error.abs() * weight).mean() / weight.mean()
     square = mean.pow(2).mean()
-    return l1 + MEAN_L2 * square, l1, square
+    if LOSS == "l1":
+        return l1 + MEAN_L2 * square, l1, square
+    mse = (error.pow(2) * weight).mean() / weight.mean()
+    return mse + MEAN_L2 * square, l1, square
 
 
 def _snapshot(params, optimizer) -> list[torch.Tensor]:
@@ -296,7 +339,7 @@ def reconstruction_report(vae, device, latent_frames: int = 12) -> tuple[list[di
             "centroid_error_px": float(np.mean(errors)) if errors else float("nan"),
             "l1": float((recon - clip.video).abs().mean()),
         })
-        picks = [t for t in (4, 20, 40) if t < n]
+        picks = [t for t in (4, 20, 40) if t < n] or [n - 1]
         tiles.append(np.concatenate([np.concatenate([truth[t] for t in picks], axis=1),
                                      np.concatenate([made[t] for t in picks], axis=1)], axis=0))
     return rows, np.concatenate(tiles, axis=0)
