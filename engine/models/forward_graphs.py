@@ -26,6 +26,7 @@ import torch
 
 from engine.models.attention import SelfAttentionContext
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.graph_capture import capture
 from engine.models.latents import BlockLatents
 
 log = logging.getLogger("arstream.graphs")
@@ -112,16 +113,9 @@ class GraphedForwards:
                 static_latents.audio.copy_(latents.audio)
             static_timesteps = frame_timesteps.clone()
             static_cross = cross_kv.clone()
-            # Kernels pick their algorithms (and cuBLAS/cuDNN their workspaces) on a first eager run,
-            # on a side stream as capture requires; it writes what the replay will write again.
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                self.transformer(static_latents, static_timesteps, context, static_cross)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                output = self.transformer(static_latents, static_timesteps, context, static_cross)
+            graph, output = capture(
+                lambda: self.transformer(static_latents, static_timesteps, context, static_cross), pool=self._pool
+            )
             if self._pool is None:
                 self._pool = graph.pool()
         except Exception:

@@ -19,10 +19,12 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.models.graph_capture import capture
+
 log = logging.getLogger("arstream.models")
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256)
-WARMUP_RUNS = 2  # eager runs before a capture: lazy initialisation and cuBLAS workspaces happen there
+WARMUP_RUNS = 2  # eager runs before a capture
 
 
 def token_buckets(text_len: int) -> tuple[int, ...]:
@@ -89,15 +91,10 @@ class GraphedTextEncoder:
                 ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
                 mask = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
                 ids[:, 0], mask[:, 0] = 1, 1  # one real token (</s>): no row is all padding
-                stream = torch.cuda.Stream(self.device)
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    for _ in range(WARMUP_RUNS):
-                        self.encoder(ids, mask)
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    states = self.encoder(ids, mask)
+                graph, states = capture(
+                    lambda ids=ids, mask=mask: self.encoder(ids, mask), warm_runs=WARMUP_RUNS, pool=pool,
+                    device=self.device,
+                )
                 graphs[bucket] = _Captured(graph, ids, mask, states)
         except Exception:  # an op this encoder runs that a graph cannot hold: eager, as before
             log.warning("text encoder: CUDA graph capture failed; encoding eagerly", exc_info=True)
