@@ -74,13 +74,8 @@ def relative(states: torch.Tensor, reference: torch.Tensor) -> float:
     return float((states - reference).abs().max() / reference.abs().max())
 
 
-def call(model, ids, mask) -> torch.Tensor:
-    if isinstance(model, GraphedTextEncoder):
-        return model(ids, mask)
-    return model(input_ids=ids, attention_mask=mask).last_hidden_state
-
-
-def time_encode(model, ids, mask, device, runs: int, warmup: int) -> tuple[dict, torch.Tensor]:
+def time_encode(encode, ids, mask, device, runs: int, warmup: int) -> tuple[dict, torch.Tensor]:
+    """``encode(ids, mask) -> states``, timed; the summary and the last states on the host."""
     def sync():
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -90,7 +85,7 @@ def time_encode(model, ids, mask, device, runs: int, warmup: int) -> tuple[dict,
         for run in range(warmup + runs):
             sync()
             start = time.perf_counter()
-            states = call(model, ids, mask)
+            states = encode(ids, mask)
             sync()
             mid = time.perf_counter()
             host = states.float().cpu()  # what the engine does with the states
@@ -141,15 +136,17 @@ def main() -> None:
     for name in args.attention.split(","):
         try:
             used = set_attention(model, name)
-            tokens, states = time_encode(model, ids[:, :n], mask[:, :n], device, args.runs, args.warmup)
-            padded, reference = time_encode(model, ids, mask, device, args.runs, args.warmup)
+            def eager(i, m):
+                return model(input_ids=i, attention_mask=m).last_hidden_state
+
+            tokens, states = time_encode(eager, ids[:, :n], mask[:, :n], device, args.runs, args.warmup)
+            padded, reference = time_encode(eager, ids, mask, device, args.runs, args.warmup)
             reference = reference[:, :n]
             padded_states[name] = reference
             results[name] = {"used": used, **tokens, "padded_reference": padded,
                              "max_rel_error_vs_padded": relative(states, reference)}
             if device.type == "cuda":  # the engine's path: the prompt's tokens padded to a bucket, one graph replay
-                graphed = GraphedTextEncoder(lambda i, m: model(input_ids=i, attention_mask=m).last_hidden_state,
-                                             args.tokens, device)
+                graphed = GraphedTextEncoder(eager, args.tokens, device)
                 timed, replayed = time_encode(graphed, ids[:, :n], mask[:, :n], device, args.runs, args.warmup)
                 results[name]["graphs"] = {**timed, "graphs": graphed.num_graphs, "replays": graphed.replays,
                                            "max_rel_error_vs_eager_tokens": relative(replayed, states)}
