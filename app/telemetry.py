@@ -71,15 +71,10 @@ class ServiceMetrics:
         self._forget_old(now)
 
     def count(self, table: dict[str, int], key: str) -> None:
-        if key not in table and len(table) >= MAX_LABEL_VALUES:
-            key = OTHER_LABEL
-        table[key] = table.get(key, 0) + 1
+        count_bounded(table, key, OTHER_LABEL)
 
     def message_rejected(self, via: str, code: str) -> None:
-        key = (via, code)
-        if key not in self.rejected_messages and len(self.rejected_messages) >= MAX_LABEL_VALUES:
-            key = (via, OTHER_LABEL)
-        self.rejected_messages[key] = self.rejected_messages.get(key, 0) + 1
+        count_bounded(self.rejected_messages, (via, code), (via, OTHER_LABEL))
 
     def frames_per_second(self) -> float:
         """Frames sent per second over the last ``FPS_WINDOW_S``, all sessions together."""
@@ -166,17 +161,16 @@ class _Snapshot:
         yield _counter("arstream_media_bytes_sent", "Media segment bytes sent.", m.bytes_sent)
         yield _gauge("arstream_websockets_open", "Attached stream sockets.", m.connections_open)
         yield _counter("arstream_websockets", "Stream sockets accepted.", m.connections_total)
-        yield _labelled("arstream_websockets_refused", "Stream sockets refused, by reason.", "reason", m.refused)
-        yield _labelled("arstream_client_messages", "Client control messages, by type.", "type", m.client_messages)
-        yield _labelled("arstream_errors", "Error messages sent, by protocol code.", "code", m.errors)
+        yield labelled_counter("arstream_websockets_refused", "Stream sockets refused, by reason.", ("reason",),
+                               m.refused)
+        yield labelled_counter("arstream_client_messages", "Client control messages, by type.", ("type",),
+                               m.client_messages)
+        yield labelled_counter("arstream_errors", "Error messages sent, by protocol code.", ("code",), m.errors)
         yield _counter("arstream_websockets_stalled", "Stream sockets detached because their client stopped reading.",
                        m.stalled_sockets)
-        rejected = CounterMetricFamily("arstream_client_messages_rejected",
-                                       "Client messages and requests refused for their input, before the engine.",
-                                       labels=["via", "code"])
-        for (via, code), value in sorted(m.rejected_messages.items()):
-            rejected.add_metric([via, code], value)
-        yield rejected
+        yield labelled_counter("arstream_client_messages_rejected",
+                               "Client messages and requests refused for their input, before the engine.",
+                               ("via", "code"), m.rejected_messages)
 
 
 def _gauge(name: str, help_text: str, value: float) -> GaugeMetricFamily:
@@ -187,8 +181,16 @@ def _counter(name: str, help_text: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, help_text, value=value)
 
 
-def _labelled(name: str, help_text: str, label: str, table: dict[str, int]) -> CounterMetricFamily:
-    family = CounterMetricFamily(name, help_text, labels=[label])
+def count_bounded(table: dict, key, overflow) -> None:
+    """One more for ``key``; a key new to a table that already holds ``MAX_LABEL_VALUES`` counts under ``overflow``."""
+    if key not in table and len(table) >= MAX_LABEL_VALUES:
+        key = overflow
+    table[key] = table.get(key, 0) + 1
+
+
+def labelled_counter(name: str, help_text: str, labels: tuple[str, ...], table: dict) -> CounterMetricFamily:
+    """A counter family from ``table``: keys are label values (a tuple of them for several labels)."""
+    family = CounterMetricFamily(name, help_text, labels=list(labels))
     for key, value in sorted(table.items()):
-        family.add_metric([key], value)
+        family.add_metric(list(key) if isinstance(key, tuple) else [key], value)
     return family

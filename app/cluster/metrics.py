@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from app.telemetry import MAX_LABEL_VALUES, OTHER_LABEL
+from app.telemetry import OTHER_LABEL, count_bounded, labelled_counter
 
 
 @dataclass(frozen=True)
@@ -62,15 +62,10 @@ class FrontEndMetrics:
     # The same counting interface as app.telemetry.ServiceMetrics, so the shared socket checks and
     # middlewares (origin, token, request targets, body size) count here too.
     def count(self, table: dict[str, int], key: str) -> None:
-        if key not in table and len(table) >= MAX_LABEL_VALUES:
-            key = OTHER_LABEL
-        table[key] = table.get(key, 0) + 1
+        count_bounded(table, key, OTHER_LABEL)
 
     def message_rejected(self, via: str, code: str) -> None:
-        key = (via, code)
-        if key not in self.rejected_messages and len(self.rejected_messages) >= MAX_LABEL_VALUES:
-            key = (via, OTHER_LABEL)
-        self.rejected_messages[key] = self.rejected_messages.get(key, 0) + 1
+        count_bounded(self.rejected_messages, (via, code), (via, OTHER_LABEL))
 
     def render(self, view: FrontEndView) -> bytes:
         self._view = view
@@ -133,14 +128,8 @@ class _Collector:
                                   value=m.media_bytes_relayed)
         yield GaugeMetricFamily("arstream_websockets_open", "Relayed stream sockets.", value=m.connections_open)
         yield CounterMetricFamily("arstream_websockets", "Stream sockets relayed.", value=m.connections_total)
-        refused = CounterMetricFamily("arstream_websockets_refused", "Stream sockets refused, by reason.",
-                                      labels=["reason"])
-        for reason, count in sorted(m.refused.items()):
-            refused.add_metric([reason], count)
-        yield refused
-        rejected = CounterMetricFamily("arstream_client_messages_rejected",
-                                       "Requests refused for their input by the front end itself.",
-                                       labels=["via", "code"])
-        for (via, code), count in sorted(m.rejected_messages.items()):
-            rejected.add_metric([via, code], count)
-        yield rejected
+        yield labelled_counter("arstream_websockets_refused", "Stream sockets refused, by reason.", ("reason",),
+                               m.refused)
+        yield labelled_counter("arstream_client_messages_rejected",
+                               "Requests refused for their input by the front end itself.", ("via", "code"),
+                               m.rejected_messages)
