@@ -128,6 +128,11 @@ class FrontEnd:
         endpoint = self.endpoints().get(worker)
         return endpoint if endpoint is not None and endpoint.generation == generation else None
 
+    def owner_of(self, session_id: str) -> WorkerEndpoint | None:
+        """The running worker a session lives on (None: unknown id, or its worker's generation is gone)."""
+        entry = self.table.lookup(session_id)
+        return self.endpoint_of(entry.worker, entry.generation) if entry is not None else None
+
     def current_loads(self) -> list[WorkerLoad]:
         endpoints = self.endpoints()
         return [load for name, load in self.loads.items()
@@ -284,8 +289,7 @@ class FrontEnd:
     async def forward(self, request: Request, session_id: str, method: str, suffix: str = "",
                       body: bytes | None = None) -> Response:
         """A REST call for one session, to the worker it lives on."""
-        entry = self.table.lookup(session_id)
-        endpoint = self.endpoint_of(entry.worker, entry.generation) if entry is not None else None
+        endpoint = self.owner_of(session_id)
         if endpoint is None:
             raise ApiError(404, "unknown_session", "unknown session")
         try:
@@ -301,13 +305,18 @@ class FrontEnd:
         return proxied_response(answer)
 
     # --- sockets --------------------------------------------------------------------------------------
+    async def _admitted(self, websocket: WebSocket) -> Caller | None:
+        """The socket's caller once origin and token pass and the front end is not draining (else refused)."""
+        caller = await admit_socket(websocket, self)
+        if caller is not None and self.draining:
+            await refuse_socket(websocket, self, "draining")
+            return None
+        return caller
+
     async def create_stream(self, websocket: WebSocket) -> None:
         """``WS /v1/stream``: the worker that admits it creates the session; every socket byte is relayed."""
-        caller = await admit_socket(websocket, self)
+        caller = await self._admitted(websocket)
         if caller is None:
-            return
-        if self.draining:
-            await refuse_socket(websocket, self, "draining")
             return
         too_many = self._check_client_limit(caller)
         if too_many is not None:
@@ -352,14 +361,9 @@ class FrontEnd:
 
     async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
         """``WS /v1/sessions/{id}/stream``: to the worker the session lives on (4404 when none has it)."""
-        caller = await admit_socket(websocket, self)
-        if caller is None:
+        if await self._admitted(websocket) is None:
             return
-        if self.draining:
-            await refuse_socket(websocket, self, "draining")
-            return
-        entry = self.table.lookup(session_id)
-        endpoint = self.endpoint_of(entry.worker, entry.generation) if entry is not None else None
+        endpoint = self.owner_of(session_id)
         upstream = None
         if endpoint is not None:
             try:
