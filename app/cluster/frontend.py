@@ -210,7 +210,6 @@ class FrontEnd:
         for relay in relays:
             relay.lose()
         self._lost[endpoint.name] = self._lost.get(endpoint.name, 0) + 1
-        self.metrics.failed_by_worker_loss += len(relays)
         log.warning("worker lost", extra={"worker": endpoint.name, "generation": endpoint.generation,
                                           "session_ids": len(forgotten), "sockets": len(relays)})
 
@@ -385,6 +384,7 @@ class FrontEnd:
             websocket, upstream, endpoint, session_id,
             on_ended=self.table.ended, on_unknown=self.table.forget, on_bytes=self._count_media,
             is_current=lambda: self.endpoint_of(endpoint.name, endpoint.generation) is not None,
+            on_failed=self._count_failed_by_loss,
         )
         self.relays.add(relay)
         self.metrics.connections_open += 1
@@ -396,6 +396,11 @@ class FrontEnd:
             self.metrics.connections_open -= 1
             if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
                 self._spawn(self.refresh(endpoint))
+
+    def _count_failed_by_loss(self) -> None:
+        # Counted by the relay that ends its client, not when the pool reports the loss: a relay may find
+        # its worker's generation gone (and finish) before the pool's callback runs.
+        self.metrics.failed_by_worker_loss += 1
 
     def _count_media(self, size: int) -> None:
         self.metrics.media_bytes_relayed += size

@@ -228,7 +228,8 @@ class StreamRelay:
 
     def __init__(self, client: WebSocket, upstream: ClientConnection, endpoint: WorkerEndpoint, session_id: str,
                  *, on_ended: Callable[[str], None], on_unknown: Callable[[str], None],
-                 on_bytes: Callable[[int], None], is_current: Callable[[], bool]) -> None:
+                 on_bytes: Callable[[int], None], is_current: Callable[[], bool],
+                 on_failed: Callable[[], None]) -> None:
         self.client = client
         self.upstream = upstream
         self.endpoint = endpoint
@@ -239,6 +240,7 @@ class StreamRelay:
         self._on_unknown = on_unknown
         self._on_bytes = on_bytes
         self._is_current = is_current  # the worker generation serving this session is still the pool's
+        self._on_failed = on_failed  # the client is ended `failed` because its worker was lost
 
     def lose(self) -> None:
         """The worker is gone (the pool said so): end the client with ``closed`` ``failed``."""
@@ -271,6 +273,7 @@ class StreamRelay:
             if self._lost.is_set():
                 for task in (down, up):
                     task.cancel()
+                self._on_failed()
                 await self._farewell_failed()
                 if self.upstream.transport is not None:
                     self.upstream.transport.abort()  # a dead worker sends no close frame: do not wait for one
