@@ -53,8 +53,9 @@ def emit(record: dict) -> None:
 
 
 def kernel_sets() -> dict[str, Kernels]:
-    rotation_only = Kernels.make(True, only=("rotate_pairs",))
-    return {"eager": EAGER_KERNELS, "rotation_fused": rotation_only, "fused": Kernels.make(True)}
+    rotation_only = Kernels.make(True, only=("rotate_pairs",), fuse_norms=True)
+    return {"eager": EAGER_KERNELS, "rotation_fused": rotation_only, "fused": Kernels.make(True),
+            "fused_norms": Kernels.make(True, fuse_norms=True)}
 
 
 def sync() -> float:
@@ -116,6 +117,7 @@ def forward_section(bundle, blocks: int, only: set[str] | None = None) -> dict:
         "per-forward gather, fused kernels": (False, "fused", False),
         "nographs (gather once, fused kernels, no CUDA graphs)": (True, "fused", False),
         "engine (gather once, fused kernels, CUDA graphs)": (True, "fused", True),
+        "normsfused (the engine with the norms fused too)": (True, "fused_norms", True),
     }
     if only is not None:
         variants = {name: v for name, v in variants.items() if name.split(" ")[0] in only}
@@ -153,9 +155,13 @@ def equivalence_section(bundle, blocks: int, label: str) -> dict:
     errors = relative_errors(fast, eager)
     graphs = base.forwards.num_graphs
     max_abs = max(a.float().max_abs_diff(b.float()) for a, b in zip(fast, eager))
+    transformer.kernels = Kernels.make(True, fuse_norms=True)
+    _, _, _, norms_fused = timed_blocks(base, blocks, per_forward=False, seed=7)
+    transformer.kernels = Kernels.make(True)
     return {"label": label, "blocks": blocks, "graphs": graphs, "graph_replays": base.forwards.replays,
             "rel_err_per_block": [round(e, 6) for e in errors],
-            "max_rel_err": max(errors), "max_abs_diff": max_abs}
+            "max_rel_err": max(errors), "max_abs_diff": max_abs,
+            "norms_fused_max_rel_err": max(relative_errors(norms_fused, eager))}
 
 
 def equivalence_ablation(bundle, blocks: int) -> dict:
@@ -170,7 +176,11 @@ def equivalence_ablation(bundle, blocks: int) -> dict:
         "gather_once": (base.variant(gather_history_once=True), EAGER_KERNELS),
         "fused": (per_forward, Kernels.make(True)),
         "engine": (base, Kernels.make(True)),
+        "norms_fused": (base, Kernels.make(True, fuse_norms=True)),
     }
+    for name in EAGER_KERNELS.__dataclass_fields__:  # each step fused alone, norms fused: which one differs
+        if name not in ("fused", "fuse_norms"):
+            paths[f"only_{name}"] = (base, Kernels.make(True, only=(name,), fuse_norms=True))
     outputs = {}
     for name, (pipeline, kernels) in paths.items():
         transformer.kernels = kernels
@@ -179,9 +189,9 @@ def equivalence_ablation(bundle, blocks: int) -> dict:
     transformer.kernels = EAGER_KERNELS
     outputs["float32"] = timed_blocks(base.variant(gather_history_once=False), blocks, per_forward=False, seed=7)[3]
     record = {"blocks": blocks}
-    for name in ("gather_once", "fused", "engine"):
+    for name in [name for name in outputs if name not in ("eager", "float32")]:
         record[f"{name}_vs_eager_max_rel"] = max(relative_errors(outputs[name], outputs["eager"]))
-    for name in ("eager", "engine"):
+    for name in ("eager", "engine", "norms_fused"):
         record[f"{name}_vs_float32_max_rel"] = max(relative_errors(outputs[name], outputs["float32"]))
     return record
 
@@ -314,12 +324,74 @@ def profile_section(bundle) -> dict:
         categories[category] += device_us / 1000
         top.append((device_us / 1000, event.key[:90], event.count))
     top.sort(reverse=True)
+    busy = {}
     if OUT:
         with open(OUT.replace(".jsonl", "_profile.txt"), "w") as f:
             f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+        busy = kernel_timeline(prof, OUT.replace(".jsonl", "_trace.json.gz"))
     return {"device_ms_by_category": {k: round(v, 1) for k, v in sorted(categories.items(), key=lambda kv: -kv[1])},
-            "device_ms_total": round(sum(categories.values()), 1),
+            "device_ms_total": round(sum(categories.values()), 1), **busy,
             "top_kernels": [{"ms": round(ms, 2), "name": name, "count": count} for ms, name, count in top[:15]]}
+
+
+def kernel_timeline(prof, path: str) -> dict:
+    """Save the trace (gzip, chrome://tracing / Perfetto) and say how much of its span the GPU was busy."""
+    import gzip
+    import os
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(raw)
+        with open(raw, "rb") as f:
+            data = f.read()
+    with gzip.open(path, "wb") as f:
+        f.write(data)
+    kernels = sorted((e["ts"], e["ts"] + e.get("dur", 0)) for e in json.loads(data).get("traceEvents", [])
+                     if e.get("cat") == "kernel")
+    if not kernels:
+        return {"trace": os.path.basename(path), "kernels_in_trace": 0}
+    busy, end = 0.0, kernels[0][0]
+    for start, stop in kernels:  # union of the kernels' intervals: overlapping kernels count once
+        if stop > end:
+            busy += stop - max(start, end)
+            end = stop
+    span = max(stop for _, stop in kernels) - kernels[0][0]
+    return {"trace": os.path.basename(path), "kernels_in_trace": len(kernels), "gpu_span_ms": round(span / 1000, 1),
+            "gpu_busy_ms": round(busy / 1000, 1), "gpu_idle_ms": round((span - busy) / 1000, 1)}
+
+
+def overlap_section(bundle, blocks: int = 4) -> dict:
+    """Would decoding block N on a second stream while block N+1 denoises pay? Serial vs concurrent, full window."""
+    pipeline, decoder = bundle.pipeline, bundle.decoder
+    manager = KVCacheManager(pipeline.kv_spec(), 1, pipeline.transformer.device)
+    kv = manager.open_session("overlap")
+    progress = pipeline.new_progress(seed=1, prompt="an overlap")
+    state = decoder.new_state("overlap")
+    resident = pipeline.sink_frames + pipeline.window_frames
+    while kv.num_resident_blocks("cond") < resident:
+        decoder.decode_chunk(decoder.denormalize(pipeline.run_block(kv, progress).video), state)
+    sync()
+    serial = []
+    for _ in range(blocks):
+        start = sync()
+        decoder.decode_chunk(decoder.denormalize(pipeline.run_block(kv, progress).video), state)
+        serial.append((sync() - start) * 1000)
+    side = torch.cuda.Stream()
+    main_stream = torch.cuda.current_stream()
+    previous = pipeline.run_block(kv, progress)
+    concurrent = []
+    for _ in range(blocks):
+        start = sync()
+        side.wait_stream(main_stream)
+        with torch.cuda.stream(side):
+            decoder.decode_chunk(decoder.denormalize(previous.video), state)
+        previous = pipeline.run_block(kv, progress)
+        concurrent.append((sync() - start) * 1000)
+    kv.close()
+    serial_ms, concurrent_ms = statistics.median(serial), statistics.median(concurrent)
+    return {"serial_block_plus_decode_ms": round(serial_ms, 1), "concurrent_ms": round(concurrent_ms, 1),
+            "gain": round(1 - concurrent_ms / serial_ms, 3)}
 
 
 def main() -> None:
@@ -370,7 +442,8 @@ def main() -> None:
     for name, fn in (("forward", lambda: forward_section(bundle, args.blocks, only)),
                      ("attention", lambda: attention_section(bundle)),
                      ("vae", lambda: vae_section(bundle, 4)),
-                     ("profile", lambda: profile_section(bundle))):
+                     ("profile", lambda: profile_section(bundle)),
+                     ("overlap", lambda: overlap_section(bundle))):
         if name not in sections:
             continue
         try:

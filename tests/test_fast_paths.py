@@ -138,3 +138,41 @@ def test_compiled_kernels_round_as_their_eager_reference_in_bf16():
             assert f.dtype == e.dtype == torch.bfloat16
             error = float((f.float() - e.float()).norm() / e.float().norm())
             assert error < 1e-4, (fn.__name__, error)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")
+def test_engine_kernels_with_norms_apart_compute_the_eager_functions_bit_for_bit(monkeypatch):
+    """The engine's kernel set (norms on torch's kernels, the elementwise work between them compiled) gives
+    exactly the eager functions' bf16 results: each step through Inductor's CPU backend vs its reference."""
+    from engine.models import kernels
+
+    monkeypatch.setattr(kernels.DeviceKernel, "compile_on_cpu", True)
+    generator = torch.Generator().manual_seed(1)
+    heads, head_dim, seq, frames = 4, 32, 96, 2
+    dim = heads * head_dim
+    x = (3 * torch.randn(1, seq, dim, generator=generator)).bfloat16()
+    update = torch.randn(1, seq, dim, generator=generator).bfloat16()
+    weight = (1 + 0.1 * torch.randn(dim, generator=generator)).bfloat16()
+    bias = (0.1 * torch.randn(dim, generator=generator)).bfloat16()
+    scale, shift = (0.1 * torch.randn(2, 1, frames, 1, dim, generator=generator)).unbind(0)
+    angles = torch.randn(seq, 1, head_dim // 2, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
+    args = {
+        "modulated_layer_norm": (x, scale, shift, 1e-6),
+        "gated_residual": (x, update, scale),
+        "affine_layer_norm": (x, weight, bias, 1e-6),
+        "residual_modulated_layer_norm": (x, update, scale, shift, 1e-6),
+        "rms_norm": (x, weight, 1e-6),
+        "rotate_pairs": (x.unflatten(-1, (heads, -1)), cos, sin),
+        "rms_norm_rotate": (x, weight, 1e-6, heads, cos, sin),
+    }
+    engine_set = kernels.Kernels.make(True)
+    assert engine_set.fused and not engine_set.fuse_norms
+    for name, inputs in args.items():
+        expected = getattr(kernels.EAGER_KERNELS, name)(*inputs)
+        got = getattr(engine_set, name)(*inputs)
+        for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
+            assert g.dtype == e.dtype == torch.bfloat16, name
+            assert torch.equal(g, e), (name, float((g.float() - e.float()).abs().max()))
+    compiled = [k for k in (kernels._FUSED_MODULATE, kernels._FUSED["rotate_pairs"], kernels._FUSED["gated_residual"])]
+    assert all(k._compiled is not None and not k._failed for k in compiled)  # the compiled path ran, not the fallback
