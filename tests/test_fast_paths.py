@@ -114,6 +114,26 @@ def test_cuda_graph_forwards_match_eager_forwards():
     assert max(_max_diff(a, b) for a, b in zip(*outputs)) <= FLOAT32_TOLERANCE
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphs_captured_with_one_kernel_set_are_not_replayed_after_the_set_is_swapped():
+    """Swapping the transformer's kernels (as benchmarks do) drops the graphs: the next forwards capture anew."""
+    from engine.models.kernels import EAGER_KERNELS
+
+    _, bundle = build_small(device="cuda", sink_frames=3, window_frames=3, cuda_graphs=True)
+    pipeline = bundle.pipeline
+    manager = KVCacheManager(pipeline.kv_spec(), 1, "cuda")
+    kv, progress = manager.open_session("s"), pipeline.new_progress(seed=2, prompt="a reef")
+    pipeline.run_block(kv, progress)
+    fused_graphs = list(pipeline.forwards._graphs.values())
+    assert fused_graphs
+    pipeline.transformer.kernels = EAGER_KERNELS
+    pipeline.run_block(kv, progress)
+    eager_graphs = list(pipeline.forwards._graphs.values())
+    assert eager_graphs and pipeline.forwards._kernels is EAGER_KERNELS  # captured again, with the eager set
+    assert not any(graph is old for graph in eager_graphs for old in fused_graphs)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")
 def test_compiled_kernels_round_as_their_eager_reference_in_bf16():
     """The fused kernels (compiled on CUDA in the service) match the eager functions in bf16 to ~1e-5, not

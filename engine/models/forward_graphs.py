@@ -10,7 +10,10 @@ forward reads is either copied into the graph's own input buffers (latents,
 timesteps, the session's text K/V) or lives at a fixed address for the
 engine's life (the per-branch :class:`ContextKV` buffer, the KV manager's
 staging buffer, the cached rotary tables). The key of a graph is exactly
-that: shapes, history length, and the addresses of the fixed buffers.
+that: shapes, history length, and the addresses of the fixed buffers. A graph
+also holds the kernels the transformer ran when it was captured: if its kernel
+set is swapped (benchmarks and equivalence checks do), every graph is dropped,
+so a replay never runs another set's kernels.
 Graphs are captured on first use of a shape — the engine's warm-up meets
 every shape — into one memory pool; outputs are copied out at once, so
 replaying graphs in any order is safe. Anything that goes wrong while
@@ -54,6 +57,7 @@ class GraphedForwards:
         self.transformer = transformer
         self.enabled = enabled and transformer.device.type == "cuda"
         self._graphs: dict[tuple, _ForwardGraph] = {}
+        self._kernels = transformer.kernels  # the set every graph in _graphs was captured with
         self._pool = None
         self.replays = 0
 
@@ -64,6 +68,9 @@ class GraphedForwards:
     def __call__(
         self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: SelfAttentionContext, cross_kv: torch.Tensor
     ) -> BlockLatents:
+        if self.transformer.kernels is not self._kernels:
+            self._graphs.clear()
+            self._kernels = self.transformer.kernels
         key = self._key(latents, frame_timesteps, context, cross_kv)
         if key is None:
             return self.transformer(latents, frame_timesteps, context, cross_kv)
