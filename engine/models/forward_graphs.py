@@ -70,6 +70,7 @@ class GraphedForwards:
     ) -> BlockLatents:
         if self.transformer.kernels is not self._kernels:
             self._graphs.clear()
+            self._pool = None  # the dropped graphs' pool goes with them: capturing into it again is an error
             self._kernels = self.transformer.kernels
         key = self._key(latents, frame_timesteps, context, cross_kv)
         if key is None:
