@@ -474,9 +474,9 @@ def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
     fails(mismatched, "d_model 32 does not match the transformer's text_dim 48")
 
     # a dtype this device cannot run: the config refuses it, and so does the loader on its own
-    with pytest.raises(ValidationError, match="dtype bfloat16 needs a CUDA device"):
-        EngineConfig(model_dir=model_dir, dtype="bfloat16")
-    fails(model_dir, "dtype torch.bfloat16 is not supported on the CPU", dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="dtype float16 needs a CUDA device"):
+        EngineConfig(model_dir=model_dir, dtype="float16")
+    fails(model_dir, "dtype torch.float16 is not supported on the CPU", dtype=torch.float16)
 
 
 def test_config_errors_for_model_settings(model_dir, tmp_path):
