@@ -120,7 +120,8 @@ class FP8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
-        rows = x.reshape(-1, self.in_features)  # _scaled_mm is 2-D: flatten batch/sequence dims
+        # _scaled_mm is 2-D and wants a row-major mat1: flatten batch/sequence dims (a no-op copy when contiguous).
+        rows = x.reshape(-1, self.in_features).contiguous()
         quantized, scale = _QUANTIZE_ROWS(rows)
         out = torch._scaled_mm(
             quantized,
