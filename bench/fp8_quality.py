@@ -2,8 +2,8 @@
 
 Builds the model bundle once per variant from one config that differs only in
 ``fp8`` ("off" first, then each of ``--variants``). The weights are seeded
-random ones (``--random-weights``) or the preset's shipped ones, identical in
-every build because the seed is. Each variant runs ``--blocks`` blocks of one
+random ones (``--random-weights``; identical in every build because the seed
+is), the preset's shipped ones, or a model directory's (``--model DIR``). Each variant runs ``--blocks`` blocks of one
 session (same seed, same prompt: the same noise), past the window's first
 eviction with the default sink 3 + window 6; every forward is timed with a
 device synchronisation around it. The latents of every variant are then decoded
@@ -17,7 +17,7 @@ median ms per forward at the largest history, the DiT's weight bytes. Prints one
 JSON line and appends it to ``--out``.
 
     python bench/fp8_quality.py --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --out /tmp/fp8.jsonl
-    python bench/fp8_quality.py --preset tiny --device cpu      # smoke test (minutes on a small CPU: seconds)
+    python bench/fp8_quality.py --preset tiny --device cpu      # smoke test: a few seconds on a CPU
 """
 
 from __future__ import annotations
@@ -102,7 +102,10 @@ def main() -> int:
     parser.add_argument("--preset", default="wan2.1-1.3b", choices=["tiny", "wan2.1-1.3b"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16"], help="FP8 is a bf16-model option")
-    parser.add_argument("--random-weights", action="store_true", help="seeded random weights (wan2.1-1.3b needs it)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="seeded random weights (wan2.1-1.3b needs it or --model)")
+    parser.add_argument("--model", default=None, metavar="DIR", help="a model directory (docs/MODELS.md): real weights")
+    parser.add_argument("--causal-weights", default=None, metavar="FILE", help="causal DiT weights for --model")
     parser.add_argument("--variants", type=parse_variants, default=["linear"],
                         help=f"fp8 values to compare with off, comma-separated ({', '.join(FP8_VARIANTS)})")
     parser.add_argument("--blocks", type=int, default=12)
@@ -119,7 +122,8 @@ def main() -> int:
     try:
         configs = {
             variant: EngineConfig(
-                preset=args.preset, device=args.device, dtype=args.dtype, random_weights=args.random_weights,
+                preset=args.preset, model_dir=args.model, causal_weights=args.causal_weights,
+                device=args.device, dtype=args.dtype, random_weights=args.random_weights,
                 fp8=variant, sink_frames=args.sink_frames, window_frames=args.window_frames, height=args.height,
                 width=args.width, seed=args.seed, audio=False, compile_decoder=False, warmup_blocks=0,
             )
@@ -163,6 +167,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(config.device) if config.device.startswith("cuda") else "cpu",
         "preset": config.preset,
         "random_weights": config.random_weights,
+        "model_dir": None if config.model_dir is None else str(config.model_dir),
         "frame": f"{config.resolved_width}x{config.resolved_height}",
         "sink_frames": config.sink_frames,
         "window_frames": config.window_frames,
