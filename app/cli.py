@@ -37,6 +37,7 @@ _ENGINE_FLAGS = {
     "random_weights": "random_weights",
     "device": "device",
     "dtype": "dtype",
+    "fp8": "fp8",
     "height": "height",
     "width": "width",
     "sink_frames": "sink_frames",
@@ -137,7 +138,10 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
            help="seeded random weights for a preset without --model: benchmarks only, the output is noise")
     option("--device", default="cpu", help="torch device: cpu or cuda[:N]")
     option("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
-           help="weights and activations; bfloat16/float16 need cuda")
+           help="weights and activations; float16 needs cuda (bfloat16 runs on cpu too, slowly)")
+    option("--fp8", default="off", choices=["off", "linear", "attention", "all"],
+           help="FP8 for a bfloat16 DiT: linear = e4m3 weights and activations in every block's per-forward "
+                "matrix products (docs/FP8.md); attention and all are not available yet")
     option("--height", type=int, default=None, help="frame height in pixels, a multiple of 16 (default: the preset's)")
     option("--width", type=int, default=None, help="frame width in pixels, a multiple of 16 (default: the preset's)")
     option("--sink-frames", type=int, default=None,

@@ -6,6 +6,7 @@ This is the engine's job, not the model code's: the modules under ``engine/model
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -19,12 +20,15 @@ from engine.config import EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.dtypes import cast_keeping_fp32_modules
+from engine.models.fp8_linear import FP8Conversion, quantize_linears
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
 from engine.models.trained import trained_weights
+
+log = logging.getLogger("arstream.bundle")
 
 
 @dataclass
@@ -36,6 +40,7 @@ class ModelBundle:
     width: int
     audio_decoder: AudioStreamingDecoder | None = None
     audio_timing: AudioTiming | None = None
+    fp8: FP8Conversion | None = None  # what --fp8 linear converted; None when off
 
     @property
     def audio_channels(self) -> int | None:
@@ -75,6 +80,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
             text_encoder = trained.text_encoder()
         else:
             text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
+    fp8 = _quantize_dit(transformer, config)
     audio = None
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
@@ -105,7 +111,21 @@ def build_models(config: EngineConfig) -> ModelBundle:
         width=width,
         audio_decoder=audio[1] if audio else None,
         audio_timing=audio[2] if audio else None,
+        fp8=fp8,
     )
+
+
+def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> FP8Conversion | None:
+    """``fp8 = linear``: the DiT blocks' per-forward linears to FP8, on the cast, loaded weights (docs/FP8.md)."""
+    if config.fp8 == "off":
+        return None
+    conversion = quantize_linears(transformer.blocks)
+    log.info(
+        "fp8 linears",
+        extra={"layers_converted": conversion.converted, "weight_bytes_saved": conversion.bytes_saved,
+               "kept_bf16": conversion.kept},
+    )
+    return conversion
 
 
 VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface

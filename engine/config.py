@@ -28,6 +28,10 @@ PIXEL_ALIGNMENT = 16
 # which make noise (fine for benchmarks, never what a user means), so those must be asked for.
 PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
 
+# fp8 values reserved for the FP8 attention kernel, refused until it is wired in.
+FP8_NOT_YET = frozenset({"attention", "all"})
+FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
+
 
 class EngineConfig(BaseModel):
     """Everything the engine needs to build its model, pools and scheduler."""
@@ -43,6 +47,12 @@ class EngineConfig(BaseModel):
     )
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    fp8: Literal["off", "linear", "attention", "all"] = Field(
+        default="off",
+        description="FP8 (e4m3) for a bf16 DiT: linear: weights and activations of every block's per-forward linears "
+        "(attention projections and FFN; the text K/V projections stay bf16); attention / all: an FP8 attention "
+        "kernel (all: both), not available yet. Quality vs bf16: bench/fp8_quality.py (docs/FP8.md)",
+    )
     height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
     width: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048)
     fps: int = Field(default=16, ge=1, le=60)
@@ -131,6 +141,15 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"device {value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
         return value
 
+    @field_validator("fp8")
+    @classmethod
+    def _fp8_available(cls, value: str) -> str:
+        if value in FP8_NOT_YET:
+            raise ValueError(
+                f"fp8 {value!r} is not available yet (the FP8 attention kernel is not wired in); use 'linear' or 'off'"
+            )
+        return value
+
     @field_validator("timesteps")
     @classmethod
     def _timesteps_descending(cls, value: list[float]) -> list[float]:
@@ -146,8 +165,21 @@ class EngineConfig(BaseModel):
             value = getattr(self, name)
             if value is not None and value % PIXEL_ALIGNMENT:
                 raise ValueError(f"{name}={value} must be a multiple of {PIXEL_ALIGNMENT}")
-        if self.dtype != "float32" and not self.device.startswith("cuda"):
-            raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 on {self.device}")
+        # bfloat16 runs on the CPU too (slowly): bf16 and FP8 numerics are checked there against the same weights.
+        if self.dtype == "float16" and not self.device.startswith("cuda"):
+            raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 or bfloat16 on {self.device}")
+        if self.fp8 != "off" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"fp8={self.fp8} needs dtype=bfloat16 (FP8 quantizes a bf16 model's matrix products); "
+                f"got dtype={self.dtype}"
+            )
+        if self.fp8 != "off" and self.device.startswith("cuda"):
+            capability = torch.cuda.get_device_capability(self.device)
+            if capability < FP8_MIN_CAPABILITY:
+                raise ValueError(
+                    f"fp8={self.fp8} needs a GPU with FP8 matrix units (compute capability 8.9+: Ada, Hopper or "
+                    f"newer); {torch.cuda.get_device_name(self.device)} is {capability[0]}.{capability[1]}"
+                )
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:

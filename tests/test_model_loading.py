@@ -381,6 +381,27 @@ def test_causal_weights_named_in_arstream_json_run_a_block(model_dir, tmp_path):
     assert frames[0].shape == (9, 48, 64, 3)
 
 
+def test_fp8_quantizes_the_loaded_causal_weights(model_dir, tmp_path):
+    """fp8 = linear converts the weights the directory's causal file put in, not the ones they replaced."""
+    from engine.models.fp8_linear import FP8Linear
+
+    ema = original_state_dict(seed=2)
+    directory = linked_model_dir(model_dir, tmp_path / "m")
+    write_checkpoint(directory / "causal.safetensors", ema)
+    config = EngineConfig(model_dir=directory, causal_weights=directory / "causal.safetensors", dtype="bfloat16",
+                          fp8="linear", sink_frames=1, window_frames=2, **SMALL)
+    bundle = build_models(config)
+    assert bundle.fp8.converted == 8 * 2
+    layer = bundle.pipeline.transformer.transformer.blocks[1].ffn.net[2]
+    assert isinstance(layer, FP8Linear)
+    loaded = ema["blocks.1.ffn.2.weight"].bfloat16().float()
+    # e4m3 rounding of the loaded weight: within half a step (2^-4 relative; subnormals 2^-10 of the row scale)
+    bound = torch.maximum(2.0**-4 * loaded.abs(), 2.0**-10 * layer.weight_scale.t())
+    assert ((layer.dequantized_weight() - loaded).abs() <= bound).all()
+    frames = run_blocks(bundle.pipeline, bundle.decoder, blocks=1)
+    assert frames[0].shape == (9, 48, 64, 3)
+
+
 # --- errors ---------------------------------------------------------------------------------------------------
 
 
@@ -474,9 +495,9 @@ def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
     fails(mismatched, "d_model 32 does not match the transformer's text_dim 48")
 
     # a dtype this device cannot run: the config refuses it, and so does the loader on its own
-    with pytest.raises(ValidationError, match="dtype bfloat16 needs a CUDA device"):
-        EngineConfig(model_dir=model_dir, dtype="bfloat16")
-    fails(model_dir, "dtype torch.bfloat16 is not supported on the CPU", dtype=torch.bfloat16)
+    with pytest.raises(ValidationError, match="dtype float16 needs a CUDA device"):
+        EngineConfig(model_dir=model_dir, dtype="float16")
+    fails(model_dir, "dtype torch.float16 is not supported on the CPU", dtype=torch.float16)
 
 
 def test_config_errors_for_model_settings(model_dir, tmp_path):

@@ -151,8 +151,8 @@ def load_model_dir(
 
 def check_device_dtype(device: torch.device, dtype: torch.dtype) -> None:
     """Refuse a device/dtype pair the machine cannot run, before anything is read."""
-    if device.type == "cpu" and dtype != torch.float32:
-        raise ModelLoadError(f"dtype {dtype} is not supported on the CPU; use float32 there")
+    if device.type == "cpu" and dtype not in (torch.float32, torch.bfloat16):
+        raise ModelLoadError(f"dtype {dtype} is not supported on the CPU; use float32 or bfloat16 there")
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise ModelLoadError(f"device {device} requested, but this machine has no usable CUDA device")

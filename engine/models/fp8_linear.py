@@ -1,0 +1,181 @@
+"""FP8 (e4m3) weights and activations for a DiT block's matrix products: ``--fp8 linear``.
+
+A converted ``nn.Linear`` keeps its weight as ``float8_e4m3fn`` with one float32
+scale per output channel (``amax / 448`` over the input dim), quantized once at
+build time; the bf16 weight is dropped. Each forward quantizes its activation
+per row (token) with a dynamic scale (``amax / 448`` over the last dim) and runs
+``torch._scaled_mm`` with both rowwise scales, bias added in its epilogue, the
+output in the activation's dtype. Rowwise scales keep one outlier token or one
+large output channel from crushing the others' precision.
+
+On CUDA the activation's quantization (amax, scale, cast) is one compiled kernel
+(:class:`~engine.models.kernels.DeviceKernel`); :func:`quantize_rows` is its eager
+reference and what the CPU runs. Nothing here synchronises with the host or
+branches on tensor values: the forward runs inside CUDA graph captures.
+
+Only bf16 models are converted (the engine refuses other dtypes with FP8): on
+CUDA rowwise ``_scaled_mm`` writes bf16 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from engine.models.kernels import DeviceKernel
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# A zero row (or output channel) gets this amax instead of 0: its scale stays finite and its values quantize to 0.
+AMAX_FLOOR = 1e-12
+# _scaled_mm on CUDA needs the inner (K) and output (N) dims to be multiples of 16.
+ALIGNMENT = 16
+
+# The linears every forward of a Wan block runs; attn2.to_k / to_v project the text once per prompt, stay bf16.
+BLOCK_LINEARS = (
+    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
+    "attn2.to_q", "attn2.to_out.0",
+    "ffn.net.0.proj", "ffn.net.2",
+)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x [M, K]`` -> (``float8_e4m3fn [M, K]``, float32 scale ``[M, 1]``) with ``x ≈ q * scale`` per row.
+
+    The clamp guards the cast: division can land a hair above 448, and e4m3fn has no infinity.
+    """
+    amax = x.abs().amax(dim=-1, keepdim=True).float().clamp_min(AMAX_FLOOR)
+    scale = amax / FP8_MAX
+    quantized = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return quantized, scale
+
+
+# One compiled kernel for the process (dynamic shapes: every token count and width), eager off CUDA.
+_QUANTIZE_ROWS = DeviceKernel(quantize_rows)
+
+
+def fits_fp8(linear: nn.Linear) -> bool:
+    """Whether ``_scaled_mm`` takes this layer's shape (the same rule on every device, so CPU tests match CUDA)."""
+    return linear.in_features % ALIGNMENT == 0 and linear.out_features % ALIGNMENT == 0
+
+
+class FP8Linear(nn.Module):
+    """An ``nn.Linear`` with e4m3 weights (per-output-channel scale) and per-token e4m3 activations.
+
+    Layers whose in/out features are not multiples of 16 cannot run through
+    ``_scaled_mm`` on CUDA: :func:`quantize_linears` leaves those in bf16
+    (:func:`fits_fp8`); :meth:`from_linear` refuses them.
+    """
+
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight_fp8.shape
+        # Buffers, not parameters: nothing trains them. See _apply for why .to(dtype) leaves the first two alone.
+        self.register_buffer("weight_fp8", weight_fp8)  # [N, K] row-major: .t() is the column-major mat2
+        self.register_buffer("weight_scale", weight_scale)  # [1, N] float32
+        self.register_buffer("bias", bias)  # [N] in the activation dtype, or None
+
+    @classmethod
+    @torch.no_grad()
+    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"FP8Linear.from_linear needs an nn.Linear, got {type(linear).__name__}")
+        if not fits_fp8(linear):
+            raise ValueError(
+                f"Linear({linear.in_features}, {linear.out_features}): FP8 needs in and out features that are "
+                f"multiples of {ALIGNMENT} (torch._scaled_mm on CUDA)"
+            )
+        weight = linear.weight
+        if not weight.is_floating_point() or weight.dtype == FP8_DTYPE:
+            raise TypeError(f"FP8Linear.from_linear needs a float weight, got {weight.dtype}")
+        # Per output channel = per row of the [N, K] weight: the same function as the activations' per-token scale.
+        weight_fp8, scale = quantize_rows(weight)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        return cls(weight_fp8.contiguous(), scale.reshape(1, -1).contiguous(), bias)
+
+    def _apply(self, fn, recurse=True):
+        """Device moves apply to every buffer; a dtype cast (``.to(bf16)``, ``.float()``) only to the bias.
+
+        A cast would otherwise upcast the fp8 weight (float8 counts as floating point) and round the
+        float32 scales, and ``_scaled_mm`` would then refuse the weight.
+        """
+        weight, scale = self.weight_fp8, self.weight_scale
+        super()._apply(fn, recurse)
+        self.weight_fp8 = weight.to(self.weight_fp8.device)
+        self.weight_scale = scale.to(self.weight_scale.device)
+        return self
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weight and its scales (the bias is the same as the bf16 layer's)."""
+        return self.weight_fp8.nbytes + self.weight_scale.nbytes
+
+    def dequantized_weight(self) -> torch.Tensor:
+        """The float32 weight this layer multiplies by (``q * scale``): the reference for tests."""
+        return self.weight_fp8.float() * self.weight_scale.t()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"FP8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
+        # _scaled_mm is 2-D and wants a row-major mat1: flatten batch/sequence dims (a no-op copy when contiguous).
+        rows = x.reshape(-1, self.in_features).contiguous()
+        quantized, scale = _QUANTIZE_ROWS(rows)
+        out = torch._scaled_mm(
+            quantized,
+            self.weight_fp8.t(),
+            scale_a=scale,
+            scale_b=self.weight_scale,
+            bias=self.bias,
+            out_dtype=x.dtype,
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8=e4m3fn"
+
+
+@dataclass
+class FP8Conversion:
+    """What :func:`quantize_linears` did: layers converted, layers left bf16 (by name, and why), bytes saved."""
+
+    converted: int = 0
+    bytes_saved: int = 0
+    kept: list[str] = field(default_factory=list)
+
+
+def _parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:
+    parent, _, name = path.rpartition(".")
+    return (root.get_submodule(parent) if parent else root), name
+
+
+@torch.no_grad()
+def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, ...] = BLOCK_LINEARS) -> FP8Conversion:
+    """Replace, in every Wan transformer block, the linears at ``names`` by :class:`FP8Linear`, in place.
+
+    The bf16 weights are released (the blocks hold the fp8 ones only), so
+    memory measured after this sees the smaller model. A layer whose shape
+    ``_scaled_mm`` cannot take stays bf16 and is listed in ``kept``; a name a
+    block lacks, or that is not an ``nn.Linear``, is an error (a Wan variant
+    this code does not know).
+    """
+    result = FP8Conversion()
+    for index, block in enumerate(transformer_blocks):
+        for path in names:
+            parent, name = _parent_and_name(block, path)
+            linear = parent.get_submodule(name)
+            if isinstance(linear, FP8Linear):
+                raise ValueError(f"block {index} {path}: already FP8 (quantize_linears ran twice)")
+            if not isinstance(linear, nn.Linear):
+                raise TypeError(f"block {index} {path}: expected an nn.Linear, found {type(linear).__name__}")
+            if not fits_fp8(linear):
+                result.kept.append(f"blocks.{index}.{path} ({linear.in_features}->{linear.out_features})")
+                continue
+            fp8 = FP8Linear.from_linear(linear)
+            result.bytes_saved += linear.weight.nbytes - fp8.weight_bytes
+            result.converted += 1
+            # ModuleList children are named "0", "1", ...: setattr replaces them as it does attributes.
+            setattr(parent, name, fp8)
+    return result
