@@ -1,0 +1,370 @@
+"""FP8 Triton attention (engine/models/fp8_attention.py) against bf16 cuDNN SDPA, at Wan 2.1 1.3B / 832x480.
+
+Shape: batch 1, 12 heads of 128, 4680 queries (3 latent frames x 1560 tokens), keys Sk in {4680, 18720,
+32760}, K/V as the engine holds them (slices of a [2, S_max, H, D] buffer). Per Sk: the cuDNN baseline, a sweep
+of kernel configs on pre-quantized inputs (each: median ms, TFLOP/s = 4*Sq*Sk*H*D / t, relative error vs float32
+attention of the original inputs and vs the cuDNN output, NaN count of an output poisoned with NaN, wgmma in
+the PTX), three variants of the best config (precise PV accumulation, no P scaling, v not transposed), the
+quantize cost (inside a CUDA graph, which also checks it captures) and the end-to-end fp8_attention. One JSON
+line per Sk on stdout, appended to --out, then a summary line; progress on stderr. A failing variant records
+its error and the run goes on; variants past --budget-s are recorded as skipped.
+
+    python3 bench/fp8_attention_gpu.py --out $OUT/fp8attn.jsonl
+    python3 bench/fp8_attention_gpu.py --compile-only                    # no GPU: cross-compile for sm_90
+    TRITON_INTERPRET=1 python3 bench/fp8_attention_gpu.py --smoke         # no GPU: this script's code paths
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, replace
+
+sys.path.insert(0, ".")
+
+import torch
+import torch.nn.functional as F
+import triton
+
+from engine.models import fp8_attention as fa
+
+C = fa.Fp8AttentionConfig
+# Pruned from BLOCK_M {64,128} x BLOCK_N {64,128} x warps {4,8} x stages {2,3,4}: 8 warps only with a 128-row
+# block (one warpgroup per 64 rows), 4 warps for 64-row blocks; stages bounded by shared memory (227 KB).
+SWEEP = (
+    C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 64, 8, 4),
+    C(128, 64, 4, 3), C(128, 64, 4, 4), C(64, 128, 4, 3), C(64, 64, 4, 3), C(64, 64, 4, 4),
+)
+SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2))
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
+GOOD_ENOUGH = 0.1  # a config whose error vs float32 exceeds this is broken, not fast
+
+
+@dataclass(frozen=True)
+class Shape:
+    batch: int
+    sq: int
+    heads: int
+    head_dim: int
+    sk_values: tuple[int, ...]
+
+    def tflops(self, ms: float, sk: int) -> float:
+        return 4 * self.batch * self.sq * sk * self.heads * self.head_dim / (ms * 1e-3) / 1e12
+
+
+WAN_480P = Shape(batch=1, sq=4680, heads=12, head_dim=128, sk_values=(4680, 18720, 32760))
+SMOKE = Shape(batch=1, sq=100, heads=2, head_dim=32, sk_values=(150, 300))
+
+
+def log(message: str) -> None:
+    print(f"[fp8attn {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def describe(error: BaseException, limit: int = 2000) -> str:
+    return f"{type(error).__name__}: {error}"[:limit]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# --- what the compiled kernel is --------------------------------------------------------------------------
+
+
+def kernel_facts(compiled) -> dict:
+    """wgmma (Hopper's async tensor-core path) or only mma.sync in the PTX, shared memory, registers, spills."""
+    if compiled is None or not hasattr(compiled, "asm"):  # the interpreter compiles nothing
+        return {}
+    facts = {}
+    try:
+        ptx = compiled.asm.get("ptx", "")
+        facts.update(wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx, shared_bytes=compiled.metadata.shared)
+        for name in ("n_regs", "n_spills"):  # filled in when the kernel is loaded on a device
+            facts[name] = getattr(compiled, name, None)
+    except Exception as error:  # noqa: BLE001 - facts are extras; never lose the timing for them
+        facts["facts_error"] = describe(error, 500)
+    return facts
+
+
+def cubin_usage(compiled) -> dict:
+    """Registers / stack of the cubin, by the cuobjdump that ships with Triton (no GPU needed)."""
+    from triton.backends import nvidia
+
+    tool = os.path.join(os.path.dirname(nvidia.__file__), "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(compiled.asm["cubin"])
+        file.flush()
+        command = [tool, "--dump-resource-usage", file.name]
+        text = subprocess.run(command, capture_output=True, text=True, check=False).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", text)
+    return {"regs": int(found[1]), "stack_bytes": int(found[2]), "local_bytes": int(found[3])} if found else {}
+
+
+def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_transposed: bool = True, arch: int = 90):
+    """Compile the kernel for sm_``arch`` without a GPU, specialised as a launch on the bench's tensors would be."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = fa._attn_fwd
+    pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
+                "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32"}
+    constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
+                 "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv,
+                 ("stride_vs" if v_transposed else "stride_vd"): 1}  # Triton makes an int equal to 1 a constant
+    signature, attrs = {}, {}
+    for index, name in enumerate(fn.arg_names):
+        if name in constants:
+            signature[name] = "constexpr"
+            continue
+        signature[name] = pointers.get(name, "fp32" if name == "sm_scale" else "i32")
+        if name not in ("H", "SQ", "SK", "sm_scale"):  # H = 12; SQ, SK are not specialised; the rest divide by 16
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+
+
+def compile_only() -> None:
+    variants = [(config, True) for config in SWEEP]
+    variants += [(replace(SWEEP[0], precise_pv=True), True), (SWEEP[0], False)]
+    for config, v_transposed in variants:
+        row = {**asdict(config), "v_layout": "transposed" if v_transposed else "natural"}
+        try:
+            started = time.monotonic()
+            compiled = cross_compile(config, v_transposed=v_transposed)
+            row.update(compile_s=round(time.monotonic() - started, 2), **kernel_facts(compiled))
+            row.update(cubin_usage(compiled))
+            del row["n_regs"], row["n_spills"]
+        except Exception as error:  # noqa: BLE001 - report every variant
+            row["error"] = describe(error)
+        print(json.dumps(row), flush=True)
+
+
+# --- timing -------------------------------------------------------------------------------------------------
+
+
+def time_ms(fn, device: torch.device, warmup: int = 10, rep: int = 50) -> float:
+    """Median ms: Triton's do_bench on CUDA (L2 flushed between calls), wall clock elsewhere (smoke runs)."""
+    if device.type == "cuda":
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    times = []
+    for _ in range(3):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1e3)
+    return sorted(times)[1]
+
+
+def time_graphed_ms(fn, replays: int = 20) -> float:
+    """Capture one call of ``fn`` in a CUDA graph (so it must be capturable), replay it, mean ms per replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
+def float32_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Reference: float32 softmax attention in query chunks (TF32 off), [B, S, H, D]."""
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    for start in range(0, q.shape[2], chunk):
+        scores = torch.matmul(q[:, :, start:start + chunk], k.transpose(-1, -2)) * scale
+        out[:, :, start:start + chunk] = torch.matmul(torch.softmax(scores, dim=-1), v)
+    return out.transpose(1, 2)
+
+
+class Budget:
+    def __init__(self, seconds: float) -> None:
+        self.deadline = time.monotonic() + seconds
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+
+# --- the measurements ---------------------------------------------------------------------------------------
+
+
+def run_config(config, quantized, ref32, ref_cudnn, sk, shape: Shape, budget: Budget) -> dict:
+    row = asdict(config)
+    row["v_layout"] = "transposed" if quantized[4].stride(1) == 1 else "natural"
+    if budget.left() <= 0:
+        row["error"] = "skipped: time budget"
+        return row
+    device = quantized[0].device
+    try:
+        out = torch.full(quantized[0].shape, float("nan"), dtype=torch.bfloat16, device=device)  # poisoned
+        _, compiled = fa._launch(*quantized, out, config)
+        sync(device)
+        nan_count = int(out.isnan().sum().item())
+        row.update(nan_count=nan_count, all_written_no_nan=nan_count == 0,
+                   rel_err_fp32=rel_err(out, ref32), **kernel_facts(compiled))
+        if ref_cudnn is not None:
+            row["rel_err_cudnn"] = rel_err(out, ref_cudnn)
+        row["ms"] = time_ms(lambda: fa.fp8_attention_quantized(*quantized, out=out, config=config), device)
+        row["tflops"] = shape.tflops(row["ms"], sk)
+    except Exception as error:  # noqa: BLE001 - one failing variant must not end the run
+        row["error"] = describe(error)
+        sync(device)
+    return row
+
+
+def time_quantize(q, k, v, device: torch.device) -> dict:
+    quantize = {}
+    for name, fn in (("q", lambda: fa.quantize_per_head(q)),
+                     ("kv", lambda: (fa.quantize_per_head(k), fa.quantize_per_head(v, transpose=True)))):
+        try:
+            if device.type != "cuda":
+                raise RuntimeError("CUDA graphs need CUDA")
+            quantize[f"{name}_ms_graphed"] = time_graphed_ms(fn)
+        except Exception as error:  # noqa: BLE001 - not capturable is a finding; time it eagerly then
+            quantize[f"{name}_graph_error"] = describe(error, 1000)
+            sync(device)
+            try:
+                quantize[f"{name}_ms"] = time_ms(fn, device)
+            except Exception as again:  # noqa: BLE001
+                quantize[f"{name}_error"] = describe(again, 1000)
+    return quantize
+
+
+def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget: Budget) -> dict:
+    record = {"sk": sk, "sq": shape.sq, "batch": shape.batch, "heads": shape.heads, "head_dim": shape.head_dim, **env}
+    generator = torch.Generator(device=device).manual_seed(sk)
+    dims = (shape.heads, shape.head_dim)
+    q = torch.randn(shape.batch, shape.sq, *dims, device=device, generator=generator).bfloat16()
+    kv_buffer = torch.randn(2, max(shape.sk_values), *dims, device=device, generator=generator).bfloat16()
+    k, v = kv_buffer[0, :sk].unsqueeze(0), kv_buffer[1, :sk].unsqueeze(0)  # strided over S, as the engine's
+    if shape.batch != 1:
+        raise ValueError("the bench's K/V are batch 1, as the engine's")
+    ref32 = float32_attention(q, k, v)
+
+    ref_cudnn = None
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def cudnn():
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+        ref_cudnn = cudnn().transpose(1, 2)
+        ms = time_ms(cudnn, device)
+        record["cudnn"] = {"ms": ms, "tflops": shape.tflops(ms, sk), "rel_err_fp32": rel_err(ref_cudnn, ref32)}
+    except Exception as error:  # noqa: BLE001
+        record["cudnn"] = {"error": describe(error)}
+    log(f"Sk={sk} cuDNN {record['cudnn']}")
+
+    quantized = (*fa.quantize_per_head(q), *fa.quantize_per_head(k), *fa.quantize_per_head(v, transpose=True))
+    dequantized = [fa.dequantize_per_head(quantized[i], quantized[i + 1]) for i in (0, 2, 4)]
+    record["rel_err_fp32_of_dequantized_inputs"] = rel_err(float32_attention(*dequantized), ref32)
+    del dequantized
+    record["quantize"] = time_quantize(q, k, v, device)
+    log(f"Sk={sk} quantize {record['quantize']}")
+
+    rows = []
+    for config in sweep:
+        rows.append(run_config(config, quantized, ref32, ref_cudnn, sk, shape, budget))
+        log(f"Sk={sk} {rows[-1]}")
+    good = [row for row in rows if "ms" in row and row["nan_count"] == 0 and row["rel_err_fp32"] < GOOD_ENOUGH]
+    best_row = min(good, key=lambda row: row["ms"]) if good else None
+    if best_row is not None:
+        best = C(*(best_row[key] for key in CONFIG_KEYS))
+        natural_v = (*quantized[:4], quantized[4].contiguous(), quantized[5])  # D contiguous, as Blackwell allows
+        for config, inputs in ((replace(best, precise_pv=True), quantized), (replace(best, p_shift=0), quantized),
+                               (best, natural_v)):
+            rows.append(run_config(config, inputs, ref32, ref_cudnn, sk, shape, budget))
+            log(f"Sk={sk} variant {rows[-1]}")
+        record["best"] = best_row
+        if "ms" in record["cudnn"]:
+            record["speedup_vs_cudnn"] = record["cudnn"]["ms"] / best_row["ms"]
+        try:
+            end_to_end = fa.fp8_attention(q, k, v, config=best)
+            ms = time_ms(lambda: fa.fp8_attention(q, k, v, config=best), device)
+            record["end_to_end"] = {
+                "ms": ms, "tflops": shape.tflops(ms, sk), "rel_err_fp32": rel_err(end_to_end, ref32),
+                "nan_count": int(end_to_end.isnan().sum().item()),
+            }
+            if "ms" in record["cudnn"]:
+                record["end_to_end"]["speedup_vs_cudnn"] = record["cudnn"]["ms"] / ms
+        except Exception as error:  # noqa: BLE001
+            record["end_to_end"] = {"error": describe(error)}
+    record["configs"] = rows
+    return record
+
+
+def emit(line: str, out_path: str | None) -> None:
+    print(line, flush=True)
+    if out_path:
+        with open(out_path, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=None, help="append the JSON lines to this file")
+    parser.add_argument("--budget-s", type=float, default=130.0, help="skip variants after this many seconds")
+    parser.add_argument("--compile-only", action="store_true", help="cross-compile the sweep for sm_90, no GPU")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    args = parser.parse_args()
+    if args.compile_only:
+        compile_only()
+        return
+    budget = Budget(args.budget_s)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if args.smoke:
+        from tests.test_fp8_attention import _patch_interpreter
+
+        _patch_interpreter()  # the interpreter's fp8 / bf16 casts and NumPy 2.4 (see the test's docstring)
+        shape, sweep, device = SMOKE, SMOKE_SWEEP, torch.device("cpu")
+        env = {"torch": torch.__version__, "triton": triton.__version__, "device": "cpu (Triton interpreter)"}
+    else:
+        shape, sweep, device = WAN_480P, SWEEP, torch.device("cuda")
+        env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
+               "capability": list(torch.cuda.get_device_capability())}
+    log(f"start {env}")
+    summary = {"summary": True, **env, "per_sk": []}
+    for sk in shape.sk_values:
+        try:
+            record = run_sk(sk, shape, sweep, env, device, budget)
+        except Exception as error:  # noqa: BLE001 - the other Sk still run
+            record = {"sk": sk, **env, "error": describe(error)}
+        emit(json.dumps(record), args.out)
+        best = record.get("best") or {}
+        summary["per_sk"].append({
+            "sk": sk, "cudnn_ms": record.get("cudnn", {}).get("ms"), "best_ms": best.get("ms"),
+            "best_tflops": best.get("tflops"), "speedup_vs_cudnn": record.get("speedup_vs_cudnn"),
+            "best_config": {key: best.get(key) for key in CONFIG_KEYS} if best else None,
+            "best_rel_err_fp32": best.get("rel_err_fp32"), "best_wgmma": best.get("wgmma"),
+            "end_to_end_ms": record.get("end_to_end", {}).get("ms"), "error": record.get("error"),
+        })
+        log(f"Sk={sk} done, {budget.left():.0f} s of budget left")
+    emit(json.dumps(summary), args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""FP8 attention (engine/models/fp8_attention.py) on CPU: the real Triton kernel through the Triton interpreter.
+
+``TRITON_INTERPRET=1`` has to be set before Triton is imported, so the kernel runs in one subprocess (this file
+run as a script) that reports its measurements as JSON; the tests here assert on them. Quantization, argument
+checks and the import without Triton run in this process.
+
+The subprocess patches two defects of Triton 3.6's interpreter (not of the GPU compiler):
+
+* its float32 -> fp8 / bf16 casts drop the carry when rounding up crosses a power of two (0.121 becomes
+  0.0625 in e4m3), so they are replaced by torch's round-to-nearest-even casts, which is what the sm_90
+  kernel's ``cvt.rn.satfinite.e4m3x2.f32`` computes for the |P| <= 256 it casts (and ``cvt.rn.bf16`` for out);
+* ``range()`` over a runtime bound calls ``int()`` on a 1-element array, which NumPy >= 2.4 refuses.
+
+Error bounds, for i.i.d. Gaussian inputs (the worst case for relative error: the attention-weighted mean of
+random v nearly cancels, so the output is as small as the rounding noise is relative to v). e4m3 keeps 3
+mantissa bits: a rounded value's relative error is uniform within half an ulp, RMS ≈ 2^-3/√12 / 1.4 ≈ 2.6%.
+
+* vs the kernel's own algorithm emulated in torch (same key blocks, same P scaling and e4m3 rounding): only
+  float32 summation order differs, measured ~1e-7; 1e-3 leaves room for a few P values that round the other
+  way and still catches any masking / scaling / indexing slip (those cost percents).
+* vs exact float32 attention of the dequantized q, k, v: the one extra rounding is P's, ~2.6% per element
+  (less on the row max, which is a power of two): measured 2.1%, bound 3.5%.
+* vs exact attention of the original bf16 inputs: q and k's roundings perturb each logit by ≈ √2 · 2.6% of
+  it (≈ 3.7% of a unit logit), v's and P's add 2.6% and 2.1%: ≈ 5% in all, measured 5.3%, bound 7%.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+import torch
+
+from engine.models import fp8_attention as fa
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# --- run in the interpreter subprocess ------------------------------------------------------------------
+
+
+def _patch_interpreter() -> None:
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert, patch_tensor = interpreter._convert_float, interpreter._patch_lang_tensor  # fail loudly if renamed
+
+    torch_types = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
+
+    def convert_rne(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype == tl.float32 and output_dtype in torch_types:
+            dtype, bits = torch_types[output_dtype]
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            return values.to(dtype).view(bits).numpy()
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._convert_float = convert_rne
+    interpreter._patch_lang_tensor = patch_tensor_index
+
+
+def _float32_attention(q, k, v):
+    q, k, v = (x.float().transpose(1, 2) for x in (q, k, v))
+    return torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1]), dim=-1).matmul(v).transpose(1, 2)
+
+
+def _emulate_kernel(q8, q_scale, k8, k_scale, v8, v_scale, config):
+    """The kernel's online softmax in torch float32: same key blocks, same P scaling and e4m3 rounding of P."""
+    q, k, v = (x.float().transpose(1, 2) for x in (q8, k8, v8))
+    c = (q_scale * k_scale)[:, :, None, None] / math.sqrt(q.shape[-1]) * fa.LOG2E
+    m = torch.full((*q.shape[:3], 1), -math.inf)
+    l = torch.zeros_like(m)
+    acc = torch.zeros_like(q)
+    for start in range(0, k.shape[2], config.block_n):
+        qk = q @ k[:, :, start:start + config.block_n].transpose(-1, -2)
+        m_new = torch.maximum(m, qk.amax(-1, keepdim=True) * c)
+        p = torch.exp2(qk * c - (m_new - config.p_shift))
+        alpha = torch.exp2(m - m_new)
+        l = l * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + p.to(torch.float8_e4m3fn).float() @ v[:, :, start:start + config.block_n]
+        m = m_new
+    return (acc * v_scale[:, :, None, None] / l).transpose(1, 2)
+
+
+def _rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _case(batch, sq, sk, heads, head_dim, config, *, seed, q_gain=1.0, natural_v=False) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    q = (q_gain * torch.randn(batch, sq, heads, head_dim, generator=generator)).bfloat16()
+    # K/V as the engine holds them: a prefix of a longer [2, S_max, H, D] buffer, strided over S.
+    buffer = torch.randn(batch, 2, sk + 37, heads, head_dim, generator=generator).bfloat16()
+    k, v = buffer[:, 0, :sk], buffer[:, 1, :sk]
+    q8, qs = fa.quantize_per_head(q)
+    k8, ks = fa.quantize_per_head(k)
+    v8, vs = fa.quantize_per_head(v, transpose=not natural_v)
+    out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16)  # poisoned: every element must be written
+    returned = fa.fp8_attention_quantized(q8, qs, k8, ks, v8, vs, out=out, config=config)
+    emulated = _emulate_kernel(q8, qs, k8, ks, v8, vs, config)
+    dequantized = [fa.dequantize_per_head(x, s) for x, s in ((q8, qs), (k8, ks), (v8, vs))]
+    # out is bf16: compare the emulation rounded the same way.
+    return {
+        "nan_count": int(out.isnan().sum()),
+        "returned_out": returned is out,
+        "v_key_stride": v8.stride(1),
+        "rel_vs_emulation": _rel(out, emulated.bfloat16()),
+        "rel_vs_dequantized": _rel(out, _float32_attention(*dequantized)),
+        "rel_vs_original": _rel(out, _float32_attention(q, k, v)),
+        "out": out.float().flatten().tolist() if natural_v or sq * heads * head_dim <= 20000 else None,
+    }
+
+
+def _interpreter_checks() -> dict:
+    _patch_interpreter()
+    assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
+    C = fa.Fp8AttentionConfig
+    tails = C(64, 32, 4, 2)
+    results = {
+        # Query tail (100 = 64 + 36) and key tail (300 = 9 * 32 + 12), batch 2, strided K/V.
+        "tails": _case(2, 100, 300, 2, 32, tails, seed=1),
+        "tails_natural_v": _case(2, 100, 300, 2, 32, tails, seed=1, natural_v=True),
+        "keys_fewer_than_a_block": _case(1, 20, 20, 2, 32, tails, seed=2),
+        "no_key_tail": _case(1, 64, 256, 2, 64, C(64, 64, 4, 2), seed=3),
+        "head_dim_128_default_config": _case(1, 40, 200, 1, 128, fa.default_config(128), seed=4),
+    }
+    for shift in (0, 8):  # peaked softmax: many P far below the row max, where e4m3 runs out of exponent
+        config = C(64, 64, 4, 2, p_shift=shift)
+        results[f"peaked_p_shift_{shift}"] = _case(1, 64, 512, 2, 64, config, seed=5, q_gain=4.0)
+
+    generator = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, s, 2, 64, generator=generator).bfloat16() for s in (50, 130, 130))
+    out = fa.fp8_attention(q, k, v)
+    results["end_to_end"] = {
+        "dtype": str(out.dtype), "shape": list(out.shape), "nan_count": int(out.isnan().sum()),
+        "rel_vs_original": _rel(out, _float32_attention(q, k, v)),
+    }
+    return results
+
+
+# --- the tests --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=240, check=False)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+TAIL_CASES = ("tails", "keys_fewer_than_a_block", "no_key_tail", "head_dim_128_default_config")
+
+
+@pytest.mark.parametrize("name", TAIL_CASES)
+def test_kernel_writes_every_element_and_matches_its_emulation(interpreted, name):
+    case = interpreted[name]
+    assert case["nan_count"] == 0 and case["returned_out"]
+    assert case["rel_vs_emulation"] < 1e-3, case
+
+
+@pytest.mark.parametrize("name", TAIL_CASES)
+def test_kernel_vs_float32_attention_of_the_dequantized_inputs(interpreted, name):
+    assert interpreted[name]["rel_vs_dequantized"] < 0.035, interpreted[name]
+
+
+@pytest.mark.parametrize("name", TAIL_CASES)
+def test_kernel_vs_attention_of_the_original_inputs(interpreted, name):
+    assert interpreted[name]["rel_vs_original"] < 0.07, interpreted[name]
+
+
+def test_transposed_v_is_key_contiguous_and_computes_the_same(interpreted):
+    assert interpreted["tails"]["v_key_stride"] == 1
+    assert interpreted["tails_natural_v"]["v_key_stride"] != 1
+    assert interpreted["tails_natural_v"]["out"] == interpreted["tails"]["out"]
+
+
+def test_p_scaling_helps_a_peaked_softmax(interpreted):
+    unscaled, scaled = interpreted["peaked_p_shift_0"], interpreted["peaked_p_shift_8"]
+    assert scaled["nan_count"] == 0 and scaled["rel_vs_emulation"] < 1e-3
+    assert scaled["rel_vs_dequantized"] < unscaled["rel_vs_dequantized"]
+
+
+def test_fp8_attention_end_to_end(interpreted):
+    result = interpreted["end_to_end"]
+    assert result["dtype"] == "torch.bfloat16" and result["shape"] == [1, 50, 2, 64]
+    assert result["nan_count"] == 0 and result["rel_vs_original"] < 0.07
+
+
+def test_quantize_per_head_roundtrip_and_scale():
+    x = torch.randn(2, 50, 3, 32).bfloat16() * torch.tensor([0.01, 1.0, 30.0]).view(1, 1, 3, 1)
+    x8, scale = fa.quantize_per_head(x)
+    assert x8.dtype == torch.float8_e4m3fn and x8.shape == x.shape
+    assert scale.shape == (2, 3) and scale.dtype == torch.float32
+    amax = x.float().abs().amax(dim=(1, 3))
+    torch.testing.assert_close(scale, amax / 448)
+    assert torch.equal(x8.float().abs().amax(dim=(1, 3)), torch.full((2, 3), 448.0))  # amax maps to 448
+    error = (fa.dequantize_per_head(x8, scale) - x.float()).abs()
+    # Round to nearest: half an ulp, 2^-4 of |x| for normals; the subnormal step is 2^-9 * scale.
+    bound = torch.maximum(x.float().abs() * 2**-4, scale[:, None, :, None] * 2**-10) * (1 + 1e-6)
+    assert (error <= bound).all()
+    assert _rel(fa.dequantize_per_head(x8, scale), x) < 0.035
+
+
+def test_quantize_transposed_strided_input():
+    buffer = torch.randn(2, 90, 2, 64).bfloat16()
+    x = buffer[0, :70].unsqueeze(0)  # the engine's K/V: a strided prefix of a longer buffer
+    plain, scale = fa.quantize_per_head(x.contiguous())
+    transposed, scale_t = fa.quantize_per_head(x, transpose=True)
+    assert transposed.shape == x.shape and transposed.stride(1) == 1
+    assert transposed.stride(3) % 16 == 0  # each head_dim row of the buffer starts 16-byte aligned
+    assert torch.equal(scale, scale_t) and torch.equal(transposed.float(), plain.float())
+
+
+def test_quantize_zero_input_is_finite():
+    x = torch.randn(1, 20, 2, 32).bfloat16()
+    x[:, :, 1] = 0  # one all-zero head
+    x8, scale = fa.quantize_per_head(x, transpose=True)
+    assert torch.isfinite(scale).all() and scale[0, 1] == 1.0
+    assert torch.isfinite(x8.float()).all() and (x8[:, :, 1].float() == 0).all()
+    zeros8, zero_scale = fa.quantize_per_head(torch.zeros(1, 8, 2, 32))
+    assert (zeros8.float() == 0).all() and (zero_scale == 1).all()
+
+
+def test_bad_head_dims_raise():
+    for head_dim in (48, 256):
+        x = torch.randn(1, 8, 2, head_dim).bfloat16()
+        with pytest.raises(ValueError, match="head_dim"):
+            fa.quantize_per_head(x)
+        with pytest.raises(ValueError, match="head_dim"):
+            fa.fp8_attention(x, x, x)
+    with pytest.raises(ValueError, match="head_dim"):
+        fa.default_config(96)
+
+
+def test_shape_and_argument_mismatches_raise():
+    q, k = torch.randn(1, 8, 2, 32).bfloat16(), torch.randn(1, 12, 2, 32).bfloat16()
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fa.fp8_attention(q, k, k[:, :10])
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fa.fp8_attention(q, torch.randn(1, 12, 3, 32).bfloat16(), torch.randn(1, 12, 3, 32).bfloat16())
+    with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
+        fa.fp8_attention(q[0], k[0], k[0])
+    q8, qs = fa.quantize_per_head(q)
+    k8, ks = fa.quantize_per_head(k)
+    v8, vs = fa.quantize_per_head(k, transpose=True)
+    with pytest.raises(ValueError, match="float8"):
+        fa.fp8_attention_quantized(q, qs, k8, ks, v8, vs)
+    with pytest.raises(ValueError, match="k_scale"):
+        fa.fp8_attention_quantized(q8, qs, k8, ks[:, :1], v8, vs)
+    with pytest.raises(ValueError, match="shape mismatch"):
+        fa.fp8_attention_quantized(q8, qs, k8[:, :5], ks, v8, vs)
+    with pytest.raises(ValueError, match="block_n"):
+        fa.Fp8AttentionConfig(64, 16, 4, 2)
+
+
+def test_cpu_without_the_interpreter_raises_a_clear_error():
+    if fa._interpreted():
+        pytest.skip("this session runs Triton interpreted")
+    q = torch.randn(1, 8, 2, 32).bfloat16()
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        fa.fp8_attention(q, q, q)
+
+
+def test_the_sweep_compiles_for_sm90_with_wgmma(tmp_path):
+    """No GPU needed: Triton cross-compiles for sm_90 (its wheel ships ptxas), so the GPU path is checked here."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run([sys.executable, "bench/fp8_attention_gpu.py", "--compile-only"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(rows) > 5 and all("error" not in row for row in rows), rows
+    # Both products on Hopper's fp8 wgmma, none on the mma.sync fallback (v transposed or not).
+    assert all(row["wgmma"] and not row["mma_sync"] for row in rows), rows
+    default = fa.default_config(128)
+    [row] = [r for r in rows if r["v_layout"] == "transposed" and not r["precise_pv"]
+             and (r["block_m"], r["block_n"], r["num_warps"], r["num_stages"])
+             == (default.block_m, default.block_n, default.num_warps, default.num_stages)]
+    assert row["stack_bytes"] == 0 and row["local_bytes"] == 0  # no register spills in the default config
+
+
+def test_module_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"  # makes `import triton` raise ImportError
+        "import torch\n"
+        "import engine.models.fp8_attention as fa\n"
+        "assert fa.triton is None\n"
+        "x = torch.randn(1, 8, 2, 32).bfloat16()\n"
+        "fa.quantize_per_head(x, transpose=True)\n"
+        "try:\n    fa.fp8_attention(x, x, x)\nexcept RuntimeError as e:\n    assert 'Triton' in str(e)\n"
+        "else:\n    raise SystemExit('no error without triton')\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("TRITON_INTERPRET", None)
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:
+    print(json.dumps(_interpreter_checks()))
