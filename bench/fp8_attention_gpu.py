@@ -114,41 +114,74 @@ def cubin_usage(compiled) -> dict:
 
 def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_transposed: bool = True, arch: int = 90):
     """Compile the kernel for sm_``arch`` without a GPU, specialised as a launch on the bench's tensors would be."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     fn = fa._attn_fwd
-    pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16",
-                "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32"}
+    pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "QScale": "*fp32",
+                "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32", "VScaleC": "*fp32"}
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
                  "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv,
                  ("stride_vs" if v_transposed else "stride_vd"): 1}  # Triton makes an int equal to 1 a constant
+    # H = 12; SQ, SK, SH are not specialised; the rest divide by 16
+    return _compile(fn, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale"), config.num_warps,
+                    config.num_stages, arch)
+
+
+def _compile(fn, pointers: dict, constants: dict, unaligned: tuple[str, ...], num_warps: int, num_stages: int,
+             arch: int):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
     signature, attrs = {}, {}
     for index, name in enumerate(fn.arg_names):
         if name in constants:
             signature[name] = "constexpr"
             continue
         signature[name] = pointers.get(name, "fp32" if name == "sm_scale" else "i32")
-        if name not in ("H", "SQ", "SK", "sm_scale"):  # H = 12; SQ, SK are not specialised; the rest divide by 16
+        if name not in unaligned:
             attrs[(index,)] = [["tt.divisibility", 16]]
     return triton.compile(ASTSource(fn, signature, constants, attrs), target=GPUTarget("cuda", arch, 32),
-                          options={"num_warps": config.num_warps, "num_stages": config.num_stages})
+                          options={"num_warps": num_warps, "num_stages": num_stages})
+
+
+def cross_compile_quantizer(*, transposed: bool, head_dim: int = 128, arch: int = 90) -> list:
+    """Both passes of quantize_per_head_into for sm_``arch``, specialised as on the engine's K rows (``transposed``
+    False: the destination's head_dim contiguous) or its transposed V (the key axis contiguous)."""
+    pointers = {"X": "*bf16", "Dst": "*fp8e4nv", "Partial": "*fp32", "Scale": "*fp32"}
+    constants = {"HEAD_DIM": head_dim, "BLOCK_S": fa._QUANT_BLOCK_S, "BLOCK_P": fa._QUANT_MAX_PARTS,
+                 "stride_xd": 1, "stride_sh": 1, ("stride_ys" if transposed else "stride_yd"): 1}
+    unaligned = ("H", "S", "NUM_PARTS", "ROWS_PER_PART")
+    return [_compile(fn, pointers, {k: v for k, v in constants.items() if k in fn.arg_names}, unaligned, 4, 1, arch)
+            for fn in (fa._amax_partials, fa._quantize_cast)]
 
 
 def compile_only() -> None:
-    variants = [(config, True) for config in SWEEP]
-    variants += [(replace(SWEEP[0], precise_pv=True), True), (SWEEP[0], False)]
-    for config, v_transposed in variants:
-        row = {**asdict(config), "v_layout": "transposed" if v_transposed else "natural"}
+    """One JSON line per compiled kernel: ``kernel`` "attention" (the sweep at head_dim 128, two variants, the
+    other head dims' default configs) or "quantize" (both passes, per destination layout)."""
+    variants = [(config, True, 128) for config in SWEEP]
+    variants += [(replace(SWEEP[0], precise_pv=True), True, 128), (SWEEP[0], False, 128)]
+    variants += [(fa.default_config(head_dim), True, head_dim) for head_dim in (32, 64)]  # tiny preset: 32
+    for config, v_transposed, head_dim in variants:
+        row = {"kernel": "attention", "head_dim": head_dim, **asdict(config),
+               "v_layout": "transposed" if v_transposed else "natural"}
         try:
             started = time.monotonic()
-            compiled = cross_compile(config, v_transposed=v_transposed)
+            compiled = cross_compile(config, head_dim=head_dim, v_transposed=v_transposed)
             row.update(compile_s=round(time.monotonic() - started, 2), **kernel_facts(compiled))
             row.update(cubin_usage(compiled))
             del row["n_regs"], row["n_spills"]
         except Exception as error:  # noqa: BLE001 - report every variant
             row["error"] = describe(error)
         print(json.dumps(row), flush=True)
+    for transposed in (False, True):
+        for head_dim in (32, 128):
+            row = {"kernel": "quantize", "head_dim": head_dim, "layout": "transposed" if transposed else "natural"}
+            try:
+                passes = cross_compile_quantizer(transposed=transposed, head_dim=head_dim)
+                usage = [cubin_usage(compiled) for compiled in passes]
+                row.update(regs=max(u["regs"] for u in usage), stack_bytes=max(u["stack_bytes"] for u in usage),
+                           local_bytes=max(u["local_bytes"] for u in usage))
+            except Exception as error:  # noqa: BLE001
+                row["error"] = describe(error)
+            print(json.dumps(row), flush=True)
 
 
 # --- timing -------------------------------------------------------------------------------------------------

@@ -83,17 +83,23 @@ class Fp8AttentionConfig:
             raise ValueError(f"p_shift must be in 0..8 (2**p_shift <= 448), got {self.p_shift}")
 
 
-# Until the GPU bench (bench/fp8_attention_gpu.py) says otherwise: for head_dim 128, cross-compiled for sm_90
-# (its --compile-only), 128x64 with 8 warps takes 187 registers and no stack, 128x128 hits 255 and spills.
+# head_dim 128 (Wan 1.3B), measured on the H200 by bench/fp8_attention_gpu.py at 4,680 queries x 12 heads: at
+# 32,760 keys 64x128 / 4 warps / 3 stages was fastest (1.32 ms, cuDNN bf16 1.76 ms), at 18,720 and 4,680 keys
+# 128x64 / 4 warps / 4 stages. The other head dims are not measured: cross-compile choices (no spills).
+_LONG_CONTEXT_KEYS = 25_000  # between the measured 18,720 and 32,760
+_CONFIG_128_LONG = Fp8AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
+_CONFIG_128_SHORT = Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
 _DEFAULT_CONFIGS = {
-    128: Fp8AttentionConfig(block_m=128, block_n=64, num_warps=8, num_stages=3),
     64: Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     32: Fp8AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
 }
 
 
-def default_config(head_dim: int) -> Fp8AttentionConfig:
+def default_config(head_dim: int, num_keys: int | None = None) -> Fp8AttentionConfig:
+    """The launch config for ``head_dim`` (for 128 by ``num_keys``: unknown counts get the long-context one)."""
     _check_head_dim(head_dim)
+    if head_dim == 128:
+        return _CONFIG_128_SHORT if num_keys is not None and num_keys < _LONG_CONTEXT_KEYS else _CONFIG_128_LONG
     return _DEFAULT_CONFIGS[head_dim]
 
 
@@ -141,48 +147,56 @@ def dequantize_per_head(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _attend_block_range(
-        acc, l_i, m_i, q, k_ptrs, v_ptrs, start, stop, SK, qk_scale,
-        stride_ks, stride_vs,
+    def _attend_block(
+        acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, lo, hi, qk_scale, log2_v_factor, stride_ks, stride_vs,
         BLOCK_N: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr,
     ):
-        """Online softmax over key blocks ``start..stop`` (``MASK``: the last, partial block)."""
-        offs_n = tl.arange(0, BLOCK_N)
-        for start_n in range(start, stop, BLOCK_N):
-            start_n = tl.multiple_of(start_n, BLOCK_N)
-            if MASK:
-                valid = (start_n + offs_n) < SK
-                kt = tl.load(k_ptrs + start_n * stride_ks, mask=valid[None, :], other=0.0)
-            else:
-                kt = tl.load(k_ptrs + start_n * stride_ks)
-            qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] fp32; raw, scales applied below
-            if MASK:
-                qk = tl.where(valid[None, :], qk, float("-inf"))
-            # log2 domain, scales folded: s = qk * qk_scale; one FMA per element below.
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.math.exp2(qk * qk_scale - (m_ij - P_SHIFT)[:, None])  # 2**P_SHIFT * exp(s - max)
-            alpha = tl.math.exp2(m_i - m_ij)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
-            if MASK:
-                v = tl.load(v_ptrs + start_n * stride_vs, mask=valid[:, None], other=0.0)
-            else:
-                v = tl.load(v_ptrs + start_n * stride_vs)
-            if PRECISE_PV:
-                acc = tl.dot(p.to(tl.float8e4nv), v, acc, max_num_imprecise_acc=BLOCK_N)
-            else:
-                acc = tl.dot(p.to(tl.float8e4nv), v, acc)
-            m_i = m_ij
-        return acc, l_i, m_i
+        """One step of the online softmax: the key block at ``start_n``, all of one segment's scalars.
 
-    @triton.jit(do_not_specialize=["SQ", "SK"])  # one compile for every history length
+        ``qk_scale``: the segment's ``q_scale * k_scale * sm_scale * log2(e)``; its v factor
+        ``v_scale / v_scale_max`` (<= 1) rides in P's exponent as ``log2_v_factor`` (free) and is taken back
+        out of the row sum (one scalar exp2 per block). ``MASK``: keys outside ``[lo, hi)`` are masked to ``-inf``.
+        """
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        if MASK:
+            keys = start_n + tl.arange(0, BLOCK_N)
+            valid = (keys >= lo) & (keys < hi)
+            kt = tl.load(k_ptrs + start_n * stride_ks, mask=valid[None, :], other=0.0)
+        else:
+            kt = tl.load(k_ptrs + start_n * stride_ks)
+        qk = tl.dot(q, kt)  # [BLOCK_M, BLOCK_N] fp32; raw, scales applied below
+        if MASK:
+            qk = tl.where(valid[None, :], qk, float("-inf"))
+        # log2 domain, scales folded: s = qk * qk_scale; one FMA per element below.
+        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - (m_ij - P_SHIFT - log2_v_factor)[:, None])  # 2**P_SHIFT e^(s-max) v_factor
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(-log2_v_factor)  # exactly 1 for the larger segment
+        acc = acc * alpha[:, None]
+        if MASK:
+            v = tl.load(v_ptrs + start_n * stride_vs, mask=valid[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs + start_n * stride_vs)
+        if PRECISE_PV:
+            acc = tl.dot(p.to(tl.float8e4nv), v, acc, max_num_imprecise_acc=BLOCK_N)
+        else:
+            acc = tl.dot(p.to(tl.float8e4nv), v, acc)
+        return acc, l_i, m_ij
+
+    @triton.jit
+    def _log2_v_factor(v_scale, v_scale_max):
+        """log2(v_scale / v_scale_max): exactly 0 for the larger segment's scale (one segment: the old kernel)."""
+        factor = tl.math.div_rn(v_scale, v_scale_max)
+        return tl.where(factor == 1.0, 0.0, tl.math.log2(factor))
+
+    @triton.jit(do_not_specialize=["SQ", "SK", "SH"])  # one compile for every history length
     def _attn_fwd(
-        Q, K, V, Out, QScale, KScale, VScale,
+        Q, K, V, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC,
         stride_qb, stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_ob, stride_os, stride_oh,
-        H, SQ, SK, sm_scale,
+        H, SQ, SK, SH, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr,
     ):
@@ -203,24 +217,51 @@ if triton is not None:
         # v tile [BLOCK_N, HEAD_DIM]; with the transposed layout (stride_vs == 1) it is K-major for PV.
         v_ptrs = V + off_b * stride_vb + off_h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :] * stride_vd
 
+        # Keys [0, SH) are the history segment, [SH, SK) the current one, each with its own k and v scale.
+        # A segment without keys may hold any scale, NaN included: only selects read it.
         q_scale = tl.load(QScale + off_bh)
-        k_scale = tl.load(KScale + off_bh)
-        v_scale = tl.load(VScale + off_bh)
-        qk_scale = q_scale * k_scale * sm_scale * 1.4426950408889634  # log2(e): exp2 below
+        qk_scale_h = q_scale * tl.load(KScaleH + off_bh) * sm_scale * 1.4426950408889634  # log2(e): exp2 below
+        qk_scale_c = q_scale * tl.load(KScaleC + off_bh) * sm_scale * 1.4426950408889634
+        v_scale_h = tl.load(VScaleH + off_bh)
+        v_scale_c = tl.load(VScaleC + off_bh)
+        v_scale_max = tl.where(SH > 0, tl.where(SH < SK, tl.maximum(v_scale_h, v_scale_c), v_scale_h), v_scale_c)
+        log2_v_factor_h = _log2_v_factor(v_scale_h, v_scale_max)
+        log2_v_factor_c = _log2_v_factor(v_scale_c, v_scale_max)
 
         m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        # Key blocks [0, h_full) are all history, [c_start, full) all current: one unmasked loop over both,
+        # the segment's scalars picked per block (scalar selects). Two loops in all: cross-compiled for sm_90,
+        # four loops (one unmasked + one masked per segment) spilled 800 bytes in the 4-warp configs, this
+        # shape 8 (the single-scale kernel had 0 at 128x64, 728 at 64x128, this 552).
+        h_full = (SH // BLOCK_N) * BLOCK_N
+        c_start = tl.cdiv(SH, BLOCK_N) * BLOCK_N
         full = (SK // BLOCK_N) * BLOCK_N
-        acc, l_i, m_i = _attend_block_range(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, 0, full, SK, qk_scale, stride_ks, stride_vs,
-            BLOCK_N, False, P_SHIFT, PRECISE_PV,
-        )
-        acc, l_i, m_i = _attend_block_range(
-            acc, l_i, m_i, q, k_ptrs, v_ptrs, full, SK, SK, qk_scale, stride_ks, stride_vs,
-            BLOCK_N, True, P_SHIFT, PRECISE_PV,
-        )
-        out = acc * (v_scale / l_i)[:, None]
+        skip = c_start - h_full  # the boundary block, BLOCK_N wide when SH is not a multiple of BLOCK_N, else 0
+        for n in range(0, h_full + tl.maximum(full - c_start, 0), BLOCK_N):
+            history = n < h_full
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, tl.where(history, n, n + skip), 0, SK,
+                tl.where(history, qk_scale_h, qk_scale_c), tl.where(history, log2_v_factor_h, log2_v_factor_c),
+                stride_ks, stride_vs, BLOCK_N, False, P_SHIFT, PRECISE_PV,
+            )
+        # Then up to three masked passes, in this order: the boundary block's history keys, its current keys,
+        # the last partial block (unless it is the boundary block). Only passes with keys run: a row never
+        # meets an all-masked block before its first key (exp2(-inf + inf) would be NaN).
+        boundary = (SH % BLOCK_N != 0).to(tl.int32)
+        boundary_current = boundary * (SH < SK).to(tl.int32)
+        tail = ((SK % BLOCK_N != 0) & (full >= c_start)).to(tl.int32)
+        for i in range(0, boundary + boundary_current + tail):
+            history = i < boundary
+            tail_pass = i >= boundary + boundary_current
+            acc, l_i, m_i = _attend_block(
+                acc, l_i, m_i, q, k_ptrs, v_ptrs, tl.where(tail_pass, full, h_full),
+                tl.where(history, 0, SH), tl.where(history, SH, SK),
+                tl.where(history, qk_scale_h, qk_scale_c), tl.where(history, log2_v_factor_h, log2_v_factor_c),
+                stride_ks, stride_vs, BLOCK_N, True, P_SHIFT, PRECISE_PV,
+            )
+        out = acc * (v_scale_max / l_i)[:, None]
         o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
@@ -245,15 +286,28 @@ def _check_device(device: torch.device) -> None:
 
 
 def _check_scale(name: str, scale: torch.Tensor, batch: int, heads: int, device: torch.device) -> None:
-    if scale.shape != (batch, heads) or scale.dtype != torch.float32 or scale.device != device:
-        raise ValueError(
-            f"{name} must be float32 [{batch}, {heads}] on {device}, "
-            f"got {scale.dtype} {tuple(scale.shape)} on {scale.device}"
-        )
+    if not isinstance(scale, torch.Tensor) or scale.shape != (batch, heads) or scale.dtype != torch.float32 \
+            or scale.device != device:
+        got = f"{scale.dtype} {tuple(scale.shape)} on {scale.device}" if isinstance(scale, torch.Tensor) \
+            else type(scale).__name__
+        raise ValueError(f"{name} must be float32 [{batch}, {heads}] on {device}, got {got}")
 
 
-def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config):
-    """Validate, launch; returns (out, the compiled kernel or None): the bench reads the kernel's PTX."""
+def _segment_scales(name: str, scales) -> tuple[torch.Tensor, torch.Tensor]:
+    """One scale tensor (both segments) or a (history, current) pair."""
+    if isinstance(scales, torch.Tensor):
+        return scales, scales
+    if isinstance(scales, (tuple, list)) and len(scales) == 2:
+        return scales[0], scales[1]
+    raise ValueError(f"{name} must be a float32 [B, H] tensor or a (history, current) pair of them")
+
+
+def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history_tokens: int = 0):
+    """Validate, launch; returns (out, the compiled kernel or None): the bench reads the kernel's PTX.
+
+    ``k_scale`` / ``v_scale``: one ``[B, H]`` tensor, or a (history, current) pair for the keys
+    ``[0, history_tokens)`` and ``[history_tokens, Sk)``.
+    """
     for name, x in (("q", q_fp8), ("k", k_fp8), ("v", v_fp8)):
         _check_bshd(name, x)
         if x.dtype != FP8_DTYPE:
@@ -267,10 +321,16 @@ def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config):
         )
     if num_keys == 0:
         raise ValueError("attention over zero keys")
+    if isinstance(history_tokens, bool) or not isinstance(history_tokens, int) \
+            or not 0 <= history_tokens <= num_keys:
+        raise ValueError(f"history_tokens must be a host int in [0, {num_keys}] (the key count), got {history_tokens!r}")
     device = q_fp8.device
     if k_fp8.device != device or v_fp8.device != device:
         raise ValueError(f"q, k, v on different devices: {device}, {k_fp8.device}, {v_fp8.device}")
-    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale), ("v_scale", v_scale)):
+    k_scale_h, k_scale_c = _segment_scales("k_scale", k_scale)
+    v_scale_h, v_scale_c = _segment_scales("v_scale", v_scale)
+    for name, scale in (("q_scale", q_scale), ("k_scale", k_scale_h), ("k_scale", k_scale_c),
+                        ("v_scale", v_scale_h), ("v_scale", v_scale_c)):
         _check_scale(name, scale, batch, heads, device)
     if q_fp8.stride(-1) != 1 or k_fp8.stride(-1) != 1:
         raise ValueError("q and k need a contiguous head_dim (stride 1 on the last axis)")
@@ -281,26 +341,27 @@ def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config):
     elif out.shape != q_fp8.shape or out.dtype not in (torch.bfloat16, torch.float16, torch.float32) \
             or out.device != device or out.stride(-1) != 1:
         raise ValueError(f"out must be [B, Sq, H, D] with a contiguous last axis on {device}, like q")
-    config = config or default_config(head_dim)
+    config = config or default_config(head_dim, num_keys)
     _check_device(device)
     if num_queries == 0:
         return out, None
     grid = (triton.cdiv(num_queries, config.block_m), batch * heads)
+    scales = (q_scale, k_scale_h, k_scale_c, v_scale_h, v_scale_c)
     # Triton launches on the current device; offsets within one (batch, head) fit int32 up to ~1.4M keys.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel = _launch_kernel(grid, q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config)
+        kernel = _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config)
     return out, kernel
 
 
-def _launch_kernel(grid, q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config):
+def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config):
     _, num_queries, heads, head_dim = q_fp8.shape
     return _attn_fwd[grid](
-        q_fp8, k_fp8, v_fp8, out, q_scale.contiguous(), k_scale.contiguous(), v_scale.contiguous(),
+        q_fp8, k_fp8, v_fp8, out, *(scale.contiguous() for scale in scales),
         q_fp8.stride(0), q_fp8.stride(1), q_fp8.stride(2),
         k_fp8.stride(0), k_fp8.stride(1), k_fp8.stride(2),
         v_fp8.stride(0), v_fp8.stride(1), v_fp8.stride(2), v_fp8.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        heads, num_queries, k_fp8.shape[1], 1.0 / math.sqrt(head_dim),
+        heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim),
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         P_SHIFT=config.p_shift, PRECISE_PV=config.precise_pv,
         num_warps=config.num_warps, num_stages=config.num_stages,
@@ -315,9 +376,36 @@ def fp8_attention_quantized(
 ) -> torch.Tensor:
     """Non-causal attention ``softmax(q kᵀ / sqrt(D)) v`` on :func:`quantize_per_head` outputs -> ``[B, Sq, H, D]``.
 
-    ``out`` (bf16 unless given, written in place); ``config``: :func:`default_config` of the head dim.
+    ``out`` (bf16 unless given, written in place); ``config``: :func:`default_config` of the head dim and key
+    count. One scale per (batch, head) for all keys; :func:`fp8_attention_segments` takes two.
     """
     return _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config)[0]
+
+
+def fp8_attention_segments(
+    q_fp8: torch.Tensor, q_scale: torch.Tensor,
+    k_fp8: torch.Tensor, k_scales: tuple[torch.Tensor, torch.Tensor],
+    v_fp8: torch.Tensor, v_scales: tuple[torch.Tensor, torch.Tensor],
+    history_tokens: int,
+    *, out: torch.Tensor | None = None, config: Fp8AttentionConfig | None = None,
+) -> torch.Tensor:
+    """:func:`fp8_attention_quantized` over keys in two segments, each quantized with its own scales.
+
+    Keys ``[0, history_tokens)`` (the history, quantized once per block) dequantize with
+    ``k_scales[0]`` / ``v_scales[0]``, keys ``[history_tokens, Sk)`` (the current block, quantized per
+    forward) with ``k_scales[1]`` / ``v_scales[1]``; each ``float32 [B, H]``. ``history_tokens`` is a host
+    int, ``0 .. Sk``; a segment without keys is never read (its scales may hold anything). k and v are one
+    tensor each over both segments (e.g. prefixes of the engine's fp8 mirror buffers).
+
+    How: a score gets its key's ``k_scale`` (a scalar per key block, a per-column factor in the one block
+    that straddles the boundary); v's per-key scale goes into P before P's e4m3 cast, as
+    ``v_scale(key) / max(v_scales)`` (so P stays within its ``2**p_shift`` bound), and the output is
+    multiplied by ``max(v_scales)``. With one segment this is the single-scale kernel exactly.
+    """
+    for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+        if isinstance(scales, torch.Tensor) or len(scales) != 2:
+            raise ValueError(f"{name} must be a (history, current) pair of float32 [B, H] tensors")
+    return _launch(q_fp8, q_scale, k_fp8, tuple(k_scales), v_fp8, tuple(v_scales), out, config, history_tokens)[0]
 
 
 def fp8_attention(
@@ -333,3 +421,138 @@ def fp8_attention(
     k_fp8, k_scale = quantize_per_head(k)
     v_fp8, v_scale = quantize_per_head(v, transpose=True)
     return fp8_attention_quantized(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, config=config)
+
+
+# --- the fast quantizer: per-head amax, scale and e4m3 cast into a given destination -----------------------
+
+_QUANT_BLOCK_S = 64  # rows (keys) per tile: [64, head_dim] bf16, 16 KB at head_dim 128
+_QUANT_MAX_PARTS = 128  # programs per (batch, head): a head's partial maxima fit one load of the cast pass
+
+if triton is not None:
+
+    @triton.jit
+    def _amax_partials(
+        X, Partial, stride_xb, stride_xs, stride_xh, stride_xd, H, S, NUM_PARTS, ROWS_PER_PART,
+        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+    ):
+        """Pass 1: ``Partial[b*H + h, part]`` = max |x| over the rows ``[part * ROWS_PER_PART, ...)`` of head h."""
+        part = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
+        base = X + off_b * stride_xb + off_h * stride_xh + offs_d[None, :] * stride_xd
+        first = part * ROWS_PER_PART
+        amax = tl.zeros([BLOCK_S, HEAD_DIM], dtype=tl.float32)
+        for row in range(first, tl.minimum(first + ROWS_PER_PART, S), BLOCK_S):
+            rows = row + offs_s
+            x = tl.load(base + rows[:, None].to(tl.int64) * stride_xs, mask=(rows < S)[:, None], other=0.0)
+            amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+        tl.store(Partial + off_bh * NUM_PARTS + part, tl.max(tl.max(amax, 1), 0))
+
+    @triton.jit
+    def _quantize_cast(
+        X, Dst, Partial, Scale,
+        stride_xb, stride_xs, stride_xh, stride_xd,
+        stride_yb, stride_ys, stride_yh, stride_yd,
+        stride_sb, stride_sh, H, S, NUM_PARTS, ROWS_PER_PART,
+        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+    ):
+        """Pass 2: the head's amax from pass 1's partials, its scale (written by part 0), the e4m3 cast.
+
+        The arithmetic is :func:`quantize_per_head`'s: ``scale = amax / 448``, ``x * (448 / amax)`` rounded to
+        nearest even (IEEE divisions, ``div_rn``; 1 for an all-zero head), so both give the same bits.
+        """
+        part = tl.program_id(0)
+        off_bh = tl.program_id(1)
+        off_b = (off_bh // H).to(tl.int64)
+        off_h = (off_bh % H).to(tl.int64)
+        offs_p = tl.arange(0, BLOCK_P)
+        partials = tl.load(Partial + off_bh * NUM_PARTS + offs_p, mask=offs_p < NUM_PARTS, other=0.0)
+        amax = tl.max(partials, 0)
+        nonzero = amax > 0
+        scale = tl.where(nonzero, tl.math.div_rn(amax, 448.0), 1.0)
+        inverse = tl.where(nonzero, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 1.0)
+        tl.store(Scale + off_b * stride_sb + off_h * stride_sh, scale, mask=part == 0)
+        offs_s = tl.arange(0, BLOCK_S)
+        offs_d = tl.arange(0, HEAD_DIM)
+        x_base = X + off_b * stride_xb + off_h * stride_xh + offs_d[None, :] * stride_xd
+        y_base = Dst + off_b * stride_yb + off_h * stride_yh + offs_d[None, :] * stride_yd
+        first = part * ROWS_PER_PART
+        for row in range(first, tl.minimum(first + ROWS_PER_PART, S), BLOCK_S):
+            rows = row + offs_s
+            keep = (rows < S)[:, None]
+            rows = rows[:, None].to(tl.int64)
+            x = tl.load(x_base + rows * stride_xs, mask=keep, other=0.0)
+            tl.store(y_base + rows * stride_ys, (x.to(tl.float32) * inverse).to(tl.float8e4nv), mask=keep)
+
+
+def quantize_per_head_into(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor) -> None:
+    """:func:`quantize_per_head` of ``x [B, S, H, D]`` written into ``dst`` and ``scale``; two Triton launches.
+
+    ``dst``: e4m3, shape ``[B, S, H, D]``, any strides: a slice of a bigger buffer (only its elements are
+    written), e.g. rows of the engine's ``[S_max, H, D]`` K mirror, or a transposed V view (``stride(1) == 1``:
+    ``buffer[..., start:end].permute(...)`` of ``[H, D, S_pad]`` storage, what ``transpose=True`` returns).
+    ``scale``: float32 ``[B, H]`` (any strides) receives ``amax / 448`` per (batch, head), 1 for a zero head.
+    No host synchronisation and no data-dependent launch: capturable in a CUDA graph. Pass 1 reads ``x`` for
+    its per-head maxima (in up to 128 parts per head), pass 2 reads it again and writes ``dst``: about 2.5
+    bytes of traffic per bf16 element. An ``x`` with ``S = 0`` writes scale 1.
+    """
+    _check_bshd("x", x)
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if dst.shape != x.shape or dst.dtype != FP8_DTYPE or dst.device != x.device:
+        raise ValueError(f"dst must be {FP8_DTYPE} {tuple(x.shape)} on {x.device}, got {dst.dtype} "
+                         f"{tuple(dst.shape)} on {dst.device}")
+    batch, seq, heads, head_dim = x.shape
+    _check_scale("scale", scale, batch, heads, x.device)
+    _check_device(x.device)
+    if seq == 0:
+        scale.fill_(1.0)
+        return
+    rows_per_part = _QUANT_BLOCK_S * triton.cdiv(seq, _QUANT_BLOCK_S * _QUANT_MAX_PARTS)
+    parts = triton.cdiv(seq, rows_per_part)
+    partials = torch.empty((batch * heads, parts), dtype=torch.float32, device=x.device)
+    grid = (parts, batch * heads)
+    common = dict(HEAD_DIM=head_dim, BLOCK_S=_QUANT_BLOCK_S, num_warps=4)
+    with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
+        _amax_partials[grid](x, partials, *x.stride(), heads, seq, parts, rows_per_part, **common)
+        _quantize_cast[grid](
+            x, dst, partials, scale, *x.stride(), *dst.stride(), *scale.stride(), heads, seq, parts, rows_per_part,
+            BLOCK_P=_QUANT_MAX_PARTS, **common,
+        )
+
+
+ENGINE_MIN_CAPABILITY = (9, 0)  # the engine's FP8 attention: Hopper's fp8 wgmma (sm_89's mma.sync path is unmeasured)
+
+
+def check_engine_support(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Raise ``ValueError`` unless a model on ``device`` in ``dtype`` can run its self-attention through this kernel.
+
+    CUDA needs compute capability 9.0+ (Hopper); the CPU only the Triton interpreter (tests: TRITON_INTERPRET=1
+    set before Triton is imported). The model must be bf16 (the kernel writes bf16 for its output projection).
+    """
+    device = torch.device(device)
+    if triton is None:
+        raise ValueError("FP8 attention needs Triton, which is not installed")
+    if dtype != torch.bfloat16:
+        raise ValueError(f"FP8 attention needs a bfloat16 model, got {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"FP8 attention supports head_dim in {HEAD_DIMS}, the model has {head_dim}")
+    if device.type == "cuda":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < ENGINE_MIN_CAPABILITY:
+            raise ValueError(
+                f"FP8 attention needs a Hopper GPU or newer (compute capability 9.0+, the Triton fp8 wgmma path); "
+                f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}"
+            )
+        return
+    if device.type == "cpu":
+        if not _interpreted():
+            raise ValueError(
+                "FP8 attention on the CPU runs only under the Triton interpreter (tests): set TRITON_INTERPRET=1 "
+                "before Triton is imported; use a Hopper GPU (--device cuda) to run it for real"
+            )
+        return
+    raise ValueError(f"FP8 attention runs on CUDA (Hopper) only, got {device}")
