@@ -16,7 +16,7 @@ from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
 from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
 from decoders.video import WanStreamingDecoder, spatial_upscale
-from engine.config import EngineConfig
+from engine.config import FP8_ATTENTION, FP8_LINEAR, EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.dtypes import cast_keeping_fp32_modules
@@ -40,7 +40,7 @@ class ModelBundle:
     width: int
     audio_decoder: AudioStreamingDecoder | None = None
     audio_timing: AudioTiming | None = None
-    fp8: FP8Conversion | None = None  # what --fp8 linear converted; None when off
+    fp8: FP8Conversion | None = None  # what --fp8 linear / all converted; None otherwise
 
     @property
     def audio_channels(self) -> int | None:
@@ -92,6 +92,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         latent_height=height // scale,
         latent_width=width // scale,
         audio=audio[0] if audio else None,
+        fp8_attention=config.fp8 in FP8_ATTENTION,
     )
     pipeline = CausalWanPipeline(
         causal,
@@ -103,6 +104,9 @@ def build_models(config: EngineConfig) -> ModelBundle:
         guidance_scale=config.guidance_scale,
         cuda_graphs=config.cuda_graphs,
     )
+    if causal.fp8_attention:
+        mirror_bytes = sum(workspace.fp8.nbytes for workspace in pipeline.context_kv.values())
+        log.info("fp8 attention", extra={"fp8_mirror_bytes": mirror_bytes, "branches": len(pipeline.context_kv)})
     return ModelBundle(
         preset=preset,
         pipeline=pipeline,
@@ -116,8 +120,10 @@ def build_models(config: EngineConfig) -> ModelBundle:
 
 
 def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> FP8Conversion | None:
-    """``fp8 = linear``: the DiT blocks' per-forward linears to FP8, on the cast, loaded weights (docs/FP8.md)."""
-    if config.fp8 == "off":
+    """``fp8 = linear | all``: the DiT blocks' per-forward linears to FP8, on the cast, loaded weights (docs/FP8.md).
+
+    (``attention`` converts no weights: its kernel is switched on in the :class:`CausalWanTransformer`.)"""
+    if config.fp8 not in FP8_LINEAR:
         return None
     conversion = quantize_linears(transformer.blocks)
     log.info(

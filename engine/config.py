@@ -7,6 +7,8 @@ frame) is *not* here: it is derived from the model config (see KVSpec).
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from pathlib import Path
 from typing import Literal
 
@@ -28,9 +30,35 @@ PIXEL_ALIGNMENT = 16
 # which make noise (fine for benchmarks, never what a user means), so those must be asked for.
 PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
 
-# fp8 values reserved for the FP8 attention kernel, refused until it is wired in.
-FP8_NOT_YET = frozenset({"attention", "all"})
+FP8_LINEAR = frozenset({"linear", "all"})  # fp8 values that convert the block linears
+FP8_ATTENTION = frozenset({"attention", "all"})  # fp8 values that run self-attention through the FP8 kernel
 FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
+FP8_ATTENTION_MIN_CAPABILITY = (9, 0)  # the Triton FP8 attention kernel's wgmma path: Hopper and newer
+
+
+def fp8_attention_refusal(value: str, device: str, capability: tuple[int, int] | None, interpreter: bool) -> str | None:
+    """Why ``fp8 = value`` cannot run its attention kernel on ``device`` (``None``: it can, or it has none).
+
+    ``capability``: the CUDA device's (ignored on the CPU); ``interpreter``: whether ``TRITON_INTERPRET=1``
+    is set, the only way the kernel runs on a CPU (tests). Pure, so the rules are checked without a GPU.
+    """
+    if value not in FP8_ATTENTION:
+        return None
+    if importlib.util.find_spec("triton") is None:
+        return f"fp8={value} needs Triton (the FP8 attention kernel), which is not installed"
+    if device.startswith("cuda"):
+        if capability is not None and tuple(capability) < FP8_ATTENTION_MIN_CAPABILITY:
+            return (
+                f"fp8={value} needs a Hopper GPU or newer (compute capability 9.0+) for the FP8 attention kernel; "
+                f"this GPU is {capability[0]}.{capability[1]} (fp8=linear runs on 8.9+)"
+            )
+        return None
+    if not interpreter:
+        return (
+            f"fp8={value} runs its FP8 attention kernel on a Hopper GPU (--device cuda); on the CPU only under the "
+            f"Triton interpreter, for tests (TRITON_INTERPRET=1)"
+        )
+    return None
 
 
 class EngineConfig(BaseModel):
@@ -50,8 +78,9 @@ class EngineConfig(BaseModel):
     fp8: Literal["off", "linear", "attention", "all"] = Field(
         default="off",
         description="FP8 (e4m3) for a bf16 DiT: linear: weights and activations of every block's per-forward linears "
-        "(attention projections and FFN; the text K/V projections stay bf16); attention / all: an FP8 attention "
-        "kernel (all: both), not available yet. Quality vs bf16: bench/fp8_quality.py (docs/FP8.md)",
+        "(attention projections and FFN; the text K/V projections stay bf16); attention: self-attention through a "
+        "Triton FP8 kernel (Q, K, V and P in e4m3; Hopper GPUs); all: both. Quality vs bf16: bench/fp8_quality.py "
+        "(docs/FP8.md)",
     )
     height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
     width: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048)
@@ -141,15 +170,6 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"device {value!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
         return value
 
-    @field_validator("fp8")
-    @classmethod
-    def _fp8_available(cls, value: str) -> str:
-        if value in FP8_NOT_YET:
-            raise ValueError(
-                f"fp8 {value!r} is not available yet (the FP8 attention kernel is not wired in); use 'linear' or 'off'"
-            )
-        return value
-
     @field_validator("timesteps")
     @classmethod
     def _timesteps_descending(cls, value: list[float]) -> list[float]:
@@ -180,6 +200,11 @@ class EngineConfig(BaseModel):
                     f"fp8={self.fp8} needs a GPU with FP8 matrix units (compute capability 8.9+: Ada, Hopper or "
                     f"newer); {torch.cuda.get_device_name(self.device)} is {capability[0]}.{capability[1]}"
                 )
+        if self.fp8 in FP8_ATTENTION:
+            capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
+            refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
+            if refusal:
+                raise ValueError(refusal)
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.models.context_kv import CURRENT, FP8ContextKV
+from engine.models.fp8_attention import FP8_DTYPE, quantize_per_head_into
 from engine.models.kernels import EAGER_KERNELS, Kernels
 
 
@@ -37,6 +39,10 @@ class SelfAttentionContext:
     * ``pool`` + ``history_ids``: gathered from the pool blocks and rotated in
       every forward (the per-forward paged path, the reference for the above);
     * ``history_kv``: one concatenated tensor per layer (the naive benchmark path).
+
+    ``fp8``: with FP8 attention, the branch's e4m3 mirror of ``context_kv``
+    (:class:`~engine.models.context_kv.FP8ContextKV`, its history quantized by
+    the same load); the gathered path then attends through the FP8 kernel.
     """
 
     cos: torch.Tensor  # [S_k, 1, head_dim // 2] for key positions 0..S_k-1
@@ -48,6 +54,7 @@ class SelfAttentionContext:
     attn_mask: torch.Tensor | None = None  # dense reference path only: [S_q, S_k] bool
     context_kv: torch.Tensor | None = None  # gathered-once path: [layers, 2, S_max, heads, head_dim]
     history_tokens: int = 0  # rows of context_kv that hold the (rotated) history
+    fp8: FP8ContextKV | None = None  # FP8 attention: the e4m3 mirror of context_kv
 
 
 def _heads(attn, x: torch.Tensor) -> torch.Tensor:
@@ -63,10 +70,15 @@ def _attend(attn, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, m
 
 
 class PagedSelfAttentionProcessor:
-    """Self-attention over paged history plus the current block."""
+    """Self-attention over paged history plus the current block.
 
-    def __init__(self, layer_index: int) -> None:
+    ``fp8_attention``: attend through the FP8 kernel, which needs the gathered-history path and its e4m3
+    mirror (``context.context_kv`` and ``context.fp8``); any other context is refused, never run in bf16.
+    """
+
+    def __init__(self, layer_index: int, *, fp8_attention: bool = False) -> None:
         self.layer_index = layer_index
+        self.fp8_attention = fp8_attention
 
     def __call__(
         self,
@@ -83,6 +95,11 @@ class PagedSelfAttentionProcessor:
         num_queries = hidden_states.shape[1]
         if context.context_kv is not None:
             return self._attend_gathered(attn, hidden_states, context, kernels)
+        if self.fp8_attention:
+            raise ValueError(
+                "FP8 attention runs on the gathered-history path only (context_kv with its FP8 mirror); "
+                "this forward gathers its history per forward"
+            )
         query = _heads(attn, kernels.rms_norm(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps))
         key = _heads(attn, kernels.rms_norm(attn.to_k(hidden_states), attn.norm_k.weight, attn.norm_k.eps))
         value = _heads(attn, attn.to_v(hidden_states))
@@ -122,10 +139,27 @@ class PagedSelfAttentionProcessor:
         if context.stage is not None:
             context.stage[layer, 0, : end - start].copy_(key[0])  # unrotated, as stored
             context.stage[layer, 1, : end - start].copy_(value[0])
+        if self.fp8_attention:
+            return self._attend_fp8(attn, query, kernels.rotate_pairs(key[0], cos, sin), value[0], context)
         buffer = context.context_kv[layer]  # [2, S_max, H, D]
         buffer[0, start:end].copy_(kernels.rotate_pairs(key[0], cos, sin))
         buffer[1, start:end].copy_(value[0])
         return _attend(attn, query, buffer[0, :end].unsqueeze(0), buffer[1, :end].unsqueeze(0))
+
+    def _attend_fp8(self, attn, query, key, value, context: SelfAttentionContext) -> torch.Tensor:
+        """FP8: this block's rotated K and its V into the mirror after the history (current-segment scales),
+        q quantized per head, the kernel over both segments. The bf16 buffer's current rows are not needed."""
+        mirror = context.fp8
+        if mirror is None:
+            raise ValueError("FP8 attention needs the context's FP8 mirror (a ContextKV built with fp8_attention)")
+        layer, start = self.layer_index, context.history_tokens
+        end = start + key.shape[0]
+        mirror.quantize(layer, CURRENT, start, key, value)
+        q_fp8 = torch.empty(query.shape, dtype=FP8_DTYPE, device=query.device)
+        q_scale = torch.empty(query.shape[0], query.shape[2], dtype=torch.float32, device=query.device)
+        quantize_per_head_into(query, q_fp8, q_scale)
+        out = mirror.attend(layer, q_fp8, q_scale, start, end)  # bf16 [1, S_q, H, D]
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
 
 class CachedCrossAttentionProcessor:

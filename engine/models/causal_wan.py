@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from diffusers import WanTransformer3DModel
 
+from engine.models import fp8_attention as fa
 from engine.models.audio_tokens import AudioTokenProjections
 from engine.models.attention import (
     CachedCrossAttentionProcessor,
@@ -35,8 +36,11 @@ class CausalWanTransformer(torch.nn.Module):
         latent_width: int,
         audio: AudioTokenProjections | None = None,
         fused_kernels: bool | None = None,
+        fp8_attention: bool = False,
     ) -> None:
-        """``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA)."""
+        """``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA).
+        ``fp8_attention``: self-attention through the FP8 kernel (docs/FP8.md); needs a bf16 model on a Hopper
+        GPU (or the Triton interpreter on the CPU, for tests) and a pipeline that gathers history once per block."""
         super().__init__()
         config = transformer.config
         p_t, p_h, p_w = config.patch_size
@@ -46,6 +50,12 @@ class CausalWanTransformer(torch.nn.Module):
             raise ValueError(f"latent {latent_height}x{latent_width} is not divisible by the patch {p_h}x{p_w}")
         if config.image_dim is not None or config.added_kv_proj_dim is not None:
             raise ValueError("image-conditioned Wan variants are not supported by the causal pipeline")
+        if fp8_attention:
+            fa.check_engine_support(
+                transformer.patch_embedding.weight.device, transformer.patch_embedding.weight.dtype,
+                config.attention_head_dim,
+            )
+        self.fp8_attention = fp8_attention
         self.transformer = transformer
         if fused_kernels is None:
             fused_kernels = transformer.patch_embedding.weight.is_cuda
@@ -66,7 +76,7 @@ class CausalWanTransformer(torch.nn.Module):
             audio_tokens=self.audio_tokens_per_frame,
         )
         for index, block in enumerate(transformer.blocks):
-            block.attn1.set_processor(PagedSelfAttentionProcessor(index))
+            block.attn1.set_processor(PagedSelfAttentionProcessor(index, fp8_attention=fp8_attention))
             block.attn2.set_processor(CachedCrossAttentionProcessor(index))
 
     @property

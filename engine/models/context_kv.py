@@ -17,6 +17,13 @@ load, so stepwise execution that interleaves sessions stays correct, it only
 gathers more often. Its bytes are those of one session's full context per
 branch, allocated when the pipeline is built (before the memory budget is
 measured, so admission sees them as used).
+
+With FP8 attention (``fp8 = attention | all``) each branch also holds an e4m3
+mirror of that context (:class:`FP8ContextKV`): :meth:`ContextKV.load`
+quantizes every layer's rotated history K and its V into it once per block,
+with per-head *history* scales; each forward quantizes its current block's K/V
+after the history with per-head *current* scales, and the FP8 kernel reads
+both segments (:func:`engine.models.fp8_attention.fp8_attention_segments`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,59 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+
+from engine.models import fp8_attention as fa
+
+HISTORY, CURRENT = 0, 1  # the segments of the FP8 mirror's scales
+
+
+class FP8ContextKV:
+    """The e4m3 mirror of one branch's context, laid out for the FP8 attention kernel::
+
+        k       [layers, S_max, heads, head_dim]          e4m3, head_dim contiguous (QKᵀ's K-major operand)
+        v       [layers, heads, head_dim, S_pad]          e4m3, keys contiguous (PV's K-major operand on Hopper),
+                                                          S_pad = S_max rounded up to 16 (16-byte aligned rows)
+        scales  [layers, 2 (k, v), 2 (history, current), 1, heads]   float32
+
+    Rows ``[0, history_tokens)`` hold the history (quantized by :meth:`quantize` with ``HISTORY`` once per
+    block), the rows after it the current block (``CURRENT``, every forward). Fixed buffers, allocated once:
+    every forward's kernels read the same addresses (CUDA graphs), and the bytes are in use before the
+    engine measures its memory budget. Bytes: ``layers * heads * head_dim * (S_max + S_pad) + 16 * layers * heads``.
+    """
+
+    def __init__(self, *, num_layers: int, max_tokens: int, num_heads: int, head_dim: int, device: torch.device):
+        padded = -(-max_tokens // fa._V_ROW_ALIGN) * fa._V_ROW_ALIGN
+        self.k = torch.zeros((num_layers, max_tokens, num_heads, head_dim), dtype=fa.FP8_DTYPE, device=device)
+        self.v = torch.zeros((num_layers, num_heads, head_dim, padded), dtype=fa.FP8_DTYPE, device=device)
+        self.scales = torch.ones((num_layers, 2, 2, 1, num_heads), dtype=torch.float32, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.scales))
+
+    def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Rows ``start:end`` of one layer's K as the kernel's ``[1, S, H, D]``."""
+        return self.k[layer, start:end].unsqueeze(0)
+
+    def values(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Keys ``start:end`` of one layer's transposed V as a ``[1, S, H, D]`` view (``stride(1) == 1``)."""
+        return self.v[layer, :, :, start:end].permute(2, 0, 1).unsqueeze(0)
+
+    def quantize(self, layer: int, segment: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """``keys`` (rotated) and ``values`` ``[S, H, D]`` into rows ``start:start+S``, with the segment's scales."""
+        end = start + keys.shape[0]
+        fa.quantize_per_head_into(keys.unsqueeze(0), self.keys(layer, start, end), self.scales[layer, 0, segment])
+        fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
+
+    def attend(self, layer: int, q_fp8: torch.Tensor, q_scale: torch.Tensor, history_tokens: int, end: int) -> torch.Tensor:
+        """The FP8 kernel over keys ``[0, end)`` of one layer: history then current -> bf16 ``[1, S_q, H, D]``."""
+        scales = self.scales[layer]
+        return fa.fp8_attention_segments(
+            q_fp8, q_scale,
+            self.keys(layer, 0, end), (scales[0, HISTORY], scales[0, CURRENT]),
+            self.values(layer, 0, end), (scales[1, HISTORY], scales[1, CURRENT]),
+            history_tokens,
+        )
 
 
 class ContextKV:
@@ -37,15 +97,24 @@ class ContextKV:
         tokens_per_frame: int,
         dtype: torch.dtype,
         device: torch.device,
+        fp8_attention: bool = False,
     ) -> None:
+        """``fp8_attention``: also hold the e4m3 mirror (:class:`FP8ContextKV`) the FP8 kernel reads."""
         self.tokens_per_frame = tokens_per_frame
         self.buffer = torch.empty((num_layers, 2, max_tokens, num_heads, head_dim), dtype=dtype, device=device)
+        self.fp8: FP8ContextKV | None = None
+        if fp8_attention:
+            self.fp8 = FP8ContextKV(
+                num_layers=num_layers, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, device=device
+            )
         self._owner: tuple | None = None  # (kv state, branch, committed frames, pool writes) of the last load
         self.loads = 0
+        self.history_tokens = 0  # of the last load
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel() * self.buffer.element_size()
+        """The bf16 buffer's bytes, plus the FP8 mirror's where there is one."""
+        return self.buffer.numel() * self.buffer.element_size() + (0 if self.fp8 is None else self.fp8.nbytes)
 
     @torch.no_grad()
     def load(
@@ -73,8 +142,11 @@ class ContextKV:
         for layer in range(self.buffer.shape[0] if tokens else 0):  # an empty history: nothing to rotate
             keys = self.buffer[layer, 0, :tokens]
             keys.copy_(rotate(keys, cos[:tokens], sin[:tokens]))
+            if self.fp8 is not None:  # once per block, for all its forwards: the history's own scales
+                self.fp8.quantize(layer, HISTORY, 0, keys, self.buffer[layer, 1, :tokens])
         self._owner = owner
         self.loads += 1
+        self.history_tokens = tokens
         return tokens
 
     def invalidate(self) -> None:

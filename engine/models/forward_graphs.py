@@ -108,6 +108,7 @@ class GraphedForwards:
             tuple(cross_kv.shape),
             context.history_tokens,
             context.context_kv.data_ptr(),
+            None if context.fp8 is None else context.fp8.k.data_ptr(),  # the FP8 mirror, fixed like context_kv
             None if stage is None else stage.data_ptr(),
             context.cos.data_ptr(),
             context.sin.data_ptr(),

@@ -103,6 +103,11 @@ class CausalWanPipeline:
         replay each forward shape as a CUDA graph (needs the gathered history; :class:`GraphedForwards`)."""
         if not sigmas or sigmas[0] != 1.0:
             raise ValueError("the first σ must be 1 (a block starts from pure noise)")
+        if transformer.fp8_attention and not gather_history_once:
+            raise ValueError(
+                "FP8 attention needs gather_history_once=True: its history is quantized once per block into the "
+                "gathered context's FP8 mirror; the per-forward gather path has none"
+            )
         self.transformer = transformer
         self.text_encoder = text_encoder
         self.sigmas = list(sigmas)
@@ -138,6 +143,7 @@ class CausalWanPipeline:
                     tokens_per_frame=transformer.tokens_per_frame,
                     dtype=transformer.dtype,
                     device=transformer.device,
+                    fp8_attention=transformer.fp8_attention,
                 )
                 for branch in self.branch_names
             }
@@ -264,7 +270,8 @@ class CausalWanPipeline:
             owner = (kv, branch, tuple(history_ids), self._pool_writes)
             history_tokens = workspace.load(owner, kv.pool, history_ids, cos, sin, self.transformer.kernels.rotate_pairs)
             return SelfAttentionContext(
-                cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens
+                cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens,
+                fp8=workspace.fp8,
             )
         ids = None
         if history_ids and len(history_ids) == kv.num_resident_blocks(branch):
