@@ -241,6 +241,24 @@ def _quantizer_case(batch, seq, heads, head_dim, *, seed, transpose, offset=50) 
     }
 
 
+def _reciprocal_rounding_case() -> dict:
+    """amax 3.75, x 0.3515625: x * (448 / 3.75) is 42.0 (a tie: e4m3 40) with one IEEE division, 42.0000038
+    (e4m3 44) with quantize_per_head's reciprocal * 448; the quantizer must round as the latter."""
+    x = torch.zeros(1, 70, 2, 32)
+    x[0, 0, :, 0] = 3.75
+    x[0, 1:, :, :] = 0.3515625 * torch.tensor([1.0, -1.0]).repeat(16)
+    x = x.bfloat16()
+    results = {}
+    for transpose in (False, True):
+        expected, expected_scale = fa.quantize_per_head(x, transpose=transpose)
+        dst, scale = torch.empty_like(expected), torch.empty(1, 2)
+        fa.quantize_per_head_into(x, dst, scale)
+        results["transposed" if transpose else "natural"] = bool(
+            torch.equal(dst.float(), expected.float()) and torch.equal(scale, expected_scale))
+    results["expected_value"] = float(fa.quantize_per_head(x)[0][0, 1, 0, 0].float())
+    return results
+
+
 def _interpreter_checks() -> dict:
     _patch_interpreter()
     assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
@@ -272,6 +290,7 @@ def _interpreter_checks() -> dict:
         "segments_all_history": _segment_case(2, 100, 300, 300, 2, 32, tails, seed=19),
         "quantize_into_k_rows": _quantizer_case(1, 300, 4, 32, seed=21, transpose=False),
         "quantize_into_transposed_v": _quantizer_case(1, 300, 4, 64, seed=22, transpose=True),
+        "quantize_into_reciprocal_rounding": _reciprocal_rounding_case(),
         # > 64 * 128 rows: several 64-row tiles per program (the long-context path), batch 2
         "quantize_into_many_parts": _quantizer_case(2, 8300, 2, 32, seed=23, transpose=True, offset=16),
     })
@@ -362,6 +381,12 @@ def test_fast_quantizer_writes_quantize_per_head_bits_into_its_slice_only(interp
     assert case["values_equal"] and case["scales_equal"] and case["zero_head"], case
     assert case["outside_untouched"] and case["other_scales_untouched"], case
     assert (case["key_stride"] == 1) == name.endswith(("transposed_v", "many_parts"))
+
+
+def test_fast_quantizer_rounds_as_quantize_per_head_does(interpreted):
+    case = interpreted["quantize_into_reciprocal_rounding"]
+    assert case["expected_value"] == 44.0  # the case really sits where one division would round the other way
+    assert case["natural"] and case["transposed"], case
 
 
 def test_segments_argument_errors():

@@ -252,18 +252,18 @@ def test_cuda_fp8_attention_engine_replays_graphs_and_stays_close_to_bf16():
     pipeline = bundle.pipeline
     assert pipeline.forwards.enabled, "a capture failed: the FP8 forwards fell back to eager"
     assert pipeline.forwards.num_graphs > 0 and pipeline.forwards.replays > 0
-    assert _mirror_matches_quantized_history(pipeline.context_kv["cond"]) == {
-        "history_tokens": pipeline.context_kv["cond"].history_tokens,
-        "keys_equal": True, "values_equal": True, "scales_equal": True,
-    }
+    mirror = _mirror_matches_quantized_history(pipeline.context_kv["cond"])
     eager = pipeline.variant(gather_history_once=True, cuda_graphs=False)
     kv = KVCacheManager(eager.kv_spec(), 1, "cuda").open_session("s")
     progress = eager.new_progress(seed=3, prompt=PROMPT)
     eager_blocks = [eager.run_block(kv, progress) for _ in range(BLOCKS)]
-    for ours, eager_block, theirs in zip(graphed, eager_blocks, reference):
-        assert torch.isfinite(ours.video).all()
-        assert _relative(ours.video, eager_block.video) < 1e-3  # the same kernels, replayed
-        assert 1e-4 < _relative(ours.video, theirs.video) < FP8_ATTENTION_BOUND
+    errors = [_relative(ours.video, theirs.video) for ours, theirs in zip(graphed, reference)]
+    replay = [_relative(ours.video, eager_block.video) for ours, eager_block in zip(graphed, eager_blocks)]
+    assert all(torch.isfinite(block.video).all() for block in graphed)
+    assert all(1e-4 < error < FP8_ATTENTION_BOUND for error in errors), errors
+    assert all(error < 1e-3 for error in replay), replay  # the same kernels, replayed
+    assert mirror["history_tokens"] > 0 and mirror["keys_equal"] and mirror["values_equal"] \
+        and mirror["scales_equal"], mirror
 
 
 @pytest.mark.gpu
@@ -296,12 +296,6 @@ def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry():
                                          (scales[3], scales[4]), sh)
 
     out = forward().clone()
-    for lo, hi, k_index, v_index in ((0, sh, 1, 3), (sh, sh + sq, 2, 4)):
-        k8, k_scale = fa.quantize_per_head(kv[0, lo:hi].unsqueeze(0))
-        v8, v_scale = fa.quantize_per_head(kv[1, lo:hi].unsqueeze(0))
-        assert torch.equal(scales[k_index], k_scale) and torch.equal(scales[v_index], v_scale)
-        assert torch.equal(mirror_k[:, lo:hi].view(torch.uint8), k8.view(torch.uint8))
-        assert torch.equal(mirror_v[:, lo:hi].float(), v8.float())
     history = (torch.arange(sh + sq, device="cuda") < sh)[None, :, None, None]
     per_key = lambda h, c: torch.where(history, scales[h][:, None, :, None], scales[c][:, None, :, None])  # noqa: E731
     reference = float32_attention(q8.float() * scales[0][:, None, :, None], mirror_k.float() * per_key(1, 2),
@@ -314,6 +308,16 @@ def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(graphed, out)
+    mismatches = {}
+    for lo, hi, k_index, v_index in ((0, sh, 1, 3), (sh, sh + sq, 2, 4)):
+        k8, k_scale = fa.quantize_per_head(kv[0, lo:hi].unsqueeze(0))
+        v8, v_scale = fa.quantize_per_head(kv[1, lo:hi].unsqueeze(0))
+        mismatches[lo] = {
+            "k_scale": not torch.equal(scales[k_index], k_scale), "v_scale": not torch.equal(scales[v_index], v_scale),
+            "k_values": int((mirror_k[:, lo:hi].view(torch.uint8) != k8.view(torch.uint8)).sum()),
+            "v_values": int((mirror_v[:, lo:hi].float() != v8.float()).sum()),
+        }
+    assert not any(any(m.values()) for m in mismatches.values()), mismatches  # same bits as quantize_per_head
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:

@@ -461,8 +461,11 @@ if triton is not None:
     ):
         """Pass 2: the head's amax from pass 1's partials, its scale (written by part 0), the e4m3 cast.
 
-        The arithmetic is :func:`quantize_per_head`'s: ``scale = amax / 448``, ``x * (448 / amax)`` rounded to
-        nearest even (IEEE divisions, ``div_rn``; 1 for an all-zero head), so both give the same bits.
+        The arithmetic is :func:`quantize_per_head`'s, rounding for rounding, so both give the same bits:
+        ``scale = amax / 448`` (an IEEE division, ``div_rn``), ``inverse = (1 / amax) * 448`` (torch computes
+        ``448 / amax`` as ``amax.reciprocal() * 448``: two roundings, which differ from one division's in the
+        last bit, enough to move a value across an e4m3 rounding boundary), ``x * inverse`` cast to e4m3 to
+        nearest even; scale and inverse 1 for an all-zero head.
         """
         part = tl.program_id(0)
         off_bh = tl.program_id(1)
@@ -473,7 +476,7 @@ if triton is not None:
         amax = tl.max(partials, 0)
         nonzero = amax > 0
         scale = tl.where(nonzero, tl.math.div_rn(amax, 448.0), 1.0)
-        inverse = tl.where(nonzero, tl.math.div_rn(448.0, tl.maximum(amax, 1e-30)), 1.0)
+        inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.maximum(amax, 1e-30)) * 448.0, 1.0)
         tl.store(Scale + off_b * stride_sb + off_h * stride_sh, scale, mask=part == 0)
         offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
