@@ -140,8 +140,9 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
     option("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
            help="weights and activations; float16 needs cuda (bfloat16 runs on cpu too, slowly)")
     option("--fp8", default="off", choices=["off", "linear", "attention", "all"],
-           help="FP8 for a bfloat16 DiT: linear = e4m3 weights and activations in every block's per-forward "
-                "matrix products (docs/FP8.md); attention and all are not available yet")
+           help="FP8 for a bfloat16 DiT (docs/FP8.md): linear = e4m3 weights and activations in every block's "
+                "per-forward matrix products (GPU 8.9+); attention = self-attention through a Triton FP8 kernel, "
+                "history quantized once per block (Hopper 9.0+); all = both")
     option("--height", type=int, default=None, help="frame height in pixels, a multiple of 16 (default: the preset's)")
     option("--width", type=int, default=None, help="frame width in pixels, a multiple of 16 (default: the preset's)")
     option("--sink-frames", type=int, default=None,

@@ -5,7 +5,9 @@ Shape: batch 1, 12 heads of 128, 4680 queries (3 latent frames x 1560 tokens), k
 of kernel configs on pre-quantized inputs (each: median ms, TFLOP/s = 4*Sq*Sk*H*D / t, relative error vs float32
 attention of the original inputs and vs the cuDNN output, NaN count of an output poisoned with NaN, wgmma in
 the PTX), three variants of the best config (precise PV accumulation, no P scaling, v not transposed), the
-quantize cost (inside a CUDA graph, which also checks it captures) and the end-to-end fp8_attention. One JSON
+quantize cost (inside a CUDA graph, which also checks it captures), the end-to-end fp8_attention, and the
+engine's path (``engine_path``: the history quantized once into mirror buffers by the Triton quantizer, the
+two-segment kernel vs the single-scale one, and one forward's quantize + kernel in a CUDA graph). One JSON
 line per Sk on stdout, appended to --out, then a summary line; progress on stderr. A failing variant records
 its error and the run goes on; variants past --budget-s are recorded as skipped.
 
@@ -285,6 +287,87 @@ def time_quantize(q, k, v, device: torch.device) -> dict:
     return quantize
 
 
+def timed(fn, device: torch.device) -> dict:
+    """ms of ``fn`` captured in a CUDA graph (so also: it is capturable); eager on CPU or if capture fails."""
+    result = {}
+    if device.type == "cuda":
+        try:
+            result["ms_graphed"] = time_graphed_ms(fn)
+            return result
+        except Exception as error:  # noqa: BLE001 - not capturable is a finding; time it eagerly then
+            result["graph_error"] = describe(error, 1000)
+            sync(device)
+    result["ms"] = time_ms(fn, device)
+    return result
+
+
+def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.device) -> dict:
+    """What the engine runs with fp8=attention (history = all keys but the current block's Sq):
+
+    * ``quantize_history``: the per-block cost, quantize_per_head_into of the history's K and V into
+      preallocated mirror buffers (K rows, transposed V), with GB/s of one bf16 read + one fp8 write;
+    * ``kernel``: fp8_attention_segments over both segments vs fp8_attention_quantized (one scale) on the same
+      bytes and config: what the second segment costs; rel err vs float32 / cuDNN;
+    * ``forward``: the per-forward cost, quantize q and the current block's K/V into the mirror + the kernel,
+      one CUDA graph: the number to hold against cuDNN's ms (``speedup_vs_cudnn``).
+    """
+    sq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
+    sh = sk - sq
+    padded = -(-sk // 16) * 16
+    mirror_k = torch.zeros(1, sk, heads, dim, dtype=fa.FP8_DTYPE, device=device)
+    mirror_v = torch.zeros(1, heads, dim, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
+    scales = torch.ones(5, 1, heads, device=device)  # q, k history, k current, v history, v current
+    q8 = torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=device)
+    record = {"history_tokens": sh, "config": {key: getattr(config, key) for key in CONFIG_KEYS}}
+
+    def quantize_history():
+        fa.quantize_per_head_into(k[:, :sh], mirror_k[:, :sh], scales[1])
+        fa.quantize_per_head_into(v[:, :sh], mirror_v[:, :sh], scales[3])
+
+    def quantize_current():
+        fa.quantize_per_head_into(q, q8, scales[0])
+        fa.quantize_per_head_into(k[:, sh:], mirror_k[:, sh:], scales[2])
+        fa.quantize_per_head_into(v[:, sh:], mirror_v[:, sh:], scales[4])
+
+    out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
+
+    def kernel():
+        return fa.fp8_attention_segments(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
+                                         (scales[3], scales[4]), sh, out=out, config=config)
+
+    def forward():
+        quantize_current()
+        return kernel()
+
+    try:
+        if sh:
+            quantize_history()
+            record["quantize_history"] = timed(quantize_history, device)
+            ms = record["quantize_history"].get("ms_graphed", record["quantize_history"].get("ms"))
+            record["quantize_history"]["gb_per_s"] = 2 * sh * heads * dim * 3 / (ms * 1e-3) / 1e9  # bf16 in, fp8 out
+            exact = [fa.quantize_per_head(x[:, :sh], transpose=t) for x, t in ((k, False), (v, True))]
+            record["quantize_history"]["bits_equal_quantize_per_head"] = bool(
+                torch.equal(mirror_k[:, :sh].view(torch.uint8), exact[0][0].view(torch.uint8))
+                and torch.equal(mirror_v[:, :sh].float(), exact[1][0].float())
+                and torch.equal(scales[1], exact[0][1]) and torch.equal(scales[3], exact[1][1]))
+        forward()
+        sync(device)
+        record["kernel"] = {**timed(kernel, device), "rel_err_fp32": rel_err(out, ref32),
+                            "nan_count": int(out.isnan().sum().item())}
+        if ref_cudnn is not None:
+            record["kernel"]["rel_err_cudnn"] = rel_err(out, ref_cudnn)
+        # The same bytes under one scale (what the single-scale kernel costs here): the current segment's.
+        single = lambda: fa.fp8_attention_quantized(q8, scales[0], mirror_k, scales[2], mirror_v, scales[4],  # noqa: E731
+                                                    out=out, config=config)
+        record["kernel_single_scale"] = timed(single, device)
+        record["quantize_current"] = timed(quantize_current, device)
+        record["forward"] = timed(forward, device)
+    except Exception as error:  # noqa: BLE001 - the sweep's results stay
+        record["error"] = describe(error)
+        sync(device)
+    return record
+
+
 def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget: Budget) -> dict:
     record = {"sk": sk, "sq": shape.sq, "batch": shape.batch, "heads": shape.heads, "head_dim": shape.head_dim, **env}
     generator = torch.Generator(device=device).manual_seed(sk)
@@ -345,6 +428,14 @@ def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget
                 record["end_to_end"]["speedup_vs_cudnn"] = record["cudnn"]["ms"] / ms
         except Exception as error:  # noqa: BLE001
             record["end_to_end"] = {"error": describe(error)}
+    engine_config = fa.default_config(shape.head_dim, sk) if shape.head_dim in (128,) else sweep[0]
+    if budget.left() > 0:
+        record["engine_path"] = run_engine_path(q, k, v, sk, engine_config, ref32, ref_cudnn, device)
+        forward = record["engine_path"].get("forward", {})
+        forward_ms = forward.get("ms_graphed", forward.get("ms"))
+        if forward_ms and "ms" in record["cudnn"]:
+            record["engine_path"]["forward_speedup_vs_cudnn"] = record["cudnn"]["ms"] / forward_ms
+        log(f"Sk={sk} engine path {record['engine_path']}")
     record["configs"] = rows
     return record
 
@@ -394,6 +485,11 @@ def main() -> None:
             "best_config": {key: best.get(key) for key in CONFIG_KEYS} if best else None,
             "best_rel_err_fp32": best.get("rel_err_fp32"), "best_wgmma": best.get("wgmma"),
             "end_to_end_ms": record.get("end_to_end", {}).get("ms"), "error": record.get("error"),
+            "engine_forward": record.get("engine_path", {}).get("forward"),
+            "engine_forward_speedup_vs_cudnn": record.get("engine_path", {}).get("forward_speedup_vs_cudnn"),
+            "engine_quantize_history": record.get("engine_path", {}).get("quantize_history"),
+            "engine_kernel": record.get("engine_path", {}).get("kernel"),
+            "engine_kernel_single_scale": record.get("engine_path", {}).get("kernel_single_scale"),
         })
         log(f"Sk={sk} done, {budget.left():.0f} s of budget left")
     emit(json.dumps(summary), args.out)

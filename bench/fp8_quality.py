@@ -17,7 +17,11 @@ median ms per forward at the largest history, the DiT's weight bytes. Prints one
 JSON line and appends it to ``--out``.
 
     python bench/fp8_quality.py --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --out /tmp/fp8.jsonl
+    python bench/fp8_quality.py --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights \
+        --variants linear,attention,all --out /tmp/fp8.jsonl     # FP8 attention needs Hopper (9.0+)
     python bench/fp8_quality.py --preset tiny --device cpu      # smoke test: a few seconds on a CPU
+    TRITON_INTERPRET=1 python bench/fp8_quality.py --preset tiny --device cpu --variants linear,attention,all \
+        --blocks 3 --height 48 --width 64                       # the attention variants through the interpreter
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -86,6 +91,9 @@ def run_variant(config: EngineConfig, blocks: int, seed: int) -> tuple[ModelBund
     if bundle.fp8 is not None:
         record.update(layers_converted=bundle.fp8.converted, weight_bytes_saved=bundle.fp8.bytes_saved,
                       layers_kept_bf16=bundle.fp8.kept)
+    record["fp8_attention"] = pipeline.transformer.fp8_attention
+    if pipeline.transformer.fp8_attention:  # the e4m3 context mirror, on top of the bf16 gathered context
+        record["fp8_mirror_bytes"] = sum(workspace.fp8.nbytes for workspace in pipeline.context_kv.values())
     return bundle, record, outputs
 
 
@@ -118,6 +126,10 @@ def main() -> int:
     args = parser.parse_args()
     if args.blocks < 2:
         parser.error("--blocks must be at least 2")
+    if os.environ.get("TRITON_INTERPRET") == "1":  # FP8 attention on the CPU: the interpreter's casts (see there)
+        from tests.test_fp8_attention import _patch_interpreter
+
+        _patch_interpreter()
     started = time.perf_counter()
     try:
         configs = {
