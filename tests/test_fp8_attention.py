@@ -2,7 +2,11 @@
 
 ``TRITON_INTERPRET=1`` has to be set before Triton is imported, so the kernel runs in one subprocess (this file
 run as a script) that reports its measurements as JSON; the tests here assert on them. Quantization, argument
-checks and the import without Triton run in this process.
+checks and the import without Triton run in this process. Besides the single-scale kernel: the two-segment
+kernel (history | current keys, each with its own scales: boundary inside a block, on a block edge, in the last
+block, in the only block, no history, all history; against the emulation in the kernel's block order and float32
+attention of the segments dequantized), and the Triton quantizer (``quantize_per_head_into``: its bits and scales
+against ``quantize_per_head``'s, into slices of bigger buffers whose other bytes must stay untouched).
 
 The subprocess patches two defects of Triton 3.6's interpreter (not of the GPU compiler):
 
