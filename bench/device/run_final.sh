@@ -24,6 +24,14 @@ timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py ${FAST_ARGS:---s
 echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-2500
 [ -f "$OUT/fast_profile.txt" ] && mv "$OUT/fast_profile.txt" "$OUT/logs/"
 
+if [ -n "${QUALITY_ARGS:-}" ]; then  # FP8 variants against bf16 (bench/fp8_quality.py), when asked for
+  echo "== $(left)s left: fp8 quality"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${QUALITY_S:-90}" python3 bench/fp8_quality.py $QUALITY_ARGS --out "$OUT/fp8_quality.jsonl" \
+    > /dev/null 2> "$OUT/logs/fp8_quality.stderr"
+  echo "fp8 quality exit $?"; tail -n 1 "$OUT/fp8_quality.jsonl" 2>/dev/null | cut -c1-2500
+fi
+
 service() {  # NAME BUDGET_S SERVER_ARGS... -- BENCH_ARGS...
   local name=$1 budget=$2; shift 2
   echo "== $(left)s left: service $name, budget ${budget}s"

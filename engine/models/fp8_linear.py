@@ -53,8 +53,16 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-# One compiled kernel for the process (dynamic shapes: every token count and width), eager off CUDA.
-_QUANTIZE_ROWS = DeviceKernel(quantize_rows)
+# One compiled kernel per row width for the process (eager off CUDA): each keeps its width a constant, so its
+# reduction is specialised; only the token count varies between calls (kernels.DeviceKernel).
+_QUANTIZERS: dict[int, DeviceKernel] = {}
+
+
+def _quantizer(width: int) -> DeviceKernel:
+    kernel = _QUANTIZERS.get(width)
+    if kernel is None:
+        kernel = _QUANTIZERS.setdefault(width, DeviceKernel(quantize_rows))
+    return kernel
 
 
 def fits_fp8(linear: nn.Linear) -> bool:
@@ -122,7 +130,7 @@ class FP8Linear(nn.Module):
             raise ValueError(f"FP8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         # _scaled_mm is 2-D and wants a row-major mat1: flatten batch/sequence dims (a no-op copy when contiguous).
         rows = x.reshape(-1, self.in_features).contiguous()
-        quantized, scale = _QUANTIZE_ROWS(rows)
+        quantized, scale = _quantizer(self.in_features)(rows)
         out = torch._scaled_mm(
             quantized,
             self.weight_fp8.t(),

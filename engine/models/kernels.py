@@ -33,10 +33,23 @@ def _per_frame(x: torch.Tensor, frames: int) -> torch.Tensor:
     return x.view(batch, frames, seq // frames, dim)
 
 
+def modulate_frames(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``normed * (1 + scale) + shift`` in float32 on ``[B, frames, tokens, dim]``, cast to ``dtype``.
+
+    Framed, so that compiled only the frame count varies between calls: a token's frame is then its index
+    divided by a constant, not by a runtime size (which made these kernels ~7x slower than memory bandwidth).
+    """
+    return (normed * (1 + scale) + shift).to(dtype)
+
+
+def gated_residual_frames(hidden: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """``hidden + update * gate`` in float32 on ``[B, frames, tokens, dim]``, back in ``hidden``'s dtype."""
+    return (hidden.float() + update.float() * gate).to(hidden.dtype)
+
+
 def modulate(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``normed * (1 + scale) + shift`` in float32, per frame, cast to ``dtype``: the modulation after a norm."""
-    frames = scale.shape[1]
-    return (_per_frame(normed, frames) * (1 + scale) + shift).view_as(normed).to(dtype)
+    return modulate_frames(_per_frame(normed, scale.shape[1]), scale, shift, dtype).view_as(normed)
 
 
 def modulated_layer_norm(
@@ -49,8 +62,7 @@ def modulated_layer_norm(
 def gated_residual(hidden: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``hidden + update * gate`` in float32, per frame, back in ``hidden``'s dtype."""
     frames = gate.shape[1]
-    out = _per_frame(hidden.float(), frames) + _per_frame(update.float(), frames) * gate
-    return out.view_as(hidden).to(hidden.dtype)
+    return gated_residual_frames(_per_frame(hidden, frames), _per_frame(update, frames), gate).view_as(hidden)
 
 
 def affine_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,6 +94,19 @@ def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out.to(x.dtype)
 
 
+def rotate_interleaved(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) -> torch.Tensor:
+    """:func:`rotate_pairs` as ``x * [cos, cos] + swap_pairs(x) * [-sin, sin]``, from interleaved full-width tables.
+
+    Bit for bit the same arithmetic (the same products; a sum's addends swapped, a difference written as a
+    sum with the negated product: both exact in IEEE arithmetic). Compiled it is one plain elementwise pass;
+    the stack of two results in :func:`rotate_pairs` compiled to a kernel 3-5x slower on the H200 (84 us
+    per current-block key, 314 us per history load; bench/elementwise_gpu.py).
+    """
+    xf = x.float()
+    swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xf * cos2 + swapped * sin2).to(x.dtype)
+
+
 def rms_norm_rotate(
     x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, cos: torch.Tensor, sin: torch.Tensor
 ) -> torch.Tensor:
@@ -98,15 +123,19 @@ def compile_kernel(fn: Callable) -> Callable:
     block still differs from the eager one by 3.3e-3 on the H200 — the fused norms reduce in another
     order — while both are equally far (7.6e-3) from float32 (docs/BENCHMARKS.md). It costs no time.
     """
-    return torch.compile(fn, dynamic=True, options={"emulate_precision_casts": True})
+    return torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
 
 
 class DeviceKernel:
     """``fn`` through ``torch.compile`` on CUDA tensors; eager elsewhere, or if compiling fails.
 
-    Dynamic shapes: one compiled kernel serves every sequence length (history
-    length, first block, recache groups), so a new length after warm-up costs
-    no compile.
+    Automatic dynamic shapes: the first call compiles for its shapes; a later
+    call that changes a size recompiles once with that size dynamic, and that
+    kernel then serves every value of it (history length, first block, recache
+    groups): the warm-up meets them all, so none compiles after it. Sizes that
+    never change (tokens per frame, heads, width) stay constants, which keeps
+    the index arithmetic cheap (``dynamic=True`` made every size a runtime value
+    and these memory-bound kernels ran ~7x under bandwidth on the H200).
     """
 
     compile_on_cpu = False  # tests set this to run Inductor's CPU backend through the same objects
@@ -182,7 +211,8 @@ _EAGER: dict[str, Callable] = {
 }
 # One compiled kernel per function for the process: every layer of every model reuses it.
 _FUSED: dict[str, DeviceKernel] = {name: DeviceKernel(fn) for name, fn in _EAGER.items()}
-_FUSED_MODULATE = DeviceKernel(modulate)
+_FUSED_MODULATE = DeviceKernel(modulate_frames)
+_FUSED_GATED_RESIDUAL = DeviceKernel(gated_residual_frames)
 
 
 def _layer_norm_apart(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -190,7 +220,13 @@ def _layer_norm_apart(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _modulated_layer_norm_apart(x, scale, shift, eps):
-    return _FUSED_MODULATE(_layer_norm_apart(x, eps), scale, shift, x.dtype)
+    normed = _per_frame(_layer_norm_apart(x, eps), scale.shape[1])
+    return _FUSED_MODULATE(normed, scale, shift, x.dtype).view_as(x)
+
+
+def _gated_residual_apart(hidden, update, gate):
+    frames = gate.shape[1]
+    return _FUSED_GATED_RESIDUAL(_per_frame(hidden, frames), _per_frame(update, frames), gate).view_as(hidden)
 
 
 def _residual_modulated_layer_norm_apart(hidden, update, scale, shift, eps):
@@ -198,18 +234,66 @@ def _residual_modulated_layer_norm_apart(hidden, update, scale, shift, eps):
     return hidden, _modulated_layer_norm_apart(hidden, scale, shift, eps)
 
 
+class _InterleavedRope:
+    """Interleaved full-width copies of the rotary tables, one per table, for :func:`rotate_interleaved`.
+
+    The callers pass row slices of the rotary module's cached tables (fixed for the engine's life); the
+    copy is built once per table (holding the table, so its address is never another's) outside any CUDA
+    graph capture, and sliced like the view it stands for. Anything else gets ``None``: the caller then
+    rotates from the half tables.
+    """
+
+    MAX_TABLES = 256
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+
+    def __call__(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        cos_base = cos if cos._base is None else cos._base
+        sin_base = sin if sin._base is None else sin._base
+        if cos_base.dim() != 3 or not cos_base.is_contiguous() or cos.stride() != cos_base.stride():
+            return None
+        if sin_base.shape != cos_base.shape or not sin_base.is_contiguous() or sin.stride() != sin_base.stride():
+            return None
+        start = cos.storage_offset() - cos_base.storage_offset()
+        if start % cos_base.stride(0) or start != sin.storage_offset() - sin_base.storage_offset():
+            return None
+        key = (id(cos_base), id(sin_base))
+        entry = self._tables.get(key)
+        if entry is None or entry[0] is not cos_base or entry[1] is not sin_base:
+            if len(self._tables) >= self.MAX_TABLES or (cos.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return None
+            cos2 = torch.stack((cos_base, cos_base), -1).flatten(-2)
+            sin2 = torch.stack((-sin_base, sin_base), -1).flatten(-2)
+            entry = (cos_base, sin_base, cos2, sin2)
+            self._tables[key] = entry
+        row = start // cos_base.stride(0)
+        return entry[2][row : row + cos.shape[0]], entry[3][row : row + cos.shape[0]]
+
+
+_INTERLEAVED_ROPE = _InterleavedRope()
+_FUSED_ROTATE_INTERLEAVED = DeviceKernel(rotate_interleaved)
+
+
+def _rotate_pairs_fast(x, cos, sin):
+    tables = _INTERLEAVED_ROPE(cos, sin) if (x.is_cuda or DeviceKernel.compile_on_cpu) else None
+    if tables is None:
+        return _FUSED["rotate_pairs"](x, cos, sin)
+    return _FUSED_ROTATE_INTERLEAVED(x, *tables)
+
+
 def _rms_norm_rotate_apart(x, weight, eps, heads, cos, sin):
-    return _FUSED["rotate_pairs"](rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
+    return _rotate_pairs_fast(rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
 
 
 # The norms on torch's kernels, everything between them fused.
 _NORMS_APART: dict[str, Callable] = {
     "modulated_layer_norm": _modulated_layer_norm_apart,
-    "gated_residual": _FUSED["gated_residual"],
+    "gated_residual": _gated_residual_apart,
     "affine_layer_norm": affine_layer_norm,
     "residual_modulated_layer_norm": _residual_modulated_layer_norm_apart,
     "rms_norm": rms_norm,
-    "rotate_pairs": _FUSED["rotate_pairs"],
+    "rotate_pairs": _rotate_pairs_fast,
     "rms_norm_rotate": _rms_norm_rotate_apart,
 }
 EAGER_KERNELS = Kernels.make(False)
