@@ -119,9 +119,10 @@ def compile_kernel(fn: Callable) -> Callable:
 
     Inductor keeps a fused chain's intermediates in float32 unless told otherwise; eager rounds each op's
     bf16 output (e.g. the RMS norm's before the rotation). ``emulate_precision_casts`` rounds at the same
-    places (on the CPU a fused norm + rotation then matches eager to ~1e-5 instead of ~3e-3). A 1.3B bf16
-    block still differs from the eager one by 3.3e-3 on the H200 — the fused norms reduce in another
-    order — while both are equally far (7.6e-3) from float32 (docs/BENCHMARKS.md). It costs no time.
+    places (on the CPU a fused norm + rotation then matches eager to ~1e-5 instead of ~3e-3), and it also
+    keeps ``a * b + c`` from becoming one fused multiply-add. With the norms fused too (``fuse_norms``) a 1.3B
+    bf16 block still differs from the eager one by 3.3e-3 on the H200 (the norms reduce in another order);
+    the engine's set, norms on torch's kernels, is bit-identical to eager there (docs/BENCHMARKS.md).
     """
     return torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
 
