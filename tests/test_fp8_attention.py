@@ -45,7 +45,7 @@ import torch
 
 from engine.models import fp8_attention as fa
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.triton_interpreted import ROOT, interpreter_checks  # noqa: E402
 
 
 # --- run in the interpreter subprocess ------------------------------------------------------------------
@@ -314,12 +314,7 @@ def _interpreter_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_checks(__file__)
 
 
 TAIL_CASES = ("tails", "keys_fewer_than_a_block", "no_key_tail", "head_dim_128_default_config")

@@ -15,10 +15,7 @@ per block, flat over blocks. Above 1e-4: the FP8 kernel really ran (off and atte
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -31,7 +28,7 @@ from engine.config import EngineConfig, fp8_attention_refusal
 from engine.kv_cache import KVCacheManager
 from engine.models import fp8_attention as fa
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.triton_interpreted import ROOT, interpreter_checks  # noqa: E402
 FP8_ATTENTION_BOUND = 0.07
 BLOCKS = 3
 PROMPT = "a kite over dunes"
@@ -132,12 +129,7 @@ def _interpreter_checks() -> dict:
 
 @pytest.fixture(scope="module")
 def interpreted() -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, __file__, "--interpreter-checks"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=240, check=False)
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return interpreter_checks(__file__)
 
 
 def test_tiny_engine_with_fp8_attention_stays_close_to_bf16(interpreted):
