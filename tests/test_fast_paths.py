@@ -197,3 +197,32 @@ def test_engine_kernels_with_norms_apart_compute_the_eager_functions_bit_for_bit
             assert torch.equal(g, e), (name, float((g.float() - e.float()).abs().max()))
     compiled = [kernels._FUSED_MODULATE, kernels._FUSED_ROTATE_INTERLEAVED, kernels._FUSED_GATED_RESIDUAL]
     assert all(k._compiled is not None and not k._failed for k in compiled)  # the compiled path ran, not the fallback
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")
+def test_fused_kernels_compile_nothing_for_a_second_session(monkeypatch):
+    """Automatic dynamic shapes: once one session has met every shape (first block, growing history, eviction,
+    recache), a second session compiles nothing — the warm-up's promise that no viewer waits for a compile."""
+    from torch._dynamo.utils import counters
+
+    from engine.models import kernels
+
+    monkeypatch.setattr(kernels.DeviceKernel, "compile_on_cpu", True)
+    _, bundle = build_small(sink_frames=1, window_frames=4)
+    pipeline = bundle.pipeline
+    pipeline.transformer.kernels = kernels.Kernels.make(True)
+    manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
+
+    def session(name: str, blocks: int) -> None:
+        kv, progress = manager.open_session(name), pipeline.new_progress(seed=1, prompt="a reef")
+        for _ in range(blocks):
+            pipeline.run_block(kv, progress)
+        pipeline.recache(kv, progress)
+        pipeline.run_block(kv, progress)
+        kv.close()
+
+    session("warm-up", 4)
+    compiled = counters["stats"]["unique_graphs"]
+    session("viewer", 6)
+    assert counters["stats"]["unique_graphs"] == compiled
+    assert kernels._FUSED_MODULATE._compiled is not None and not kernels._FUSED_MODULATE._failed
