@@ -52,7 +52,7 @@ class FP8ContextKV:
     """
 
     def __init__(self, *, num_layers: int, max_tokens: int, num_heads: int, head_dim: int, device: torch.device):
-        padded = -(-max_tokens // fa._V_ROW_ALIGN) * fa._V_ROW_ALIGN
+        padded = -(-max_tokens // fa.V_ROW_ALIGN) * fa.V_ROW_ALIGN
         self.k = torch.zeros((num_layers, max_tokens, num_heads, head_dim), dtype=fa.FP8_DTYPE, device=device)
         self.v = torch.zeros((num_layers, num_heads, head_dim, padded), dtype=fa.FP8_DTYPE, device=device)
         self.scales = torch.ones((num_layers, 2, 2, 1, num_heads), dtype=torch.float32, device=device)

@@ -45,7 +45,7 @@ HEAD_DIMS = (32, 64, 128)
 LOG2E = 1.4426950408889634
 # The transposed v's key axis is padded to this many elements so each of its rows starts 16-byte aligned
 # (Triton only vectorises loads whose stride it knows is a multiple of 16).
-_V_ROW_ALIGN = 16
+V_ROW_ALIGN = 16
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ def quantize_per_head(x: torch.Tensor, *, transpose: bool = False) -> tuple[torc
     if not transpose:
         return scaled.to(FP8_DTYPE), scale
     batch, seq, heads, head_dim = x.shape
-    padded = -(-seq // _V_ROW_ALIGN) * _V_ROW_ALIGN
+    padded = -(-seq // V_ROW_ALIGN) * V_ROW_ALIGN
     storage = torch.empty(batch, heads, head_dim, padded, dtype=FP8_DTYPE, device=x.device)
     storage[..., seq:].zero_()
     storage[..., :seq].copy_(scaled.permute(0, 2, 3, 1))
