@@ -8,6 +8,7 @@ cluster, with Ray restarting a killed replica, is tests/test_ray_serve.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from app.cluster.pool import WorkerEndpoint
 from app.cluster.ray_pool import RayPoolLimits, RayWorkerPool
@@ -47,16 +48,26 @@ async def _settle() -> None:
     await asyncio.sleep(0.3)
 
 
+@contextlib.asynccontextmanager
+async def _started_pool(name: str):
+    """One replica answering as incarnation "a" on a listening port, its pool started, losses recorded."""
+    replica = FakeReplica(name)
+    server = await _listening()
+    replica.becomes("a", _port(server))
+    pool = RayWorkerPool({name: replica}, FAST)
+    lost: list[WorkerEndpoint] = []
+    pool.on_worker_lost(lost.append)
+    await pool.start()
+    try:
+        yield replica, server, pool, lost
+    finally:
+        await pool.stop()
+        server.close()
+
+
 def test_generations_count_incarnations_and_each_loss_is_reported_once():
     async def scenario():
-        replica = FakeReplica("ray-cpu-0")
-        first = await _listening()
-        replica.becomes("a", _port(first))
-        pool = RayWorkerPool({"ray-cpu-0": replica}, FAST)
-        lost: list[WorkerEndpoint] = []
-        pool.on_worker_lost(lost.append)
-        await pool.start()
-        try:
+        async with _started_pool("ray-cpu-0") as (replica, first, pool, lost):
             (endpoint,) = pool.endpoints()
             assert endpoint == WorkerEndpoint("ray-cpu-0", f"http://127.0.0.1:{_port(first)}", 1)
 
@@ -80,22 +91,13 @@ def test_generations_count_incarnations_and_each_loss_is_reported_once():
             assert [e.generation for e in lost] == [1, 2] and pool.endpoints()[0].generation == 3
             second.close()
             third.close()
-        finally:
-            await pool.stop()
 
     asyncio.run(scenario())
 
 
 def test_a_dead_engine_loses_its_generation_even_while_the_replica_still_answers():
     async def scenario():
-        replica = FakeReplica("ray-gpu-0")
-        server = await _listening()
-        replica.becomes("a", _port(server))
-        pool = RayWorkerPool({"ray-gpu-0": replica}, FAST)
-        lost: list[WorkerEndpoint] = []
-        pool.on_worker_lost(lost.append)
-        await pool.start()
-        try:
+        async with _started_pool("ray-gpu-0") as (replica, server, pool, lost):
             replica.becomes("a", _port(server), engine_alive=False)  # check_health fails from now on
             await _settle()
             assert pool.endpoints() == [] and [e.generation for e in lost] == [1]
@@ -104,8 +106,5 @@ def test_a_dead_engine_loses_its_generation_even_while_the_replica_still_answers
             replica.becomes("b", _port(server))
             await _settle()
             assert [e.generation for e in pool.endpoints()] == [2]
-        finally:
-            await pool.stop()
-            server.close()
 
     asyncio.run(scenario())
