@@ -103,6 +103,28 @@ class RunningServer:
         return self.process.returncode
 
 
+def follow_serving_url(
+    process: subprocess.Popen, lines: list[str], timeout_s: float, pattern: str = r"arstream serving on (http://\S+)"
+) -> str | None:
+    """Drain ``process``'s output into ``lines`` for its whole life (a full pipe would stall it); return the URL
+    it says it serves on (``pattern``'s group), or None if it exits or ``timeout_s`` passes first."""
+    found = threading.Event()
+    url: list[str] = []
+
+    def read_output() -> None:
+        for line in process.stdout:
+            lines.append(line.rstrip("\n"))
+            match = re.search(pattern, line)
+            if match and not found.is_set():
+                url.append(match.group(1))
+                found.set()
+        found.set()
+
+    threading.Thread(target=read_output, daemon=True).start()
+    found.wait(timeout_s)
+    return url[0] if url else None
+
+
 def _arstream_command() -> list[str]:
     script = Path(sys.executable).parent / "arstream"
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
@@ -126,19 +148,8 @@ def start_server(*extra_args: str, env: dict | None = None) -> RunningServer:
         env={**os.environ, "PYTHONUNBUFFERED": "1", "ARSTREAM_ENGINE__RANDOM_WEIGHTS": "true", **(env or {})},
     )
     server = RunningServer(process=process, base_url="")
-    found = threading.Event()
-
-    def read_output() -> None:  # keeps the pipe drained for the server's whole life
-        for line in process.stdout:
-            server.log_lines.append(line.rstrip("\n"))
-            match = re.search(r"arstream serving on (http://\S+)", line)
-            if match and not found.is_set():
-                server.base_url = match.group(1)
-                found.set()
-        found.set()
-
-    threading.Thread(target=read_output, daemon=True).start()
-    if not found.wait(SERVER_START_TIMEOUT_S) or not server.base_url:
+    server.base_url = follow_serving_url(process, server.log_lines, SERVER_START_TIMEOUT_S) or ""
+    if not server.base_url:
         server.stop(timeout=5)
         tail = "\n".join(server.log_lines[-40:])
         raise RuntimeError(f"arstream serve did not start (exit {process.returncode}):\n{tail}")

@@ -14,11 +14,9 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +26,7 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from tests.conftest import SMALL_ENGINE, decode_mp4
+from tests.conftest import SMALL_ENGINE, decode_mp4, follow_serving_url
 from tests.raw_ws import RawWebSocket
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -103,19 +101,9 @@ def start_front_end(*extra: str) -> FrontEnd:
     env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     front = FrontEnd(process)
-    found = threading.Event()
-
-    def read_output() -> None:
-        for line in process.stdout:
-            front.lines.append(line.rstrip("\n"))
-            match = re.search(r"^arstream serving on (http://\S+)", line)
-            if match and not found.is_set():
-                front.base_url = match.group(1)
-                found.set()
-        found.set()
-
-    threading.Thread(target=read_output, daemon=True).start()
-    if not found.wait(START_TIMEOUT_S) or not front.base_url:
+    serving = r"^arstream serving on (http://\S+)"
+    front.base_url = follow_serving_url(process, front.lines, START_TIMEOUT_S, serving) or ""
+    if not front.base_url:
         front.stop(5)
         raise RuntimeError("the front end did not start:\n" + "\n".join(front.lines[-40:]))
     wait_until(lambda: _metric(front, 'arstream_worker_ready{worker="cpu-0"}') == 1
