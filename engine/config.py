@@ -193,6 +193,7 @@ class EngineConfig(BaseModel):
                 f"fp8={self.fp8} needs dtype=bfloat16 (FP8 quantizes a bf16 model's matrix products); "
                 f"got dtype={self.dtype}"
             )
+        capability = None
         if self.fp8 != "off" and self.device.startswith("cuda"):
             capability = torch.cuda.get_device_capability(self.device)
             if capability < FP8_MIN_CAPABILITY:
@@ -201,7 +202,6 @@ class EngineConfig(BaseModel):
                     f"newer); {torch.cuda.get_device_name(self.device)} is {capability[0]}.{capability[1]}"
                 )
         if self.fp8 in FP8_ATTENTION:
-            capability = torch.cuda.get_device_capability(self.device) if self.device.startswith("cuda") else None
             refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
             if refusal:
                 raise ValueError(refusal)
