@@ -147,11 +147,15 @@ class DeviceKernel:
         self._failed = False
         self._lock = threading.Lock()
 
+    @classmethod
+    def compiles_for(cls, tensor: torch.Tensor) -> bool:
+        """Whether a kernel called on ``tensor`` runs compiled (CUDA, or the CPU in tests)."""
+        return tensor.is_cuda or cls.compile_on_cpu
+
     def __call__(self, *args):
-        first = args[0]
         # Inside a CUDA graph capture the compiled kernel runs too: the forward graphs run every shape
         # eagerly (compiling it) right before capturing it, so no compile happens during a capture.
-        if (first.is_cuda or self.compile_on_cpu) and not self._failed:
+        if self.compiles_for(args[0]) and not self._failed:
             try:
                 return self._compiled_fn()(*args)
             except Exception:
@@ -277,7 +281,7 @@ _FUSED_ROTATE_INTERLEAVED = DeviceKernel(rotate_interleaved)
 
 
 def _rotate_pairs_fast(x, cos, sin):
-    tables = _INTERLEAVED_ROPE(cos, sin) if (x.is_cuda or DeviceKernel.compile_on_cpu) else None
+    tables = _INTERLEAVED_ROPE(cos, sin) if DeviceKernel.compiles_for(x) else None
     if tables is None:
         return _FUSED["rotate_pairs"](x, cos, sin)
     return _FUSED_ROTATE_INTERLEAVED(x, *tables)
