@@ -417,11 +417,14 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny models on this machine's device: checks the script runs")
     parser.add_argument("--variants", default=None, help="first words of the forward variants to run, e.g. landed,engine")
     parser.add_argument("--no-compile-decoder", action="store_true", help="eager VAE (skips its compile)")
+    parser.add_argument("--window-frames", type=int, default=None, help="the sliding window (default: the preset's)")
+    parser.add_argument("--fp8", default="off", choices=("off", "linear", "attention", "all"))
     args = parser.parse_args()
     OUT = args.out
     sections = args.sections.split(",")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     summary = {"bench": "fast_paths", "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+               "window_frames": args.window_frames, "fp8": args.fp8,
                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
     started = time.perf_counter()
     if "equivalence" in sections:
@@ -436,7 +439,9 @@ def main() -> None:
                               compile_decoder=not args.no_compile_decoder)
     else:
         config = EngineConfig(preset="wan2.1-1.3b", device=device, dtype="bfloat16", random_weights=True,
-                              compile_decoder=not args.no_compile_decoder)
+                              compile_decoder=not args.no_compile_decoder, fp8=args.fp8)
+    if args.window_frames is not None:
+        config = config.model_copy(update={"window_frames": args.window_frames})
     bundle = build_models(config)
     emit({"section": "built", "s": round(time.perf_counter() - started, 1),
           "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 1) if device == "cuda" else None})

@@ -18,11 +18,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 
-echo "== $(left)s left: engine fast paths"
-timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py ${FAST_ARGS:---sections forward,profile --blocks 6 \
-  --variants landed,engine --no-compile-decoder} --out "$OUT/fast.jsonl" > /dev/null 2> "$OUT/logs/fast.stderr"
-echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-2500
-[ -f "$OUT/fast_profile.txt" ] && mv "$OUT/fast_profile.txt" "$OUT/logs/"
+if [ "${ENGINE:-1}" = 1 ]; then  # ENGINE=0: the services only
+  echo "== $(left)s left: engine fast paths"
+  # shellcheck disable=SC2086
+  timeout -k 5 "${FAST_S:-110}" python3 bench/bench_fast_paths.py ${FAST_ARGS:---sections forward,profile --blocks 6 \
+    --variants landed,engine --no-compile-decoder} --out "$OUT/fast.jsonl" > /dev/null 2> "$OUT/logs/fast.stderr"
+  echo "fast paths exit $?"; tail -n 1 "$OUT/fast.jsonl" | cut -c1-2500
+  [ -f "$OUT/fast_profile.txt" ] && mv "$OUT/fast_profile.txt" "$OUT/logs/"
+fi
 
 if [ -n "${QUALITY_ARGS:-}" ]; then  # FP8 variants against bf16 (bench/fp8_quality.py), when asked for
   echo "== $(left)s left: fp8 quality"
