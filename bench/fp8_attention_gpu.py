@@ -43,6 +43,7 @@ C = fa.Fp8AttentionConfig
 SWEEP = (
     C(128, 128, 8, 3), C(128, 128, 8, 2), C(128, 64, 8, 3), C(128, 64, 8, 4),
     C(128, 64, 4, 3), C(128, 64, 4, 4), C(64, 128, 4, 3), C(64, 64, 4, 3), C(64, 64, 4, 4),
+    C(128, 128, 8, 4), C(64, 128, 4, 2),
 )
 SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2))
 CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
@@ -440,6 +441,72 @@ def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget
     return record
 
 
+def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values: tuple[int, ...]) -> list[dict]:
+    """The engine's kernel (two segments: history quantized once, current per forward) for every config of
+    ``sweep`` at each key count of ``sk_values`` (history = Sk - Sq): ms (L2 flushed), TFLOP/s, error vs
+    float32 and vs cuDNN, the cuDNN ms on the same inputs, and the config :func:`fa.default_config` picks."""
+    records = []
+    dims = (shape.heads, shape.head_dim)
+    for sk in sk_values:
+        generator = torch.Generator(device=device).manual_seed(sk)
+        q = torch.randn(1, shape.sq, *dims, device=device, generator=generator).bfloat16()
+        kv = torch.randn(2, sk, *dims, device=device, generator=generator).bfloat16()
+        k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        ref32 = float32_attention(q, k, v)
+        sh = sk - shape.sq
+        mirror_k = torch.zeros(1, sk, *dims, dtype=fa.FP8_DTYPE, device=device)
+        padded = -(-sk // fa.V_ROW_ALIGN) * fa.V_ROW_ALIGN
+        mirror_v = torch.zeros(1, *dims, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
+        scales = torch.ones(5, 1, shape.heads, device=device)
+        q8 = torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=device)
+        fa.quantize_per_head_into(q, q8, scales[0])
+        for segment, (lo, hi) in enumerate(((0, sh), (sh, sk))):
+            fa.quantize_per_head_into(k[:, lo:hi], mirror_k[:, lo:hi], scales[1 + segment])
+            fa.quantize_per_head_into(v[:, lo:hi], mirror_v[:, lo:hi], scales[3 + segment])
+        record = {"engine_sweep": True, "sk": sk, "history_tokens": sh, **env,
+                  "default_config": asdict(fa.default_config(shape.head_dim, sk))}
+        try:
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            def cudnn():
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+            ref_cudnn = cudnn().transpose(1, 2)
+            record["cudnn_ms"] = time_ms(cudnn, device)
+        except Exception as error:  # noqa: BLE001
+            ref_cudnn, record["cudnn_error"] = None, describe(error)
+        rows = []
+        for config in sweep:
+            row = {key: getattr(config, key) for key in CONFIG_KEYS}
+            try:
+                out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+                def kernel(config=config, out=out):
+                    return fa.fp8_attention_segments(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
+                                                     (scales[3], scales[4]), sh, out=out, config=config)
+
+                _, compiled = fa._launch(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
+                                         (scales[3], scales[4]), out, config, sh)
+                sync(device)
+                row.update(nan_count=int(out.isnan().sum().item()), rel_err_fp32=rel_err(out, ref32),
+                           **kernel_facts(compiled))
+                if ref_cudnn is not None:
+                    row["rel_err_cudnn"] = rel_err(out, ref_cudnn)
+                row["ms"] = time_ms(kernel, device)
+                row["tflops"] = shape.tflops(row["ms"], sk)
+            except Exception as error:  # noqa: BLE001 - one failing config must not end the sweep
+                row["error"] = describe(error)
+                sync(device)
+            rows.append(row)
+            log(f"engine sweep Sk={sk} {row}")
+        good = [r for r in rows if "ms" in r and r["nan_count"] == 0 and r["rel_err_fp32"] < GOOD_ENOUGH]
+        record["best"] = min(good, key=lambda r: r["ms"]) if good else None
+        record["configs"] = rows
+        records.append(record)
+    return records
+
+
 def emit(line: str, out_path: str | None) -> None:
     print(line, flush=True)
     if out_path:
@@ -453,6 +520,8 @@ def main() -> None:
     parser.add_argument("--budget-s", type=float, default=130.0, help="skip variants after this many seconds")
     parser.add_argument("--compile-only", action="store_true", help="cross-compile the sweep for sm_90, no GPU")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
+    parser.add_argument("--engine-sweep", default=None, help="only the engine's two-segment kernel, every config, "
+                        "at these comma-separated key counts (e.g. 18720,28080,32760)")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -471,6 +540,11 @@ def main() -> None:
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "capability": list(torch.cuda.get_device_capability())}
     log(f"start {env}")
+    if args.engine_sweep:
+        sk_values = tuple(int(x) for x in args.engine_sweep.split(","))
+        for record in engine_sweep(shape, sweep, env, device, sk_values):
+            emit(json.dumps(record), args.out)
+        return
     summary = {"summary": True, **env, "per_sk": []}
     for sk in shape.sk_values:
         try:

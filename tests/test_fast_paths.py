@@ -195,7 +195,7 @@ def test_engine_kernels_with_norms_apart_compute_the_eager_functions_bit_for_bit
         for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
             assert g.dtype == e.dtype == torch.bfloat16, name
             assert torch.equal(g, e), (name, float((g.float() - e.float()).abs().max()))
-    compiled = [kernels._FUSED_MODULATE, kernels._FUSED_ROTATE_INTERLEAVED, kernels._FUSED_GATED_RESIDUAL]
+    compiled = [kernels._FUSED_NORMALIZE_MODULATE, kernels._FUSED_ROTATE_INTERLEAVED, kernels._FUSED_GATED_RESIDUAL]
     assert all(k._compiled is not None and not k._failed for k in compiled)  # the compiled path ran, not the fallback
 
 
@@ -225,4 +225,24 @@ def test_fused_kernels_compile_nothing_for_a_second_session(monkeypatch):
     compiled = counters["stats"]["unique_graphs"]
     session("viewer", 6)
     assert counters["stats"]["unique_graphs"] == compiled
-    assert kernels._FUSED_MODULATE._compiled is not None and not kernels._FUSED_MODULATE._failed
+    assert kernels._FUSED_NORMALIZE_MODULATE._compiled is not None and not kernels._FUSED_NORMALIZE_MODULATE._failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the bf16 layer-norm statistics path runs on CUDA")
+@pytest.mark.parametrize("rows,dim", [(4680, 1536), (1560, 1536), (96, 128)])
+def test_layer_norm_statistics_of_bf16_rows_are_those_of_their_float32_copy(rows, dim):
+    """The engine's modulated layer norm takes torch's statistics of the bf16 rows (no float32 copy): they
+    must be the very statistics the eager path's float32 layer norm computes, so the result is bit-identical."""
+    from engine.models import kernels
+
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = (3 * torch.randn(1, rows, dim, device="cuda", generator=generator) + 0.5).bfloat16()
+    scale, shift = (0.1 * torch.randn(2, 1, 3, 1, dim, device="cuda", generator=generator)).unbind(0)
+    x = x[:, : rows - rows % 3]
+    mean, rstd = kernels.layer_norm_stats(x, 1e-6)
+    _, mean32, rstd32 = torch.native_layer_norm(x.float(), (dim,), None, None, 1e-6)
+    assert mean.dtype == rstd.dtype == torch.float32
+    assert torch.equal(mean, mean32) and torch.equal(rstd, rstd32)
+    expected = kernels.EAGER_KERNELS.modulated_layer_norm(x, scale, shift, 1e-6)
+    assert torch.equal(kernels.Kernels.make(True).modulated_layer_norm(x, scale, shift, 1e-6), expected)

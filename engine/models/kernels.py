@@ -42,6 +42,19 @@ def modulate_frames(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     return (normed * (1 + scale) + shift).to(dtype)
 
 
+def normalize_modulate_frames(
+    x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
+    """:func:`modulate_frames` of ``(x - mean) * rstd``: a layer norm finished from its row statistics.
+
+    ``(x - mean) * rstd`` in float32 is what torch's layer-norm kernel writes for a float32 input (a
+    subtraction and a product: nothing to contract into a multiply-add), so with torch's own ``mean`` and
+    ``rstd`` this is :func:`modulated_layer_norm` bit for bit, minus the float32 copy of ``x`` and the
+    float32 round trip of the normalized rows. Framed: ``x [B, F, T, D]``, ``mean``/``rstd`` ``[B, F, T, 1]``.
+    """
+    return modulate_frames((x.float() - mean) * rstd, scale, shift, x.dtype)
+
+
 def gated_residual_frames(hidden: torch.Tensor, update: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     """``hidden + update * gate`` in float32 on ``[B, frames, tokens, dim]``, back in ``hidden``'s dtype."""
     return (hidden.float() + update.float() * gate).to(hidden.dtype)
@@ -216,17 +229,32 @@ _EAGER: dict[str, Callable] = {
 }
 # One compiled kernel per function for the process: every layer of every model reuses it.
 _FUSED: dict[str, DeviceKernel] = {name: DeviceKernel(fn) for name, fn in _EAGER.items()}
-_FUSED_MODULATE = DeviceKernel(modulate_frames)
+_FUSED_NORMALIZE_MODULATE = DeviceKernel(normalize_modulate_frames)
 _FUSED_GATED_RESIDUAL = DeviceKernel(gated_residual_frames)
 
 
-def _layer_norm_apart(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return F.layer_norm(x.float(), (x.shape[-1],), eps=eps)  # torch's own kernel, as eager runs it
+def layer_norm_stats(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's mean and ``1 / sqrt(var + eps)`` in float32 ``[..., 1]``, from torch's own layer-norm kernel.
+
+    On CUDA the kernel reads the bf16 rows themselves: it accumulates in float32 and, vectorised alike for
+    both input types, returns the statistics it computes for the float32 copy the eager path normalizes
+    (a GPU test and bench/bench_fast_paths.py's equivalence check hold it to bit-identity). Elsewhere, and
+    for any input whose statistics come back in another dtype (the CPU rounds a bf16 input's to bf16), they
+    are taken from the float32 copy as eager does.
+    """
+    if x.is_cuda:
+        _, mean, rstd = torch.native_layer_norm(x, (x.shape[-1],), None, None, eps)
+        if mean.dtype == torch.float32 and rstd.dtype == torch.float32:
+            return mean, rstd
+    _, mean, rstd = torch.native_layer_norm(x.float(), (x.shape[-1],), None, None, eps)
+    return mean, rstd
 
 
 def _modulated_layer_norm_apart(x, scale, shift, eps):
-    normed = _per_frame(_layer_norm_apart(x, eps), scale.shape[1])
-    return _FUSED_MODULATE(normed, scale, shift, x.dtype).view_as(x)
+    frames = scale.shape[1]
+    mean, rstd = layer_norm_stats(x, eps)
+    framed = (_per_frame(t, frames) for t in (x, mean, rstd))
+    return _FUSED_NORMALIZE_MODULATE(*framed, scale, shift).view_as(x)
 
 
 def _gated_residual_apart(hidden, update, gate):
