@@ -37,7 +37,7 @@ from bench.bench_engine import naive_run  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.kv_cache import KVCacheManager  # noqa: E402
 from engine.bundle import build_models  # noqa: E402
-from engine.models.kernels import EAGER_KERNELS, Kernels  # noqa: E402
+from engine.models.kernels import EAGER_KERNELS, DeviceKernel, Kernels  # noqa: E402
 from engine.models.pipeline import CausalWanPipeline  # noqa: E402
 from decoders.video import WanStreamingDecoder  # noqa: E402
 
@@ -460,6 +460,8 @@ def main() -> None:
         del small_window
         if device == "cuda":
             torch.cuda.empty_cache()
+    if "equivalence" in sections:  # the timed sections get kernels compiled for their own model's sizes
+        DeviceKernel.forget_compiled()
     only = set(args.variants.split(",")) if args.variants else None
     for name, fn in (("forward", lambda: forward_section(bundle, args.blocks, only)),
                      ("attention", lambda: attention_section(bundle)),

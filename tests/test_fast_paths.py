@@ -246,3 +246,23 @@ def test_layer_norm_statistics_of_bf16_rows_are_those_of_their_float32_copy(rows
     assert torch.equal(mean, mean32) and torch.equal(rstd, rstd32)
     expected = kernels.EAGER_KERNELS.modulated_layer_norm(x, scale, shift, 1e-6)
     assert torch.equal(kernels.Kernels.make(True).modulated_layer_norm(x, scale, shift, 1e-6), expected)
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")
+def test_forgetting_compiled_kernels_compiles_them_again_for_the_next_sizes(monkeypatch):
+    """Benchmarks that build two model sizes in one process drop the first one's compiled kernels, so the
+    second is compiled for its own sizes (not served by a kernel made dynamic in them)."""
+    from engine.models import kernels
+
+    monkeypatch.setattr(kernels.DeviceKernel, "compile_on_cpu", True)
+    x = torch.randn(1, 2, 8, 16)
+    gate = torch.randn(1, 2, 1, 16)
+    kernels._FUSED_GATED_RESIDUAL(x, x, gate)
+    first = kernels._FUSED_GATED_RESIDUAL._compiled
+    assert first is not None
+    kernels.DeviceKernel.forget_compiled()
+    assert kernels._FUSED_GATED_RESIDUAL._compiled is None
+    y = torch.randn(1, 2, 4, 32)
+    out = kernels._FUSED_GATED_RESIDUAL(y, y, torch.randn(1, 2, 1, 32))
+    assert kernels._FUSED_GATED_RESIDUAL._compiled is not None and kernels._FUSED_GATED_RESIDUAL._compiled is not first
+    assert out.shape == y.shape

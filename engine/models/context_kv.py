@@ -61,13 +61,18 @@ class FP8ContextKV:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.scales))
 
+    # The batch axis is added before slicing, so its stride is the whole layer's (a multiple of 16), never
+    # the slice's length: Triton specialises every integer argument on divisibility by 16, and a batch
+    # stride of e.g. 32,760 (a slice's key count) cost it the proof that the V rows are 16-byte aligned:
+    # scalar loads, the kernel 2-4x slower, at the standard window's key counts only (docs/BENCHMARKS.md).
+
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rows ``start:end`` of one layer's K as the kernel's ``[1, S, H, D]``."""
-        return self.k[layer, start:end].unsqueeze(0)
+        return self.k[layer].unsqueeze(0)[:, start:end]
 
     def values(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Keys ``start:end`` of one layer's transposed V as a ``[1, S, H, D]`` view (``stride(1) == 1``)."""
-        return self.v[layer, :, :, start:end].permute(2, 0, 1).unsqueeze(0)
+        return self.v[layer].unsqueeze(0)[..., start:end].permute(0, 3, 1, 2)
 
     def quantize(self, layer: int, segment: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """``keys`` (rotated) and ``values`` ``[S, H, D]`` into rows ``start:start+S``, with the segment's scales."""
