@@ -408,8 +408,9 @@ def test_segments_argument_errors():
 
 
 def test_default_config_picks_by_key_count():
-    assert fa.default_config(128, 32760) == fa.default_config(128) == fa.Fp8AttentionConfig(64, 128, 4, 3)
-    assert fa.default_config(128, 18720) == fa.default_config(128, 4680) == fa.Fp8AttentionConfig(128, 64, 4, 4)
+    long, short = fa.Fp8AttentionConfig(64, 128, 4, 3), fa.Fp8AttentionConfig(128, 64, 4, 4)
+    assert fa.default_config(128, 32760) == fa.default_config(128, 18720) == fa.default_config(128) == long
+    assert fa.default_config(128, 14040) == fa.default_config(128, 4680) == short
 
 
 def test_fp8_attention_end_to_end(interpreted):
