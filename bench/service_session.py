@@ -217,7 +217,8 @@ def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
     anchor = first
     opening_stall_ms = None
     if len(chunks) > 1 and chunks[0].frames == 1 and chunks[1].pts == 1:
-        anchor = chunks[1].received - chunks[1].pts / fps
+        # Never before the opening frame itself: the rest arriving within a frame's time of it is on time.
+        anchor = max(first, chunks[1].received - chunks[1].pts / fps)
         opening_stall_ms = round((anchor - first) * 1000.0, 1)
     late = [((c.received - (anchor + c.pts / fps)) * 1000.0, c.index) for c in chunks]
     over = [(round(gap, 1), index) for gap, index in gaps if gap > GAP_LIMIT_FACTOR * chunk_ms]

@@ -62,6 +62,15 @@ def test_a_short_opening_chunk_does_not_set_the_chunk_duration():
     assert stats["worst_late_ms"] == 200.0
 
 
+def test_the_rest_of_a_split_block_arriving_within_a_frame_makes_nothing_late():
+    # Frame 0 at 100 ms, the block's rest 40 ms later (sooner than frame 0's 62.5 ms on screen): playback
+    # starts with frame 0 itself, so nothing is late (the clock must not start before the first arrival).
+    stats = session_stats(record_with([0.1, 0.14, 0.8, 1.5], [1, 11, 12, 12], start_sent=0.0))
+    assert stats["opening_stall_ms"] == 0.0
+    assert stats["deadline_misses"] == 0
+    assert stats["worst_late_ms"] <= 0.0
+
+
 def test_a_refused_session_reports_its_refusal_and_the_case_counts_it():
     served = session_stats(record_with([0.1, 0.8], [12, 12]))
     refused = session_stats(SessionRecord(label="r", pace=True, refusal={"reason": "capacity", "close_code": 1013}))
