@@ -6,7 +6,8 @@
 # 1. engine only: the landed per-forward path, the engine's path and the naive concatenated-KV path, per
 #    forward and per block, plus a profile of the engine's block (bench/bench_fast_paths.py);
 # 2. the service, standard window, full Wan VAE (the standard benchmark), real WebSocket clients;
-# 3. the service, fast window with the TAEHV decoder, several paced viewers.
+# 3. the service, fast window with the TAEHV decoder, several paced viewers;
+# 4. (FP8_FAST_S set) the same with --fp8 attention.
 # Everything lands in $OUT as at most 8 files: the JSON of each part and one tarball of the logs.
 set -u -o pipefail
 TOTAL=${1:-560}
@@ -61,7 +62,16 @@ run_fast() {
     2,3,1 --pacing on --duration 14 --first-duration 10 --no-transitions} -- --preset wan2.1-1.3b --device cuda \
     --dtype bfloat16 --random-weights --window-frames 6
 }
-if [ "${FAST_FIRST:-0}" = 1 ]; then run_fast "${FAST_SERVICE_S:-140}"; run_standard; else run_standard; run_fast; fi
+# FP8_FAST_S / FP8_FAST_ARGS: also the fast window with --fp8 attention (its own server), after the others.
+# shellcheck disable=SC2086
+run_fast_fp8() {
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FP8=attention service fast_taehv_fp8 "$1" \
+    ${FP8_FAST_ARGS:---concurrency 2 --pacing on --duration 60 --first-duration 10 --no-transitions} -- \
+    --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6
+}
+if [ "${FAST_FIRST:-0}" = 1 ]; then run_fast "${FAST_SERVICE_S:-140}"; run_standard; else
+  run_standard; run_fast "${FAST_SERVICE_S:-$(( $(left) - 25 ))}"; fi
+if [ -n "${FP8_FAST_S:-}" ]; then run_fast_fp8 "$(( FP8_FAST_S < $(left) - 25 ? FP8_FAST_S : $(left) - 25 ))"; fi
 
 tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
 ls -la "$OUT"
