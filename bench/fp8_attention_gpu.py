@@ -314,7 +314,7 @@ def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.de
     """
     sq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
     sh = sk - sq
-    padded = fa.v_row_length(sk)
+    padded = -(-sk // 16) * 16
     mirror_k = torch.zeros(1, sk, heads, dim, dtype=fa.FP8_DTYPE, device=device)
     mirror_v = torch.zeros(1, heads, dim, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
     scales = torch.ones(5, 1, heads, device=device)  # q, k history, k current, v history, v current
@@ -455,7 +455,7 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
         ref32 = float32_attention(q, k, v)
         sh = sk - shape.sq
         mirror_k = torch.zeros(1, sk, *dims, dtype=fa.FP8_DTYPE, device=device)
-        padded = fa.v_row_length(sk)
+        padded = -(-sk // fa.V_ROW_ALIGN) * fa.V_ROW_ALIGN
         mirror_v = torch.zeros(1, *dims, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
         scales = torch.ones(5, 1, shape.heads, device=device)
         q8 = torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=device)

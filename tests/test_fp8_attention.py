@@ -546,13 +546,3 @@ def test_module_imports_without_triton():
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:
     print(json.dumps(_interpreter_checks()))
-
-
-def test_transposed_v_rows_are_aligned_and_never_a_large_power_of_two_apart():
-    assert fa.v_row_length(32760) == 32784  # 1.3B standard window: 32,768 would be a power of two
-    assert fa.v_row_length(18720) == 18720  # fast window: already fine
-    for keys in (1, 15, 16, 255, 256, 4096, 4680, 28080, 32768):
-        length = fa.v_row_length(keys)
-        assert length >= keys and length % fa.V_ROW_ALIGN == 0 and length % fa.V_ROW_SKEW, keys
-    v8, _ = fa.quantize_per_head(torch.randn(1, 256, 2, 32), transpose=True)
-    assert v8.stride(3) == fa.v_row_length(256) == 272 and v8.stride(1) == 1  # [B, S, H, D] view of [B, H, D, S_pad]

@@ -42,8 +42,7 @@ class FP8ContextKV:
 
         k       [layers, S_max, heads, head_dim]          e4m3, head_dim contiguous (QKᵀ's K-major operand)
         v       [layers, heads, head_dim, S_pad]          e4m3, keys contiguous (PV's K-major operand on Hopper),
-                                                          S_pad = fa.v_row_length(S_max): 16-byte aligned rows,
-                                                          never a multiple of 256 apart
+                                                          S_pad = S_max rounded up to 16 (16-byte aligned rows)
         scales  [layers, 2 (k, v), 2 (history, current), 1, heads]   float32
 
     Rows ``[0, history_tokens)`` hold the history (quantized by :meth:`quantize` with ``HISTORY`` once per
@@ -53,7 +52,7 @@ class FP8ContextKV:
     """
 
     def __init__(self, *, num_layers: int, max_tokens: int, num_heads: int, head_dim: int, device: torch.device):
-        padded = fa.v_row_length(max_tokens)
+        padded = -(-max_tokens // fa.V_ROW_ALIGN) * fa.V_ROW_ALIGN
         self.k = torch.zeros((num_layers, max_tokens, num_heads, head_dim), dtype=fa.FP8_DTYPE, device=device)
         self.v = torch.zeros((num_layers, num_heads, head_dim, padded), dtype=fa.FP8_DTYPE, device=device)
         self.scales = torch.ones((num_layers, 2, 2, 1, num_heads), dtype=torch.float32, device=device)

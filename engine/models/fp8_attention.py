@@ -46,17 +46,6 @@ LOG2E = 1.4426950408889634
 # The transposed v's key axis is padded to this many elements so each of its rows starts 16-byte aligned
 # (Triton only vectorises loads whose stride it knows is a multiple of 16).
 V_ROW_ALIGN = 16
-# ... and never to a multiple of this: rows a large power of two apart (32,768 bytes at the 1.3B standard
-# window, 21 frames x 1560 keys padded to 16) put every row of a tile on the same address bits, and the
-# quantizer's transposed stores (64 bytes per row) ran 7x slower there than at the fast window's 18,720
-# (74 vs 10 us per current block on the H200).
-V_ROW_SKEW = 256
-
-
-def v_row_length(num_keys: int) -> int:
-    """Row length (keys, = bytes in e4m3) of a transposed V buffer holding ``num_keys`` keys."""
-    padded = -(-num_keys // V_ROW_ALIGN) * V_ROW_ALIGN
-    return padded + V_ROW_ALIGN if padded % V_ROW_SKEW == 0 else padded
 
 
 @dataclass(frozen=True)
@@ -145,7 +134,8 @@ def quantize_per_head(x: torch.Tensor, *, transpose: bool = False) -> tuple[torc
     if not transpose:
         return scaled.to(FP8_DTYPE), scale
     batch, seq, heads, head_dim = x.shape
-    storage = torch.empty(batch, heads, head_dim, v_row_length(seq), dtype=FP8_DTYPE, device=x.device)
+    padded = -(-seq // V_ROW_ALIGN) * V_ROW_ALIGN
+    storage = torch.empty(batch, heads, head_dim, padded, dtype=FP8_DTYPE, device=x.device)
     storage[..., seq:].zero_()
     storage[..., :seq].copy_(scaled.permute(0, 2, 3, 1))
     return storage[..., :seq].permute(0, 3, 1, 2), scale
