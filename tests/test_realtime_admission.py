@@ -48,7 +48,8 @@ CHUNKS = 20
 CONTROL_CHUNKS = 80  # long enough that an overloaded device falls further behind than the pacing lead
 # The control's live sessions need at least this share of the device: N + 1 came to ~108 % in one CI run (the
 # machine quieter than when N was measured), ~3 chunks behind over 40 — inside the pacing lead, no miss.
-# (Far above it, ~160 % on a 2-core CPU, the server answered no keepalive pings for 20 s: not a control.)
+# (Not far above it: at ~160 % on a 2-core CPU the clients left unread while the last one was admitted hit
+# their 20 s keepalive timeout, 1011, before the control could stream.)
 CONTROL_LOAD = 1.1
 SETTLE_CHUNKS = 6  # a newcomer streams this long before the next one asks, so the cost estimate sees it
 MAX_LIVE = 8  # memory is not the limit here: time is
