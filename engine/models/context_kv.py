@@ -64,7 +64,8 @@ class FP8ContextKV:
     # The batch axis is added before slicing, so its stride is the whole layer's (a multiple of 16), never
     # the slice's length: Triton specialises every integer argument on divisibility by 16, and a batch
     # stride of e.g. 32,760 (a slice's key count) cost it the proof that the V rows are 16-byte aligned:
-    # scalar loads, the kernel 2-4x slower, at the standard window's key counts only (docs/BENCHMARKS.md).
+    # V read byte by byte instead of by 16-byte asynchronous copies (sm_90 PTX), the standard window's FP8
+    # block 2.4x slower, at key counts that are not multiples of 16 only (docs/FP8.md).
 
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rows ``start:end`` of one layer's K as the kernel's ``[1, S, H, D]``."""
