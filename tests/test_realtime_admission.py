@@ -48,8 +48,6 @@ CHUNKS = 20
 CONTROL_CHUNKS = 80  # long enough that an overloaded device falls further behind than the pacing lead
 # The control's live sessions need at least this share of the device: N + 1 came to ~108 % in one CI run (the
 # machine quieter than when N was measured), ~3 chunks behind over 40 — inside the pacing lead, no miss.
-# (Not far above it: at ~160 % on a 2-core CPU the clients left unread while the last one was admitted hit
-# their 20 s keepalive timeout, 1011, before the control could stream.)
 CONTROL_LOAD = 1.1
 SETTLE_CHUNKS = 6  # a newcomer streams this long before the next one asks, so the cost estimate sees it
 MAX_LIVE = 8  # memory is not the limit here: time is
@@ -122,7 +120,11 @@ def _detail(server, session_id: str) -> dict:
 
 async def _try_live(server, seed: int) -> StreamClient | tuple[dict, int]:
     """A live session over the socket, streaming; or the refusal (`closed` message, close code)."""
-    ws = await connect(server.ws_url + "/v1/stream", subprotocols=["arstream.v1"], compression=None, max_size=2**24)
+    # max_queue=None: a client the test is not reading (while it admits the next one) keeps taking frames off
+    # its socket and so keeps answering the server's keepalive pings; with the default 16-frame queue it
+    # stopped reading after ~8 chunks and the server dropped it for a ping timeout (1011) on a slow CPU.
+    ws = await connect(server.ws_url + "/v1/stream", subprotocols=["arstream.v1"], compression=None, max_size=2**24,
+                       max_queue=None)
     first = json.loads(await asyncio.wait_for(ws.recv(), 60))
     if first["type"] != "session":
         messages = [first]
