@@ -37,6 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from engine.models import fp8_attention as fa
+from engine.models.context_kv import CURRENT, HISTORY, FP8ContextKV
 
 C = fa.Fp8AttentionConfig
 # Pruned from BLOCK_M {64,128} x BLOCK_N {64,128} x warps {4,8} x stages {2,3,4}: 8 warps only with a 128-row
@@ -308,11 +309,19 @@ def timed(fn, device: torch.device) -> dict:
     return result
 
 
+def engine_mirror(q: torch.Tensor, k: torch.Tensor) -> tuple[FP8ContextKV, torch.Tensor, torch.Tensor]:
+    """The engine's own FP8 mirror (:class:`FP8ContextKV`, one layer, room for k's keys) and q's fp8 buffer and
+    scale: the bench times the layout and strides the engine runs, not a copy of them."""
+    heads, dim = k.shape[2], k.shape[3]
+    mirror = FP8ContextKV(num_layers=1, max_tokens=k.shape[1], num_heads=heads, head_dim=dim, device=k.device)
+    return mirror, torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=q.device), torch.ones(1, heads, device=q.device)
+
+
 def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.device) -> dict:
     """What the engine runs with fp8=attention (history = all keys but the current block's Sq):
 
-    * ``quantize_history``: the per-block cost, quantize_per_head_into of the history's K and V into
-      preallocated mirror buffers (K rows, transposed V), with GB/s of one bf16 read + one fp8 write;
+    * ``quantize_history``: the per-block cost, the history's K and V into the engine's mirror (K rows,
+      transposed V; :meth:`FP8ContextKV.quantize`), with GB/s of one bf16 read + one fp8 write;
     * ``kernel``: fp8_attention_segments over both segments vs fp8_attention_quantized (one scale) on the same
       bytes and config: what the second segment costs; rel err vs float32 / cuDNN;
     * ``forward``: the per-forward cost, quantize q and the current block's K/V into the mirror + the kernel,
@@ -320,27 +329,21 @@ def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.de
     """
     sq, heads, dim = q.shape[1], q.shape[2], q.shape[3]
     sh = sk - sq
-    padded = -(-sk // 16) * 16
-    mirror_k = torch.zeros(1, sk, heads, dim, dtype=fa.FP8_DTYPE, device=device)
-    mirror_v = torch.zeros(1, heads, dim, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
-    scales = torch.ones(5, 1, heads, device=device)  # q, k history, k current, v history, v current
-    q8 = torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=device)
+    mirror, q8, q_scale = engine_mirror(q, k)
+    operands = (q8, q_scale, *mirror.segments(0, sk))  # what FP8ContextKV.attend passes the kernel
     record = {"history_tokens": sh, "config": {key: getattr(config, key) for key in CONFIG_KEYS}}
 
     def quantize_history():
-        fa.quantize_per_head_into(k[:, :sh], mirror_k[:, :sh], scales[1])
-        fa.quantize_per_head_into(v[:, :sh], mirror_v[:, :sh], scales[3])
+        mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
 
     def quantize_current():
-        fa.quantize_per_head_into(q, q8, scales[0])
-        fa.quantize_per_head_into(k[:, sh:], mirror_k[:, sh:], scales[2])
-        fa.quantize_per_head_into(v[:, sh:], mirror_v[:, sh:], scales[4])
+        fa.quantize_per_head_into(q, q8, q_scale)
+        mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
 
     out = torch.empty(q.shape, dtype=torch.bfloat16, device=device)
 
     def kernel():
-        return fa.fp8_attention_segments(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
-                                         (scales[3], scales[4]), sh, out=out, config=config)
+        return fa.fp8_attention_segments(*operands, sh, out=out, config=config)
 
     def forward():
         quantize_current()
@@ -354,9 +357,10 @@ def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.de
             record["quantize_history"]["gb_per_s"] = 2 * sh * heads * dim * 3 / (ms * 1e-3) / 1e9  # bf16 in, fp8 out
             exact = [fa.quantize_per_head(x[:, :sh], transpose=t) for x, t in ((k, False), (v, True))]
             record["quantize_history"]["bits_equal_quantize_per_head"] = bool(
-                torch.equal(mirror_k[:, :sh].view(torch.uint8), exact[0][0].view(torch.uint8))
-                and torch.equal(mirror_v[:, :sh].float(), exact[1][0].float())
-                and torch.equal(scales[1], exact[0][1]) and torch.equal(scales[3], exact[1][1]))
+                torch.equal(mirror.keys(0, 0, sh).view(torch.uint8), exact[0][0].view(torch.uint8))
+                and torch.equal(mirror.values(0, 0, sh).float(), exact[1][0].float())
+                and torch.equal(mirror.scales[0, 0, HISTORY], exact[0][1])
+                and torch.equal(mirror.scales[0, 1, HISTORY], exact[1][1]))
         forward()
         sync(device)
         record["kernel"] = {**timed(kernel, device), "rel_err_fp32": rel_err(out, ref32),
@@ -364,7 +368,8 @@ def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.de
         if ref_cudnn is not None:
             record["kernel"]["rel_err_cudnn"] = rel_err(out, ref_cudnn)
         # The same bytes under one scale (what the single-scale kernel costs here): the current segment's.
-        single = lambda: fa.fp8_attention_quantized(q8, scales[0], mirror_k, scales[2], mirror_v, scales[4],  # noqa: E731
+        q_op, q_scale_op, keys, (_, k_current), values, (_, v_current) = operands
+        single = lambda: fa.fp8_attention_quantized(q_op, q_scale_op, keys, k_current, values, v_current,  # noqa: E731
                                                     out=out, config=config)
         record["kernel_single_scale"] = timed(single, device)
         record["quantize_current"] = timed(quantize_current, device)
@@ -373,6 +378,17 @@ def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.de
         record["error"] = describe(error)
         sync(device)
     return record
+
+
+def cudnn_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """cuDNN's bf16 SDPA over ``[B, S, H, D]`` inputs, as a callable, and its output as ``[B, Sq, H, D]``."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def cudnn():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+
+    return cudnn, cudnn().transpose(1, 2)
 
 
 def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget: Budget) -> dict:
@@ -388,13 +404,7 @@ def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget
 
     ref_cudnn = None
     try:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        def cudnn():
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-
-        ref_cudnn = cudnn().transpose(1, 2)
+        cudnn, ref_cudnn = cudnn_attention(q, k, v)
         ms = time_ms(cudnn, device)
         record["cudnn"] = {"ms": ms, "tflops": shape.tflops(ms, sk), "rel_err_fp32": rel_err(ref_cudnn, ref32)}
     except Exception as error:  # noqa: BLE001
@@ -460,25 +470,15 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
         k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
         ref32 = float32_attention(q, k, v)
         sh = sk - shape.sq
-        mirror_k = torch.zeros(1, sk, *dims, dtype=fa.FP8_DTYPE, device=device)
-        padded = -(-sk // fa.V_ROW_ALIGN) * fa.V_ROW_ALIGN
-        mirror_v = torch.zeros(1, *dims, padded, dtype=fa.FP8_DTYPE, device=device)[..., :sk].permute(0, 3, 1, 2)
-        scales = torch.ones(5, 1, shape.heads, device=device)
-        q8 = torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=device)
-        fa.quantize_per_head_into(q, q8, scales[0])
-        for segment, (lo, hi) in enumerate(((0, sh), (sh, sk))):
-            fa.quantize_per_head_into(k[:, lo:hi], mirror_k[:, lo:hi], scales[1 + segment])
-            fa.quantize_per_head_into(v[:, lo:hi], mirror_v[:, lo:hi], scales[3 + segment])
+        mirror, q8, q_scale = engine_mirror(q, k)
+        fa.quantize_per_head_into(q, q8, q_scale)
+        mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
+        mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
+        operands = (q8, q_scale, *mirror.segments(0, sk))
         record = {"engine_sweep": True, "sk": sk, "history_tokens": sh, **env,
                   "default_config": asdict(fa.default_config(shape.head_dim, sk))}
         try:
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            def cudnn():
-                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-
-            ref_cudnn = cudnn().transpose(1, 2)
+            cudnn, ref_cudnn = cudnn_attention(q, k, v)
             record["cudnn_ms"] = time_ms(cudnn, device)
         except Exception as error:  # noqa: BLE001
             ref_cudnn, record["cudnn_error"] = None, describe(error)
@@ -489,11 +489,9 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
                 out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)
 
                 def kernel(config=config, out=out):
-                    return fa.fp8_attention_segments(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
-                                                     (scales[3], scales[4]), sh, out=out, config=config)
+                    return fa.fp8_attention_segments(*operands, sh, out=out, config=config)
 
-                _, compiled = fa._launch(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
-                                         (scales[3], scales[4]), out, config, sh)
+                _, compiled = fa._launch(*operands, out, config, sh)
                 sync(device)
                 row.update(nan_count=int(out.isnan().sum().item()), rel_err_fp32=rel_err(out, ref32),
                            **kernel_facts(compiled))

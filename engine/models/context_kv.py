@@ -81,15 +81,16 @@ class FP8ContextKV:
         fa.quantize_per_head_into(keys.unsqueeze(0), self.keys(layer, start, end), self.scales[layer, 0, segment])
         fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
 
+    def segments(self, layer: int, end: int) -> tuple:
+        """One layer's keys ``[0, end)`` as the two-segment kernel takes them: K, its (history, current) scales,
+        V, its (history, current) scales."""
+        scales = self.scales[layer]
+        return (self.keys(layer, 0, end), (scales[0, HISTORY], scales[0, CURRENT]),
+                self.values(layer, 0, end), (scales[1, HISTORY], scales[1, CURRENT]))
+
     def attend(self, layer: int, q_fp8: torch.Tensor, q_scale: torch.Tensor, history_tokens: int, end: int) -> torch.Tensor:
         """The FP8 kernel over keys ``[0, end)`` of one layer: history then current -> bf16 ``[1, S_q, H, D]``."""
-        scales = self.scales[layer]
-        return fa.fp8_attention_segments(
-            q_fp8, q_scale,
-            self.keys(layer, 0, end), (scales[0, HISTORY], scales[0, CURRENT]),
-            self.values(layer, 0, end), (scales[1, HISTORY], scales[1, CURRENT]),
-            history_tokens,
-        )
+        return fa.fp8_attention_segments(q_fp8, q_scale, *self.segments(layer, end), history_tokens)
 
 
 class ContextKV:
