@@ -33,7 +33,6 @@ PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
 FP8_LINEAR = frozenset({"linear", "all"})  # fp8 values that convert the block linears
 FP8_ATTENTION = frozenset({"attention", "all"})  # fp8 values that run self-attention through the FP8 kernel
 FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
-FP8_ATTENTION_MIN_CAPABILITY = (9, 0)  # the Triton FP8 attention kernel's wgmma path: Hopper and newer
 
 
 def fp8_attention_refusal(value: str, device: str, capability: tuple[int, int] | None, interpreter: bool) -> str | None:
@@ -47,7 +46,9 @@ def fp8_attention_refusal(value: str, device: str, capability: tuple[int, int] |
     if importlib.util.find_spec("triton") is None:
         return f"fp8={value} needs Triton (the FP8 attention kernel), which is not installed"
     if device.startswith("cuda"):
-        if capability is not None and tuple(capability) < FP8_ATTENTION_MIN_CAPABILITY:
+        from engine.models.fp8_attention import ENGINE_MIN_CAPABILITY  # the kernel's own rule (Triton is there)
+
+        if capability is not None and tuple(capability) < ENGINE_MIN_CAPABILITY:
             return (
                 f"fp8={value} needs a Hopper GPU or newer (compute capability 9.0+) for the FP8 attention kernel; "
                 f"this GPU is {capability[0]}.{capability[1]} (fp8=linear runs on 8.9+)"
