@@ -27,6 +27,7 @@ import json
 import statistics
 import sys
 import time
+import typing
 from collections import defaultdict
 
 import torch
@@ -421,7 +422,7 @@ def main() -> None:
     parser.add_argument("--variants", default=None, help="first words of the forward variants to run, e.g. landed,engine")
     parser.add_argument("--no-compile-decoder", action="store_true", help="eager VAE (skips its compile)")
     parser.add_argument("--window-frames", type=int, default=None, help="the sliding window (default: the preset's)")
-    parser.add_argument("--fp8", default="off", choices=("off", "linear", "attention", "all"))
+    parser.add_argument("--fp8", default="off", choices=typing.get_args(EngineConfig.model_fields["fp8"].annotation))
     args = parser.parse_args()
     OUT = args.out
     sections = args.sections.split(",")
@@ -437,14 +438,13 @@ def main() -> None:
         emit({"section": "equivalence", **record})
         summary["equivalence_fp32"] = record
         del tiny
+    window = {} if args.window_frames is None else {"window_frames": args.window_frames}
     if args.smoke:
         config = EngineConfig(preset="tiny", device=device, height=48, width=64, audio=False, random_weights=True,
-                              compile_decoder=not args.no_compile_decoder)
+                              compile_decoder=not args.no_compile_decoder, **window)
     else:
         config = EngineConfig(preset="wan2.1-1.3b", device=device, dtype="bfloat16", random_weights=True,
-                              compile_decoder=not args.no_compile_decoder, fp8=args.fp8)
-    if args.window_frames is not None:
-        config = config.model_copy(update={"window_frames": args.window_frames})
+                              compile_decoder=not args.no_compile_decoder, fp8=args.fp8, **window)
     bundle = build_models(config)
     emit({"section": "built", "s": round(time.perf_counter() - started, 1),
           "allocated_gib": round(torch.cuda.memory_allocated() / 2**30, 1) if device == "cuda" else None})
