@@ -195,8 +195,58 @@ def test_engine_kernels_with_norms_apart_compute_the_eager_functions_bit_for_bit
         for e, g in zip(expected if isinstance(expected, tuple) else (expected,), got if isinstance(got, tuple) else (got,)):
             assert g.dtype == e.dtype == torch.bfloat16, name
             assert torch.equal(g, e), (name, float((g.float() - e.float()).abs().max()))
-    compiled = [kernels._FUSED_NORMALIZE_MODULATE, kernels._FUSED_ROTATE_INTERLEAVED, kernels._FUSED_GATED_RESIDUAL]
+    compiled = [kernels._FUSED_NORMALIZE_MODULATE, kernels._FUSED_ROTATE_INTERLEAVED, kernels._FUSED_GATED_RESIDUAL,
+                kernels._FUSED_NORMALIZE_AFFINE]
     assert all(k._compiled is not None and not k._failed for k in compiled)  # the compiled path ran, not the fallback
+
+
+def test_feed_forward_through_the_kernels_is_diffusers_feed_forward():
+    """The FFN's first half goes through ``kernels.gelu_linear`` only for diffusers' own layout (tanh GELU
+    projection, dropout, linear) in eval mode; on the CPU every set runs it eagerly: bit for bit the module."""
+    from diffusers.models.attention import FeedForward
+
+    from engine.models import kernels
+    from engine.models.causal_wan import _feed_forward
+
+    torch.manual_seed(3)
+    x = torch.randn(1, 40, 64).bfloat16()
+    for activation in ("gelu-approximate", "gelu"):  # tanh: through the kernels; erf: the module's own path
+        ffn = FeedForward(64, inner_dim=96, activation_fn=activation).bfloat16().eval()
+        with torch.no_grad():
+            expected = ffn(x)
+            for kernel_set in (kernels.EAGER_KERNELS, kernels.Kernels.make(True)):
+                assert torch.equal(_feed_forward(ffn, x, kernel_set), expected), activation
+        assert (activation == "gelu-approximate") == (ffn.net[0].approximate == "tanh")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GELU epilogue runs on CUDA")
+@pytest.mark.parametrize("rows", [4680, 1560, 96])
+def test_gelu_epilogue_is_the_tanh_gelu_of_the_unrounded_product(rows):
+    """cuBLASLt's GELU epilogue (``torch._addmm_activation`` on CUDA) is the tanh approximation, applied to the
+    float32 product: against float32 math it is at least as close as eager (which rounds before the GELU),
+    and much closer to tanh than to the exact erf GELU."""
+    from engine.models import kernels
+
+    generator = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(1, rows, 1536, device="cuda", generator=generator).bfloat16()
+    weight = (torch.randn(8960, 1536, device="cuda", generator=generator) / 40).bfloat16()
+    bias = (0.1 * torch.randn(8960, device="cuda", generator=generator)).bfloat16()
+    fused = kernels.Kernels.make(True).gelu_linear(x, weight, bias)
+    eager = kernels.EAGER_KERNELS.gelu_linear(x, weight, bias)
+    product = torch.nn.functional.linear(x.float(), weight.float(), bias.float())
+    tanh32 = torch.nn.functional.gelu(product, approximate="tanh")
+    erf32 = torch.nn.functional.gelu(product)
+
+    def rel(a, b):
+        return float((a.float() - b).norm() / b.norm())
+
+    assert fused.shape == eager.shape and fused.dtype == torch.bfloat16
+    assert rel(fused, tanh32) <= rel(eager, tanh32) * 1.05
+    assert rel(fused, tanh32) < 4e-3 and rel(fused, eager) < 8e-3
+    # Which GELU: in float32 (no bf16 rounding to hide the ~1e-4 between the two forms).
+    fused32 = kernels.Kernels.make(True).gelu_linear(x.float(), weight.float(), bias.float())
+    assert rel(fused32, tanh32) < 2e-5 < 3e-5 < rel(fused32, erf32)
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="Inductor's CPU backend needs a C++ compiler")

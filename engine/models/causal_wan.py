@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 from diffusers import WanTransformer3DModel
+from diffusers.models.activations import GELU
 
 from engine.models import fp8_attention as fa
 from engine.models.audio_tokens import AudioTokenProjections
@@ -181,5 +182,20 @@ def _run_block(block, hidden, modulation, context, cross_kv, kernels: Kernels):
     cross_out = block.attn2(normed, cross_kv=cross_kv, kernels=kernels)
     hidden, normed = kernels.residual_modulated_layer_norm(hidden, cross_out, c_scale, c_shift, block.norm3.eps)
 
-    ff_out = block.ffn(normed)
-    return kernels.gated_residual(hidden, ff_out, c_gate)
+    return kernels.gated_residual(hidden, _feed_forward(block.ffn, normed, kernels), c_gate)
+
+
+def _feed_forward(ffn, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
+    """diffusers' ``FeedForward`` (``GELU(tanh)`` projection, dropout, linear), its first half through
+    ``kernels.gelu_linear``; any other layout (an FP8 projection, another activation) runs the module."""
+    act = ffn.net[0]
+    if (
+        len(ffn.net) == 3
+        and isinstance(act, GELU)
+        and act.approximate == "tanh"
+        and type(act.proj) is torch.nn.Linear
+        and isinstance(ffn.net[1], torch.nn.Dropout)
+        and not ffn.training
+    ):
+        return ffn.net[2](kernels.gelu_linear(x, act.proj.weight, act.proj.bias))
+    return ffn(x)
