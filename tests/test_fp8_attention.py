@@ -10,9 +10,10 @@ against ``quantize_per_head``'s, into slices of bigger buffers whose other bytes
 
 The subprocess patches two defects of Triton 3.6's interpreter (not of the GPU compiler):
 
-* its float32 -> fp8 / bf16 casts drop the carry when rounding up crosses a power of two (0.121 becomes
-  0.0625 in e4m3), so they are replaced by torch's round-to-nearest-even casts, which is what the sm_90
-  kernel's ``cvt.rn.satfinite.e4m3x2.f32`` computes for the |P| <= 256 it casts (and ``cvt.rn.bf16`` for out);
+* its float32 / float16 -> fp8 / bf16 casts drop the carry when rounding up crosses a power of two (0.121
+  becomes 0.0625 in e4m3), so they are replaced by torch's round-to-nearest-even casts, which is what the sm_90
+  kernel's ``cvt.rn.satfinite.e4m3x2.f32`` (``.f16x2`` with exp_f16) computes for the |P| <= 256 it casts (and
+  ``cvt.rn.bf16`` for out);
 * ``range()`` over a runtime bound calls ``int()`` on a 1-element array, which NumPy >= 2.4 refuses.
 
 Error bounds, for i.i.d. Gaussian inputs (the worst case for relative error: the attention-weighted mean of
@@ -35,6 +36,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -60,9 +62,9 @@ def _patch_interpreter() -> None:
     torch_types = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
 
     def convert_rne(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype == tl.float32 and output_dtype in torch_types:
+        if input_dtype in (tl.float32, tl.float16) and output_dtype in torch_types:
             dtype, bits = torch_types[output_dtype]
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # float16 -> float32 is exact
             return values.to(dtype).view(bits).numpy()
         return convert(data, input_dtype, output_dtype, rounding_mode)
 
@@ -122,10 +124,16 @@ def _emulate_kernel(q8, q_scale, k8, k_scale, v8, v_scale, config, history_token
         qk = q @ k[:, :, block].transpose(-1, -2)
         s = qk * c[..., block]
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        p = torch.exp2(s - (m_new - config.p_shift))
         alpha = torch.exp2(m - m_new)
-        l = l * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + (p * v_factor[..., block]).to(torch.float8_e4m3fn).float() @ v[:, :, block]
+        if config.exp_f16:  # the kernel's order: the v factor in the exponent, float16 exponent and P
+            factor = v_factor[..., block]
+            p_v = torch.exp2((s - (m_new - config.p_shift) + torch.log2(factor)).half().float()).half().float()
+            l = l * alpha + (p_v / factor).sum(-1, keepdim=True)
+        else:
+            p = torch.exp2(s - (m_new - config.p_shift))
+            l = l * alpha + p.sum(-1, keepdim=True)
+            p_v = p * v_factor[..., block]
+        acc = acc * alpha + p_v.to(torch.float8_e4m3fn).float() @ v[:, :, block]
         m = m_new
     return (acc * v_max[:, :, None, None] / l).transpose(1, 2)
 
@@ -202,6 +210,7 @@ def _segment_case(batch, sq, sk, sh, heads, head_dim, config, *, seed, k_gain=3.
         "rel_vs_emulation": _rel(out, emulated.bfloat16()),
         "rel_vs_dequantized": _rel(out, _float32_attention(*dequantized)),
         "rel_vs_original": _rel(out, _float32_attention(q, k, v)),
+        "out": out.float().flatten().tolist(),
     }
     if sh in (0, sk):  # one segment: the single-scale entry point on the same inputs
         segment = 1 if sh == 0 else 0
@@ -291,6 +300,20 @@ def _interpreter_checks() -> dict:
                                                             seed=17),
         "segments_no_history": _segment_case(2, 100, 300, 0, 2, 32, tails, seed=18),
         "segments_all_history": _segment_case(2, 100, 300, 300, 2, 32, tails, seed=19),
+    })
+    # exp_f16 (P's exp2 on float16 pairs; here the interpreter's float16 emulation of it): query and key tails,
+    # one and two segments, the boundary inside a block; the same inputs (seeds) as the float32-exp2 cases.
+    f16 = replace(tails, exp_f16=True)
+    results.update({
+        "exp_f16_tails": _case(2, 100, 300, 2, 32, f16, seed=1),
+        "exp_f16_keys_fewer_than_a_block": _case(1, 20, 20, 2, 32, f16, seed=2),
+        "exp_f16_segments_boundary_inside_a_block": _segment_case(2, 100, 300, 107, 2, 32, f16, seed=11),
+        "exp_f16_segments_current_v_larger": _segment_case(1, 64, 300, 107, 2, 32, f16, seed=12, k_gain=0.5,
+                                                           v_gain=0.1),
+        "exp_f16_segments_d128_short_context_config": _segment_case(
+            1, 40, 300, 130, 1, 128, replace(fa.default_config(128, 300), exp_f16=True), seed=17),
+    })
+    results.update({
         "quantize_into_k_rows": _quantizer_case(1, 300, 4, 32, seed=21, transpose=False),
         "quantize_into_transposed_v": _quantizer_case(1, 300, 4, 64, seed=22, transpose=True),
         "quantize_into_reciprocal_rounding": _reciprocal_rounding_case(),
@@ -368,6 +391,27 @@ def test_two_segment_kernel_matches_attention_of_the_dequantized_segments(interp
     assert case["rel_vs_dequantized"] < 0.035, case
 
 
+EXP_F16_CASES = {  # each exp_f16 case and the float32-exp2 case on the same inputs
+    "exp_f16_tails": "tails",
+    "exp_f16_keys_fewer_than_a_block": "keys_fewer_than_a_block",
+    "exp_f16_segments_boundary_inside_a_block": "segments_boundary_inside_a_block",
+    "exp_f16_segments_current_v_larger": "segments_current_v_larger",
+    "exp_f16_segments_d128_short_context_config": "segments_d128_short_context_config",
+}
+
+
+@pytest.mark.parametrize("name", EXP_F16_CASES)
+def test_exp_f16_kernel_matches_attention_of_the_dequantized_inputs(interpreted, name):
+    """P from float16 exponents (the interpreter's stand-in for ex2.approx.f16x2: float32 exp2 rounded to
+    float16): the same bounds as the float32-exp2 kernel, its own emulation to summation order, and an output
+    that differs from the float32-exp2 kernel's on the same inputs (so the float16 path is what ran)."""
+    case, plain = interpreted[name], interpreted[EXP_F16_CASES[name]]
+    assert case["nan_count"] == 0, case
+    assert case["rel_vs_emulation"] < 1e-3, case
+    assert case["rel_vs_dequantized"] < 0.035, case
+    assert case["out"] != plain["out"]
+
+
 @pytest.mark.parametrize("name", ["segments_no_history", "segments_all_history"])
 def test_one_segment_is_the_single_scale_kernel_and_never_reads_the_other_scales(interpreted, name):
     assert interpreted[name]["equals_single_scale"] is True  # bit for bit, with the unused scales NaN
@@ -411,6 +455,8 @@ def test_default_config_picks_by_key_count():
     long, short = fa.Fp8AttentionConfig(64, 128, 4, 3), fa.Fp8AttentionConfig(128, 64, 4, 4)
     assert fa.default_config(128, 32760) == fa.default_config(128, 18720) == fa.default_config(128) == long
     assert fa.default_config(128, 14040) == fa.default_config(128, 4680) == short
+    # exp_f16 is off unless asked for (the defaults are the GPU-timed float32-exp2 kernels)
+    assert not any(fa.default_config(d, n).exp_f16 for d in fa.HEAD_DIMS for n in (None, 4680, 32760))
 
 
 def test_fp8_attention_end_to_end(interpreted):
