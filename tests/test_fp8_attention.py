@@ -219,8 +219,12 @@ def _segment_case(batch, sq, sk, sh, heads, head_dim, config, *, seed, k_gain=3.
     return result
 
 
-def _quantizer_case(batch, seq, heads, head_dim, *, seed, transpose, offset=50) -> dict:
-    """quantize_per_head_into a slice of a bigger, sentinel-filled buffer vs quantize_per_head's result."""
+def _quantizer_case(batch, seq, heads, head_dim, *, seed, transpose, offset=50, unaligned_storage=False) -> dict:
+    """quantize_per_head_into a slice of a bigger, sentinel-filled buffer vs quantize_per_head's result.
+
+    ``offset``: the slice's first row (key) in the buffer; with the keys contiguous (``transpose``) an offset
+    not a multiple of 16 starts the slice off a 16-byte boundary (the quantizer then shifts its rows).
+    ``unaligned_storage``: the transposed buffer's own storage starts 3 bytes past a 16-byte boundary."""
     generator = torch.Generator().manual_seed(seed)
     source = torch.randn(batch, 2, seq + 23, heads, head_dim, generator=generator)
     source *= torch.logspace(-2, 1.5, heads)[None, None, None, :, None]  # heads of very different magnitude
@@ -230,10 +234,17 @@ def _quantizer_case(batch, seq, heads, head_dim, *, seed, transpose, offset=50) 
     sentinel = torch.tensor(3.0).to(fa.FP8_DTYPE).view(torch.uint8)
     rows = offset + seq + 41
     if transpose:  # [B, H, D, S_pad] storage, keys contiguous; the view [B, S, H, D]
-        storage = torch.full((batch, heads, head_dim, -(-rows // 16) * 16), int(sentinel), dtype=torch.uint8)
+        shape = (batch, heads, head_dim, -(-rows // 16) * 16)
+        if unaligned_storage:
+            buffer = bytearray(math.prod(shape) + 16)
+            shift = (3 - torch.frombuffer(buffer, dtype=torch.uint8).data_ptr()) % 16
+            storage = torch.frombuffer(buffer, dtype=torch.uint8, offset=shift, count=math.prod(shape)).view(shape)
+            assert storage.data_ptr() % 16 == 3 and storage.storage_offset() == 0
+            storage.fill_(int(sentinel))
+        else:
+            storage = torch.full(shape, int(sentinel), dtype=torch.uint8)
         storage = storage.view(fa.FP8_DTYPE)
         dst = storage[..., offset:offset + seq].permute(0, 3, 1, 2)
-        outside = torch.cat([_bits(storage[..., :offset]).flatten(), _bits(storage[..., offset + seq:]).flatten()])
     else:
         storage = torch.full((batch, rows, heads, head_dim), int(sentinel), dtype=torch.uint8).view(fa.FP8_DTYPE)
         dst = storage[:, offset:offset + seq]
@@ -319,6 +330,19 @@ def _interpreter_checks() -> dict:
         "quantize_into_reciprocal_rounding": _reciprocal_rounding_case(),
         # > 64 * 128 rows: several 64-row tiles per program (the long-context path), batch 2
         "quantize_into_many_parts": _quantizer_case(2, 8300, 2, 32, seed=23, transpose=True, offset=16),
+        # The engine's current block (4,680 keys, not a multiple of 16) at 1,560 keys of history: V's slice starts
+        # 8 bytes off a 16-byte boundary; K's rows are 16-byte aligned anyway.
+        "quantize_into_transposed_v_4680_at_1560": _quantizer_case(1, 4680, 2, 32, seed=24, transpose=True,
+                                                                   offset=1560),
+        "quantize_into_k_rows_4680_at_1560": _quantizer_case(1, 4680, 2, 32, seed=25, transpose=False, offset=1560),
+        # The shifted rows cross a part boundary (8,190 + 8 > 64 * 128: pass 2 has a part more than pass 1).
+        "quantize_into_many_parts_shifted": _quantizer_case(1, 8190, 2, 32, seed=26, transpose=True, offset=1560),
+        # Rows inside one tile (its first and last masked in one), exactly one full tile (nothing masked).
+        "quantize_into_rows_inside_a_tile": _quantizer_case(1, 5, 2, 32, seed=27, transpose=True, offset=7),
+        "quantize_into_one_full_tile": _quantizer_case(1, 64, 2, 32, seed=28, transpose=True, offset=64),
+        # A storage that is itself off a 16-byte boundary: no shift possible, still the same bits.
+        "quantize_into_unaligned_storage": _quantizer_case(1, 300, 2, 32, seed=29, transpose=True, offset=5,
+                                                           unaligned_storage=True),
     })
 
     generator = torch.Generator().manual_seed(6)
@@ -417,12 +441,34 @@ def test_one_segment_is_the_single_scale_kernel_and_never_reads_the_other_scales
     assert interpreted[name]["equals_single_scale"] is True  # bit for bit, with the unused scales NaN
 
 
-@pytest.mark.parametrize("name", ["quantize_into_k_rows", "quantize_into_transposed_v", "quantize_into_many_parts"])
+QUANTIZER_CASES = (
+    "quantize_into_k_rows", "quantize_into_transposed_v", "quantize_into_many_parts",
+    "quantize_into_transposed_v_4680_at_1560", "quantize_into_k_rows_4680_at_1560", "quantize_into_many_parts_shifted",
+    "quantize_into_rows_inside_a_tile", "quantize_into_one_full_tile", "quantize_into_unaligned_storage",
+)
+
+
+@pytest.mark.parametrize("name", QUANTIZER_CASES)
 def test_fast_quantizer_writes_quantize_per_head_bits_into_its_slice_only(interpreted, name):
     case = interpreted[name]
     assert case["values_equal"] and case["scales_equal"] and case["zero_head"], case
     assert case["outside_untouched"] and case["other_scales_untouched"], case
-    assert (case["key_stride"] == 1) == name.endswith(("transposed_v", "many_parts"))
+    assert (case["key_stride"] == 1) == ("k_rows" not in name)
+
+
+def test_fast_quantizer_passes_a_16_byte_aligned_destination():
+    """The transposed V's slice at 1,560 keys (8 bytes off) goes to the cast as the aligned address 8 keys below,
+    its rows shifted by 8 (the cross-compile test shows what that buys: 16-byte stores); K rows are not shifted."""
+    storage = torch.zeros(1, 2, 32, 6256, dtype=fa.FP8_DTYPE)
+    assert storage.data_ptr() % 16 == 0
+    for start, lead in ((1560, 8), (3120, 0), (5, 5)):
+        dst = storage[..., start:start + 4680 if start != 5 else start + 300].permute(0, 3, 1, 2)
+        base, shift = fa._aligned_rows(dst)
+        assert shift == lead and base.data_ptr() % 16 == 0 and base.data_ptr() == dst.data_ptr() - lead
+        assert base.stride() == dst.stride() and base.shape == dst.shape
+    rows = torch.zeros(1, 6240, 2, 32, dtype=fa.FP8_DTYPE)[:, 1560:]  # K rows: 64-byte rows, nothing to shift
+    base, lead = fa._aligned_rows(rows)
+    assert base is rows and lead == 0
 
 
 def test_fast_quantizer_rounds_as_quantize_per_head_does(interpreted):
@@ -553,8 +599,9 @@ def test_the_sweep_compiles_for_sm90_with_wgmma(tmp_path):
     # Both products on Hopper's fp8 wgmma, none on the mma.sync fallback (v transposed or not; every head dim).
     assert {row["head_dim"] for row in attention} == {32, 64, 128}
     assert all(row["wgmma"] and not row["mma_sync"] for row in attention), rows
-    by_config = {(r["head_dim"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"]): r for r in attention
-                 if r["v_layout"] == "transposed" and not r["precise_pv"]}
+    key = lambda r: (r["head_dim"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"])  # noqa: E731
+    by_config = {key(r): r for r in attention if r["v_layout"] == "transposed" and not r["precise_pv"]
+                 and not r["exp_f16"]}
     # The defaults were picked by GPU timing (docs/FP8.md). Register use cross-compiled: the single-scale kernel
     # had 0 stack at 128x64 / 4 warps and 728 bytes at 64x128 / 4 warps (still the fastest at 32,760 keys); the
     # two-segment kernel must not spill more than that (it has 8 and 552).
@@ -565,14 +612,26 @@ def test_the_sweep_compiles_for_sm90_with_wgmma(tmp_path):
     for head_dim in (32, 64):
         config = fa.default_config(head_dim)
         assert by_config[(head_dim, config.block_m, config.block_n, config.num_warps, config.num_stages)]
+    # exp_f16: P's exp2 as ex2.approx.f16x2 in the PTX (float32 ex2 only for a few scalars), none in the others;
+    # spills within the plain kernel's bounds above (cross-compiled: 632 / 16 / 32 / 0 bytes of stack).
+    f16 = {key(r): r for r in attention if r["exp_f16"]}
+    long_key, short_key = (128, long.block_m, long.block_n, long.num_warps, long.num_stages), \
+        (128, short.block_m, short.block_n, short.num_warps, short.num_stages)
+    assert set(f16) == {long_key, short_key, (128, 128, 128, 8, 3), (128, 128, 64, 8, 3)}, sorted(f16)
+    assert all(r["ptx_ex2_f16x2"] > 0 and r["sass_mufu_ex2"].get("MUFU.EX2.F16", 0) > 0 for r in f16.values()), f16
+    assert all(r["sass_mufu_ex2"]["MUFU.EX2"] <= 16 for r in f16.values()), f16
+    assert all(r["ptx_ex2_f16x2"] == 0 for r in by_config.values())
+    assert all("MUFU.EX2.F16" not in by_config[k]["sass_mufu_ex2"] for k in f16), by_config
+    assert f16[long_key]["stack_bytes"] <= 728 and f16[short_key]["stack_bytes"] <= 16, f16
+    assert f16[(128, 128, 64, 8, 3)]["stack_bytes"] == 0, f16
     quantize = [row for row in rows if row["kernel"] == "quantize"]
-    assert {(row["layout"], row["head_dim"]) for row in quantize} == {
-        (layout, d) for layout in ("natural", "transposed") for d in (32, 128)}
+    assert {(row["layout"], row["head_dim"], row["rows"]) for row in quantize} == {
+        (layout, d, s) for layout in ("natural", "transposed") for d, s in ((32, 4680), (128, 4680), (128, 28080))}
     assert all(row["stack_bytes"] == 0 and row["local_bytes"] == 0 for row in quantize), quantize
-    # q and K (head_dim contiguous) are cast with 16-byte stores at any row count. (The transposed V is cast with
-    # byte stores unless its row count is a multiple of 16: docs/FP8.md, the next FP8 cost.)
-    natural = [row for row in quantize if row["layout"] == "natural" and row["head_dim"] == 128]
-    assert natural and all("st.global.b8" not in row["cast_global_stores"] for row in natural), natural
+    # The full tiles' loop stores 16-byte vectors only, for q / K (head_dim contiguous) and the transposed V alike,
+    # at 4,680 rows (not a multiple of 16) as at 28,080: at head_dim 128 a 64-row tile is 8 KB, four 16-byte
+    # stores per thread. (Byte stores remain in the masked first / last tile of a head's rows.)
+    assert all(row["cast_unmasked_stores"] == {"st.global.v4.b32": row["head_dim"] // 32} for row in quantize), quantize
 
 
 def test_module_imports_without_triton():

@@ -481,14 +481,33 @@ if triton is not None:
         tl.store(Partial + off_bh * NUM_PARTS + part, tl.max(tl.max(amax, 1), 0))
 
     @triton.jit
+    def _cast_tile(x_base, y_base, row, ROW0, lo, hi, inverse, stride_xs, stride_ys, BLOCK_S: tl.constexpr,
+                   MASK: tl.constexpr):
+        """Dst rows ``[row, row + BLOCK_S)``, source rows less ``ROW0``; ``MASK``: only those in ``[lo, hi)``."""
+        rows = row + tl.arange(0, BLOCK_S)
+        keep = ((rows >= lo) & (rows < hi))[:, None]
+        rows = rows[:, None].to(tl.int64)
+        if MASK:
+            x = tl.load(x_base + (rows - ROW0) * stride_xs, mask=keep, other=0.0)
+            tl.store(y_base + rows * stride_ys, (x.to(tl.float32) * inverse).to(tl.float8e4nv), mask=keep)
+        else:
+            x = tl.load(x_base + (rows - ROW0) * stride_xs)
+            tl.store(y_base + rows * stride_ys, (x.to(tl.float32) * inverse).to(tl.float8e4nv))
+
+    @triton.jit(do_not_specialize=["ROW0"])
     def _quantize_cast(
         X, Dst, Partial, Scale,
         stride_xb, stride_xs, stride_xh, stride_xd,
         stride_yb, stride_ys, stride_yh, stride_yd,
-        stride_sb, stride_sh, H, S, NUM_PARTS, ROWS_PER_PART,
+        stride_sb, stride_sh, H, S, ROW0, NUM_PARTS, ROWS_PER_PART,
         HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
     ):
         """Pass 2: the head's amax from pass 1's partials, its scale (written by part 0), the e4m3 cast.
+
+        Source row ``r`` goes to destination row ``ROW0 + r``; parts and tiles are on destination rows, tiles at
+        multiples of ``BLOCK_S``, so every full tile stores unmasked (with ``Dst`` 16-byte aligned and the rows
+        contiguous, 16-byte vectors; a mask ``rows < S`` would split them into byte stores unless S is a multiple
+        of 16) and only a part's first and last tile, where ``[ROW0, ROW0 + S)`` starts or ends, are masked.
 
         The arithmetic is :func:`quantize_per_head`'s, rounding for rounding, so both give the same bits:
         ``scale = amax / 448`` (an IEEE division, ``div_rn``), ``inverse = (1 / amax) * 448`` (torch computes
@@ -507,17 +526,40 @@ if triton is not None:
         scale = tl.where(nonzero, tl.math.div_rn(amax, 448.0), 1.0)
         inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.maximum(amax, 1e-30)) * 448.0, 1.0)
         tl.store(Scale + off_b * stride_sb + off_h * stride_sh, scale, mask=part == 0)
-        offs_s = tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, HEAD_DIM)
         x_base = X + off_b * stride_xb + off_h * stride_xh + offs_d[None, :] * stride_xd
         y_base = Dst + off_b * stride_yb + off_h * stride_yh + offs_d[None, :] * stride_yd
+        # This part's destination rows [lo, hi); ROWS_PER_PART is a multiple of BLOCK_S, so only the first part
+        # can start and only the last can end inside a tile.
         first = part * ROWS_PER_PART
-        for row in range(first, tl.minimum(first + ROWS_PER_PART, S), BLOCK_S):
-            rows = row + offs_s
-            keep = (rows < S)[:, None]
-            rows = rows[:, None].to(tl.int64)
-            x = tl.load(x_base + rows * stride_xs, mask=keep, other=0.0)
-            tl.store(y_base + rows * stride_ys, (x.to(tl.float32) * inverse).to(tl.float8e4nv), mask=keep)
+        lo = tl.maximum(first, ROW0)
+        hi = tl.minimum(first + ROWS_PER_PART, ROW0 + S)
+        full_lo = tl.cdiv(lo, BLOCK_S) * BLOCK_S
+        full_hi = (hi // BLOCK_S) * BLOCK_S
+        for row in range(full_lo, full_hi, BLOCK_S):
+            _cast_tile(x_base, y_base, tl.multiple_of(row, BLOCK_S), ROW0, lo, hi, inverse, stride_xs, stride_ys,
+                       BLOCK_S, False)
+        # Masked: the tile holding lo (if lo is inside one), then the one holding hi (unless it is the same).
+        head = (lo < full_lo).to(tl.int32)
+        tail = ((full_hi < hi) & (full_hi >= full_lo)).to(tl.int32)
+        for i in range(0, head + tail):
+            row = tl.where(i < head, full_lo - BLOCK_S, full_hi)
+            _cast_tile(x_base, y_base, row, ROW0, lo, hi, inverse, stride_xs, stride_ys, BLOCK_S, True)
+
+
+def _aligned_rows(dst: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """``(base, lead)``: ``dst`` is ``base``'s rows ``[lead, lead + S)``, ``base`` 16-byte aligned where that is possible.
+
+    Triton vectorises a store only where it can prove 16-byte alignment, and specialises a pointer argument on it:
+    a key-contiguous dst (the transposed V) whose slice starts off a 16-byte boundary (the current block at
+    ``history_tokens``, a multiple of 1,560 keys: 8 bytes off for an odd multiple) is passed as the aligned
+    address up to 15 keys below it (bytes of the same storage, never written). Other layouts, or a storage that
+    itself starts unaligned: ``(dst, 0)``.
+    """
+    lead = dst.data_ptr() % 16 if dst.stride(1) == 1 else 0  # fp8: one byte per key
+    if lead == 0 or lead > dst.storage_offset():
+        return dst, 0
+    return dst.as_strided(dst.shape, dst.stride(), dst.storage_offset() - lead), lead
 
 
 def quantize_per_head_into(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tensor) -> None:
@@ -543,16 +585,17 @@ def quantize_per_head_into(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tens
     if seq == 0:
         scale.fill_(1.0)
         return
-    rows_per_part = _QUANT_BLOCK_S * triton.cdiv(seq, _QUANT_BLOCK_S * _QUANT_MAX_PARTS)
-    parts = triton.cdiv(seq, rows_per_part)
+    base, lead = _aligned_rows(dst)
+    rows_per_part = _QUANT_BLOCK_S * triton.cdiv(lead + seq, _QUANT_BLOCK_S * _QUANT_MAX_PARTS)
+    parts = triton.cdiv(seq, rows_per_part)  # pass 1's, over source rows
+    cast_parts = triton.cdiv(lead + seq, rows_per_part)  # pass 2's, over destination rows
     partials = torch.empty((batch * heads, parts), dtype=torch.float32, device=x.device)
-    grid = (parts, batch * heads)
     common = dict(HEAD_DIM=head_dim, BLOCK_S=_QUANT_BLOCK_S, num_warps=4)
     with torch.cuda.device(x.device) if x.device.type == "cuda" else contextlib.nullcontext():
-        _amax_partials[grid](x, partials, *x.stride(), heads, seq, parts, rows_per_part, **common)
-        _quantize_cast[grid](
-            x, dst, partials, scale, *x.stride(), *dst.stride(), *scale.stride(), heads, seq, parts, rows_per_part,
-            BLOCK_P=_QUANT_MAX_PARTS, **common,
+        _amax_partials[(parts, batch * heads)](x, partials, *x.stride(), heads, seq, parts, rows_per_part, **common)
+        _quantize_cast[(cast_parts, batch * heads)](
+            x, base, partials, scale, *x.stride(), *dst.stride(), *scale.stride(), heads, seq, lead, parts,
+            rows_per_part, BLOCK_P=_QUANT_MAX_PARTS, **common,
         )
 
 
