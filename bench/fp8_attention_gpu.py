@@ -12,6 +12,8 @@ line per Sk on stdout, appended to --out, then a summary line; progress on stder
 its error and the run goes on; variants past --budget-s are recorded as skipped.
 
     python3 bench/fp8_attention_gpu.py --out $OUT/fp8attn.jsonl
+    python3 bench/fp8_attention_gpu.py --engine-sweep 4680,9360,14040,18720,28080,32760 --out $OUT/sweep.jsonl
+    python3 bench/fp8_attention_gpu.py --quantize-sweep 4680,9360,14040,18720,28080,32760 --out $OUT/quant.jsonl
     python3 bench/fp8_attention_gpu.py --compile-only                    # no GPU: cross-compile for sm_90
     TRITON_INTERPRET=1 python3 bench/fp8_attention_gpu.py --smoke         # no GPU: this script's code paths
 """
@@ -553,6 +555,53 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
     return records
 
 
+def quantize_sweep(shape: Shape, env: dict, device: torch.device, sk_values: tuple[int, ...]) -> list[dict]:
+    """The quantizer into the engine's mirror at each key count (history = Sk - Sq, the current block after it):
+    per cast, ms in a CUDA graph (eager on CPU) and GB/s of one bf16 read + one fp8 write (pass 1 reads again),
+    and whether its bits equal quantize_per_head's. ``v_current`` is the transposed V slice that starts at key
+    ``history_tokens``: 8 bytes off a 16-byte boundary at odd multiples of 1,560 (``v_current_lead``)."""
+    records = []
+    dims = (shape.heads, shape.head_dim)
+    for sk in sk_values:
+        generator = torch.Generator(device=device).manual_seed(sk)
+        q = torch.randn(1, shape.sq, *dims, device=device, generator=generator).bfloat16()
+        kv = torch.randn(2, sk, *dims, device=device, generator=generator).bfloat16()
+        k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        sh = sk - shape.sq
+        mirror, q8, q_scale = engine_mirror(q, k)
+        values = mirror.values(0, sh, sk)
+        record = {"quantize_sweep": True, "sk": sk, "history_tokens": sh, **env,
+                  "v_current_lead": fa._aligned_rows(values)[1]}
+        casts = {
+            "q": (q, lambda: fa.quantize_per_head_into(q, q8, q_scale), lambda: (q8, q_scale), False),
+            "k_current": (k[:, sh:], lambda: fa.quantize_per_head_into(k[:, sh:], mirror.keys(0, sh, sk),
+                                                                       mirror.scales[0, 0, CURRENT]),
+                          lambda: (mirror.keys(0, sh, sk), mirror.scales[0, 0, CURRENT]), False),
+            "v_current": (v[:, sh:], lambda: fa.quantize_per_head_into(v[:, sh:], values, mirror.scales[0, 1, CURRENT]),
+                          lambda: (values, mirror.scales[0, 1, CURRENT]), True),
+        }
+        if sh:
+            casts["kv_history"] = (k[:, :sh], lambda: mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh]), None, None)
+        for name, (x, fn, result, transpose) in casts.items():
+            try:
+                fn()
+                row = timed(fn, device)
+                ms = row.get("ms_graphed", row.get("ms"))
+                row["gb_per_s"] = (2 if name == "kv_history" else 1) * x.numel() * 3 / (ms * 1e-3) / 1e9
+                if result is not None:
+                    got, got_scale = result()
+                    want, want_scale = fa.quantize_per_head(x, transpose=transpose)
+                    row["bits_equal_quantize_per_head"] = bool(
+                        torch.equal(got.float(), want.float()) and torch.equal(got_scale, want_scale))
+            except Exception as error:  # noqa: BLE001 - the other casts still run
+                row = {"error": describe(error)}
+                sync(device)
+            record[name] = row
+        log(f"quantize sweep {record}")
+        records.append(record)
+    return records
+
+
 def emit(line: str, out_path: str | None) -> None:
     print(line, flush=True)
     if out_path:
@@ -568,6 +617,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--engine-sweep", default=None, help="only the engine's two-segment kernel, every config, "
                         "at these comma-separated key counts (e.g. 18720,28080,32760)")
+    parser.add_argument("--quantize-sweep", default=None, help="only the quantizer into the engine's mirror (q, the "
+                        "current K and V, the history) at these comma-separated key counts")
     parser.add_argument("--exp-f16", choices=("both", "on", "off"), default="both",
                         help="engine sweep: also (both), only (on) or not (off) the exp_f16 variant of EXP_F16_SWEEP's "
                         "configs (P's exp2 on float16 pairs)")
@@ -589,6 +640,11 @@ def main() -> None:
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "capability": list(torch.cuda.get_device_capability())}
     log(f"start {env}")
+    if args.quantize_sweep:
+        for record in quantize_sweep(shape, env, device, tuple(int(x) for x in args.quantize_sweep.split(","))):
+            emit(json.dumps(record), args.out)
+        if not args.engine_sweep:
+            return
     if args.engine_sweep:
         sk_values = tuple(int(x) for x in args.engine_sweep.split(","))
         configs = engine_sweep_configs(sweep, exp_f16_sweep, args.exp_f16)
