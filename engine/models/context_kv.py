@@ -28,11 +28,15 @@ both segments (:func:`engine.models.fp8_attention.fp8_attention_segments`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
 from engine.models import fp8_attention as fa
+from engine.models.graph_capture import capture
+
+log = logging.getLogger("arstream.graphs")
 
 HISTORY, CURRENT = 0, 1  # the segments of the FP8 mirror's scales
 
@@ -81,6 +85,16 @@ class FP8ContextKV:
         fa.quantize_per_head_into(keys.unsqueeze(0), self.keys(layer, start, end), self.scales[layer, 0, segment])
         fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
 
+    def quantize_layers(self, segment: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """:meth:`quantize` for every layer at once: ``keys``/``values`` ``[layers, S, H, D]``.
+
+        Bit for bit the per-layer calls (a scale per layer and head either way), in four launches instead of
+        four per layer: the per-layer launches' host time left the GPU idle ~0.25 ms per layer in each load.
+        """
+        end = start + keys.shape[1]
+        fa.quantize_per_head_into(keys, self.k[:, start:end], self.scales[:, 0, segment, 0])
+        fa.quantize_per_head_into(values, self.v[..., start:end].permute(0, 3, 1, 2), self.scales[:, 1, segment, 0])
+
     def segments(self, layer: int, end: int) -> tuple:
         """One layer's keys ``[0, end)`` as the two-segment kernel takes them: K, its (history, current) scales,
         V, its (history, current) scales."""
@@ -94,6 +108,8 @@ class FP8ContextKV:
 
 
 class ContextKV:
+    MAX_GRAPHS = 32  # history lengths x rotary tables x rotations: ~6 for one engine
+
     def __init__(
         self,
         *,
@@ -105,8 +121,10 @@ class ContextKV:
         dtype: torch.dtype,
         device: torch.device,
         fp8_attention: bool = False,
+        cuda_graphs: bool = False,
     ) -> None:
-        """``fp8_attention``: also hold the e4m3 mirror (:class:`FP8ContextKV`) the FP8 kernel reads."""
+        """``fp8_attention``: also hold the e4m3 mirror (:class:`FP8ContextKV`) the FP8 kernel reads.
+        ``cuda_graphs``: on CUDA, prepare each history length's keys through a CUDA graph."""
         self.tokens_per_frame = tokens_per_frame
         self.buffer = torch.empty((num_layers, 2, max_tokens, num_heads, head_dim), dtype=dtype, device=device)
         self.fp8: FP8ContextKV | None = None
@@ -114,6 +132,9 @@ class ContextKV:
             self.fp8 = FP8ContextKV(
                 num_layers=num_layers, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, device=device
             )
+        self._use_graphs = cuda_graphs and torch.device(device).type == "cuda"
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
+        self._graph_pool = None
         self._owner: tuple | None = None  # (kv state, branch, committed frames, pool writes) of the last load
         self.loads = 0
         self.history_tokens = 0  # of the last load
@@ -146,15 +167,48 @@ class ContextKV:
         frame = self.tokens_per_frame
         for position, block in enumerate(block_ids):
             self.buffer[:, :, position * frame : (position + 1) * frame].copy_(pool[:, :, block])
-        for layer in range(self.buffer.shape[0] if tokens else 0):  # an empty history: nothing to rotate
-            keys = self.buffer[layer, 0, :tokens]
-            keys.copy_(rotate(keys, cos[:tokens], sin[:tokens]))
-            if self.fp8 is not None:  # once per block, for all its forwards: the history's own scales
-                self.fp8.quantize(layer, HISTORY, 0, keys, self.buffer[layer, 1, :tokens])
+        if tokens:  # an empty history: nothing to rotate
+            self._prepare_history(tokens, cos, sin, rotate)
         self._owner = owner
         self.loads += 1
         self.history_tokens = tokens
         return tokens
+
+    def _prepare_history(self, tokens: int, cos: torch.Tensor, sin: torch.Tensor, rotate: Callable) -> None:
+        """Rotate the gathered history keys of every layer in place and quantize the FP8 mirror's history.
+
+        On CUDA (``cuda_graphs``) this runs as one CUDA graph per (token count, tables, rotation): its ~100
+        launches are otherwise enqueued one by one at every block's start, and the GPU waited for them
+        (8.7 ms of a bf16 block's 287 idle, 21 of an FP8 block's 278: bench_fast_paths' profile). Everything
+        it reads and writes is at a fixed address: this buffer, its mirror, the rotary module's tables.
+        """
+        key = (tokens, cos.data_ptr(), sin.data_ptr(), rotate)
+        graph = self._graphs.get(key) if self._use_graphs else None
+        if graph is not None:
+            graph.replay()
+            return
+
+        def run() -> None:
+            for layer in range(self.buffer.shape[0]):
+                keys = self.buffer[layer, 0, :tokens]
+                keys.copy_(rotate(keys, cos[:tokens], sin[:tokens]))
+            if self.fp8 is not None:  # once per block, for all its forwards: the history's own scales
+                self.fp8.quantize_layers(HISTORY, 0, self.buffer[:, 0, :tokens], self.buffer[:, 1, :tokens])
+
+        if not self._use_graphs or len(self._graphs) >= self.MAX_GRAPHS or torch.cuda.is_current_stream_capturing():
+            run()
+            return
+        run()  # this load's work, eagerly; the capture below only records it (in place: nothing replays now)
+        try:
+            graph, _ = capture(run, warm_runs=0, pool=self._graph_pool)
+        except Exception:
+            self._use_graphs = False
+            torch.cuda.synchronize()
+            log.warning("CUDA graph capture of the history load failed; loading eagerly", exc_info=True)
+            return
+        if self._graph_pool is None:
+            self._graph_pool = graph.pool()
+        self._graphs[key] = graph
 
     def invalidate(self) -> None:
         self._owner = None

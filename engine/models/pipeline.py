@@ -144,6 +144,7 @@ class CausalWanPipeline:
                     dtype=transformer.dtype,
                     device=transformer.device,
                     fp8_attention=transformer.fp8_attention,
+                    cuda_graphs=cuda_graphs,
                 )
                 for branch in self.branch_names
             }
