@@ -3,8 +3,9 @@
 The engine finishes norm2 (``FP32LayerNorm`` with weights) from torch's row statistics of the bf16 rows. To be
 bit-identical to the eager path, the last step must round as torch's kernel does: ``w * n + b`` with one
 rounding (a fused multiply-add, nvcc's default) or two. This counts, on Wan 1.3B's norm2 shape, the bf16
-outputs that differ from ``F.layer_norm(x.float(), w, b).to(bf16)`` for: the engine's compiled
-``normalize_affine`` (Inductor), and a Triton kernel written both ways (``tl.fma`` / separate product and sum).
+outputs that differ from ``F.layer_norm(x.float(), w, b).to(bf16)`` for: the engine's norm2
+(``engine/models/affine_norm.py``), the compiled ``normalize_affine`` (Inductor), and a Triton kernel written
+both ways (``tl.fma`` / separate product and sum).
 Prints one JSON line.
 
     python3 bench/affine_norm_gpu.py
@@ -60,7 +61,8 @@ def main() -> None:
         expected = kernels.affine_layer_norm(x, weight, bias, 1e-6)
         mean, rstd = kernels.layer_norm_stats(x, 1e-6)
         variants = {
-            "inductor": lambda: kernels.Kernels.make(True).affine_layer_norm(x, weight, bias, 1e-6),
+            "engine": lambda: kernels.Kernels.make(True).affine_layer_norm(x, weight, bias, 1e-6),
+            "inductor": lambda: kernels._FUSED_NORMALIZE_AFFINE(x, mean, rstd, weight, bias),
             "triton_fma": lambda: triton_affine(x, mean, rstd, weight, bias, True),
             "triton_two_roundings": lambda: triton_affine(x, mean, rstd, weight, bias, False),
         }

@@ -170,7 +170,7 @@ def cross_compile_quantizer(*, transposed: bool, rows: int, head_dim: int = 128,
     the row shift ROW0 never specialised."""
     pointers = {"X": "*bf16", "Dst": "*fp8e4nv", "Partial": "*fp32", "Scale": "*fp32"}
     constants = {"HEAD_DIM": head_dim, "BLOCK_S": fa._QUANT_BLOCK_S, "BLOCK_P": fa._QUANT_MAX_PARTS,
-                 "stride_xd": 1, "stride_sh": 1, ("stride_ys" if transposed else "stride_yd"): 1}
+                 "INVERSE_MAX": fa._INVERSE_FP8_MAX, "stride_xd": 1, "stride_sh": 1, ("stride_ys" if transposed else "stride_yd"): 1}
     unaligned = ("H", "NUM_PARTS", "ROW0") + (() if rows % 16 == 0 else ("S",))
     return [_compile(fn, pointers, {k: v for k, v in constants.items() if k in fn.arg_names}, unaligned, 4, 1, arch)
             for fn in (fa._amax_partials, fa._quantize_cast)]

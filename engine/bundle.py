@@ -93,6 +93,9 @@ def build_models(config: EngineConfig) -> ModelBundle:
         latent_width=width // scale,
         audio=audio[0] if audio else None,
         fp8_attention=config.fp8 in FP8_ATTENTION,
+        # bf16 keeps every fused step bit-identical to eager; the FP8 modes (judged by their quality delta
+        # against bf16) also take the steps that round differently (docs/ENGINE.md).
+        exact_kernels=config.fp8 == "off",
     )
     pipeline = CausalWanPipeline(
         causal,

@@ -38,8 +38,10 @@ class CausalWanTransformer(torch.nn.Module):
         audio: AudioTokenProjections | None = None,
         fused_kernels: bool | None = None,
         fp8_attention: bool = False,
+        exact_kernels: bool = True,
     ) -> None:
         """``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA).
+        ``exact_kernels=False``: also the fused steps that round differently from eager (``Kernels.make``).
         ``fp8_attention``: self-attention through the FP8 kernel (docs/FP8.md); needs a bf16 model on a Hopper
         GPU (or the Triton interpreter on the CPU, for tests) and a pipeline that gathers history once per block."""
         super().__init__()
@@ -60,7 +62,9 @@ class CausalWanTransformer(torch.nn.Module):
         self.transformer = transformer
         if fused_kernels is None:
             fused_kernels = transformer.patch_embedding.weight.is_cuda
-        self.kernels = Kernels.make(fused_kernels)
+        self.exact_kernels = exact_kernels
+        self.kernels = Kernels.make(fused_kernels, exact=exact_kernels)
+        self.engine_kernels = self.kernels  # the set it was built with (benchmarks swap self.kernels)
         self.patch_rows = latent_height // p_h
         self.patch_cols = latent_width // p_w
         self.num_layers = len(transformer.blocks)

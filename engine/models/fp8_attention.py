@@ -41,6 +41,7 @@ except ImportError:  # CPU-only installs: the module still imports, the kernel e
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn
+_INVERSE_FP8_MAX = float(torch.tensor(1 / 448.0, dtype=torch.float32))  # 1/448 rounded to float32
 HEAD_DIMS = (32, 64, 128)
 LOG2E = 1.4426950408889634
 # The transposed v's key axis is padded to this many elements so each of its rows starts 16-byte aligned
@@ -136,7 +137,9 @@ def quantize_per_head(x: torch.Tensor, *, transpose: bool = False) -> tuple[torc
         raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
     amax = torch.linalg.vector_norm(x, ord=math.inf, dim=(1, 3), dtype=torch.float32)  # [B, H], no |x| temporary
     nonzero = amax > 0
-    scale = torch.where(nonzero, amax / FP8_MAX, torch.ones_like(amax))
+    # amax times the float32 1/448, not a division: torch on CUDA divides by a scalar that way (on the CPU it
+    # divides), so written as a product the scale has the same bits on both, and in the Triton quantizer.
+    scale = torch.where(nonzero, amax * _INVERSE_FP8_MAX, torch.ones_like(amax))
     inverse = torch.where(nonzero, FP8_MAX / amax, torch.ones_like(amax))  # |x| * inverse <= 448 (rounds to it)
     scaled = x * inverse[:, None, :, None]  # float32 by promotion
     if not transpose:
@@ -500,7 +503,7 @@ if triton is not None:
         stride_xb, stride_xs, stride_xh, stride_xd,
         stride_yb, stride_ys, stride_yh, stride_yd,
         stride_sb, stride_sh, H, S, ROW0, NUM_PARTS, ROWS_PER_PART,
-        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_P: tl.constexpr, INVERSE_MAX: tl.constexpr,
     ):
         """Pass 2: the head's amax from pass 1's partials, its scale (written by part 0), the e4m3 cast.
 
@@ -510,7 +513,7 @@ if triton is not None:
         of 16) and only a part's first and last tile, where ``[ROW0, ROW0 + S)`` starts or ends, are masked.
 
         The arithmetic is :func:`quantize_per_head`'s, rounding for rounding, so both give the same bits:
-        ``scale = amax / 448`` (an IEEE division, ``div_rn``), ``inverse = (1 / amax) * 448`` (torch computes
+        ``scale = amax * INVERSE_MAX`` (the float32 ``1 / 448``: how torch divides by a scalar on CUDA), ``inverse = (1 / amax) * 448`` (torch computes
         ``448 / amax`` as ``amax.reciprocal() * 448``: two roundings, which differ from one division's in the
         last bit, enough to move a value across an e4m3 rounding boundary), ``x * inverse`` cast to e4m3 to
         nearest even; scale and inverse 1 for an all-zero head.
@@ -523,7 +526,7 @@ if triton is not None:
         partials = tl.load(Partial + off_bh * NUM_PARTS + offs_p, mask=offs_p < NUM_PARTS, other=0.0)
         amax = tl.max(partials, 0)
         nonzero = amax > 0
-        scale = tl.where(nonzero, tl.math.div_rn(amax, 448.0), 1.0)
+        scale = tl.where(nonzero, amax * INVERSE_MAX, 1.0)
         inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.maximum(amax, 1e-30)) * 448.0, 1.0)
         tl.store(Scale + off_b * stride_sb + off_h * stride_sh, scale, mask=part == 0)
         offs_d = tl.arange(0, HEAD_DIM)
@@ -595,7 +598,7 @@ def quantize_per_head_into(x: torch.Tensor, dst: torch.Tensor, scale: torch.Tens
         _amax_partials[(parts, batch * heads)](x, partials, *x.stride(), heads, seq, parts, rows_per_part, **common)
         _quantize_cast[(cast_parts, batch * heads)](
             x, base, partials, scale, *x.stride(), *dst.stride(), *scale.stride(), heads, seq, lead, parts,
-            rows_per_part, BLOCK_P=_QUANT_MAX_PARTS, **common,
+            rows_per_part, BLOCK_P=_QUANT_MAX_PARTS, INVERSE_MAX=_INVERSE_FP8_MAX, **common,
         )
 
 
