@@ -91,9 +91,10 @@ def normalize_affine(
 ) -> torch.Tensor:
     """:func:`affine_layer_norm` finished from the rows' statistics: ``(x - mean) * rstd * weight + bias``.
 
-    In float32, as torch's layer-norm kernel computes it for the float32 copy (which may contract the last
-    product and sum into one multiply-add: then the float32 results differ in their last bit, which moves
-    a bf16 output only when it lies on a rounding boundary). ``mean``/``rstd`` ``[..., 1]``.
+    In float32, the product rounded before the sum, as Inductor compiles it and as torch's CPU kernel computes
+    it (bit for bit there: the CPU tests). torch's CUDA kernel contracts the product and sum into one
+    multiply-add, so on CUDA the engine finishes norm2 with :mod:`engine.models.affine_norm` instead (this
+    form differed in ~1e-5 of the bf16 outputs there). ``mean``/``rstd`` ``[..., 1]``.
     """
     return ((x.float() - mean) * rstd * weight.float() + bias.float()).to(x.dtype)
 
