@@ -61,6 +61,7 @@ class RayWorkerPool:
         self._lost_incarnations: set[str] = set()  # never listed again, even if one still answers
         self._callbacks: list[Callable[[WorkerEndpoint], None]] = []
         self._watchers: list[asyncio.Task] = []
+        self._stopping = False
 
     # --- WorkerPool -------------------------------------------------------------------------------
     async def start(self) -> None:
@@ -75,6 +76,7 @@ class RayWorkerPool:
     async def stop(self) -> None:
         """Stop watching. The workers belong to the Serve application (``serve shutdown`` / ``serve delete``
         stops them, each draining its sockets); an ingress replica that stops must not take them along."""
+        self._stopping = True  # the loops end at their next turn even if a cancellation is lost (below)
         for watcher in self._watchers:
             watcher.cancel()
         if self._watchers:
@@ -89,7 +91,10 @@ class RayWorkerPool:
 
     # --- watching ---------------------------------------------------------------------------------
     async def _every_poll(self, check: Callable[[str], Awaitable[None]], name: str) -> None:
-        while True:
+        # Not `while True`: on Python 3.11 asyncio.wait_for can swallow a cancellation that arrives as its inner
+        # call completes, and a loop that never ends then hung the event loop's shutdown (a CI run waited on
+        # it for good).
+        while not self._stopping:
             await asyncio.sleep(self.limits.poll_interval_s)
             try:
                 await check(name)
