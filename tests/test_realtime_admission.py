@@ -3,7 +3,7 @@
 The engine measures its per-block cost (warm-up blocks, then a running estimate) and admits a live
 (paced) session only if every live session keeps its real-time rate with it. Here, on the CPU, at a
 small size, the frame rate is chosen from a block's cost measured first, so that two live sessions
-would need ~80 % of the device (one block's playback time = 2.5 blocks of device time); N itself is
+would need ~70 % of the device (one block's playback time = 2.9 blocks of device time); N itself is
 what the engine then measures and admits, never a constant:
 
 * admitted one at a time, N live sessions get in (N >= 2) and the next is refused at once, decided on
@@ -18,7 +18,7 @@ what the engine then measures and admits, never a constant:
   fell ~3 behind in one CI run: inside the lead, no miss).
 
 It is a timing test on a CPU that may be shared: a sustained rise of the machine's load by more than
-about a fifth after admission can still make an admitted session miss; the 4-block pacing lead absorbs
+about 40 % after admission can still make an admitted session miss; the 4-block pacing lead absorbs
 shorter bursts.
 """
 
@@ -43,7 +43,10 @@ HEIGHT = WIDTH = 128
 # otherwise compete with the device thread, and a block would cost more with every session streaming.
 TIMESTEPS = [1000.0 - 62.5 * i for i in range(16)]
 # Two live sessions need this share of the device at the measured cost: a third tips it over (x 1.5).
-TARGET_TWO_SESSION_LOAD = 0.8
+# At 0.8 (the admission bound itself, headroom 1.25) an admitted pair missed 2 deadlines in one CI run on a
+# loaded 2-core machine (tests took 13 min there, 10 before): 0.7 leaves them 30 % slack; a third (1.05) is
+# still refused, and the control adds a fourth to pass 110 %.
+TARGET_TWO_SESSION_LOAD = 0.7
 CHUNKS = 20
 CONTROL_CHUNKS = 80  # long enough that an overloaded device falls further behind than the pacing lead
 # The control's live sessions need at least this share of the device: N + 1 came to ~108 % in one CI run (the
@@ -59,7 +62,7 @@ TIMEOUT_S = 240
 
 @pytest.fixture(scope="module")
 def fps() -> int:
-    """A frame rate at which two live sessions load the device ~80 %, from the block cost a server measures
+    """A frame rate at which two live sessions load the device ~70 %, from the block cost a server measures
     while one live session streams (what the engine will see, encoder and sockets included)."""
     probe = _server(16, realtime_admission=True)
     try:
