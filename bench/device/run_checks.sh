@@ -12,15 +12,9 @@
 set -u -o pipefail
 OUT=${OUT:-$PWD/out-device}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-part() {  # NAME LIMIT_S COMMAND...
-  local name=$1 limit=$2; shift 2
-  echo "== $SECONDS s: $name (limit ${limit}s)"
-  timeout -k 5 "$limit" "$@" > "$OUT/$name.stdout" 2> "$OUT/$name.stderr"
-  echo "$name exit $?"
-}
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+install_wheels
 part gpu_tests "${TESTS_S:-120}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_paths.py \
   tests/test_fp8_linear.py tests/test_fp8_attention.py tests/test_fp8_attention_engine.py
 tail -n 3 "$OUT/gpu_tests.stdout"

@@ -14,27 +14,13 @@ TOTAL=${1:-585}
 OUT=${OUT:-$PWD/out-device}
 mkdir -p "$OUT/logs"
 left() { echo $(( TOTAL - SECONDS )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+install_wheels
 timeout -k 5 "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_paths.py \
   tests/test_fp8_attention_engine.py > "$OUT/gpu_tests.txt" 2>&1
 echo "gpu tests exit $?: $(tail -n 1 "$OUT/gpu_tests.txt")"
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
-service() {  # NAME BUDGET_S BENCH_ARGS... -- SERVER_ARGS...
-  local name=$1 budget=$2; shift 2
-  echo "== $(left)s left: service $name, budget ${budget}s"
-  timeout -k 20 "$(( budget + 15 ))" python3 bench/bench_service_gpu.py --budget-s "$budget" --no-engine-reference \
-    --out "$OUT/service_$name.json" --server-log "$OUT/logs/server_$name.log" "$@" \
-    > /dev/null 2> "$OUT/logs/service_$name.stderr"
-  echo "service $name exit $?"
-  python3 - "$OUT/service_$name.json" <<'PY' || true
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_error"),
-                  "cases": {k: v["summary"] for k, v in r.get("cases", {}).items()}})[:2200])
-PY
-}
 ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FP8=attention service fast_fp8 "${FAST_FP8_S:-150}" \
   --concurrency 2,3 --pacing on --duration 14 --first-duration 12 --no-transitions -- "${SERVER[@]}" --window-frames 6
 ARSTREAM_ENGINE__FP8=attention service standard_fp8 "${STANDARD_FP8_S:-190}" \

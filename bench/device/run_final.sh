@@ -14,9 +14,9 @@ TOTAL=${1:-560}
 OUT=${OUT:-$PWD/out-device}
 mkdir -p "$OUT/logs"
 left() { echo $(( TOTAL - SECONDS )); }
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-  || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+install_wheels
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 
 if [ "${ENGINE:-1}" = 1 ]; then  # ENGINE=0: the services only
@@ -35,21 +35,6 @@ if [ -n "${QUALITY_ARGS:-}" ]; then  # FP8 variants against bf16 (bench/fp8_qual
     > /dev/null 2> "$OUT/logs/fp8_quality.stderr"
   echo "fp8 quality exit $?"; tail -n 1 "$OUT/fp8_quality.jsonl" 2>/dev/null | cut -c1-2500
 fi
-
-service() {  # NAME BUDGET_S SERVER_ARGS... -- BENCH_ARGS...
-  local name=$1 budget=$2; shift 2
-  echo "== $(left)s left: service $name, budget ${budget}s"
-  timeout -k 20 "$(( budget + 15 ))" python3 bench/bench_service_gpu.py --budget-s "$budget" --no-engine-reference \
-    --out "$OUT/service_$name.json" --server-log "$OUT/logs/server_$name.log" "$@" \
-    > /dev/null 2> "$OUT/logs/service_$name.stderr"
-  echo "service $name exit $?"
-  python3 - "$OUT/service_$name.json" <<'PY' || true
-import json, sys
-r = json.load(open(sys.argv[1]))
-print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_error"), "skipped": r.get("skipped"),
-                  "cases": {k: v["summary"] for k, v in r.get("cases", {}).items()}})[:2500])
-PY
-}
 
 # shellcheck disable=SC2086  # the argument strings are word lists on purpose
 run_standard() {

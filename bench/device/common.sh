@@ -1,0 +1,35 @@
+# Shared by the device scripts (sourced, not run): the wheel install, a bounded part, a service benchmark.
+#
+#   install_wheels           the service's wheels from .whl/ into /tmp/site, first on PYTHONPATH with the tree
+#   part NAME LIMIT_S CMD..  CMD under `timeout`, its stdout / stderr in $PART_DIR (default $OUT) as NAME.std*
+#   service NAME BUDGET_S ARGS...   bench/bench_service_gpu.py (ARGS: its own, then -- and `arstream serve`'s),
+#                            JSON in $OUT/service_NAME.json, logs in $OUT/logs; needs the caller's left()
+
+install_wheels() {
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+}
+
+part() {
+  local name=$1 limit=$2 dir=${PART_DIR:-$OUT}; shift 2
+  echo "== $SECONDS s: $name (limit ${limit}s)"
+  timeout -k 5 "$limit" "$@" > "$dir/$name.stdout" 2> "$dir/$name.stderr"
+  echo "$name exit $?"
+}
+
+service() {
+  local name=$1 budget=$2; shift 2
+  mkdir -p "$OUT/logs"
+  echo "== $(left)s left: service $name, budget ${budget}s"
+  timeout -k 20 "$(( budget + 15 ))" python3 bench/bench_service_gpu.py --budget-s "$budget" --no-engine-reference \
+    --out "$OUT/service_$name.json" --server-log "$OUT/logs/server_$name.log" "$@" \
+    > /dev/null 2> "$OUT/logs/service_$name.stderr"
+  echo "service $name exit $?"
+  python3 - "$OUT/service_$name.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_error"), "skipped": r.get("skipped"),
+                  "cases": {k: v["summary"] for k, v in r.get("cases", {}).items()}})[:2500])
+PY
+}
