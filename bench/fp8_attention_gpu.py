@@ -341,6 +341,17 @@ def engine_mirror(q: torch.Tensor, k: torch.Tensor) -> tuple[FP8ContextKV, torch
     return mirror, torch.empty(q.shape, dtype=fa.FP8_DTYPE, device=q.device), torch.ones(1, heads, device=q.device)
 
 
+def engine_inputs(shape: Shape, sk: int, device: torch.device):
+    """Seeded q, k, v (batch 1) for ``sk`` keys, the history length ``sk - sq``, and :func:`engine_mirror`'s
+    mirror, q buffer and scale: the engine sweep's and the quantize sweep's inputs."""
+    generator = torch.Generator(device=device).manual_seed(sk)
+    dims = (shape.heads, shape.head_dim)
+    q = torch.randn(1, shape.sq, *dims, device=device, generator=generator).bfloat16()
+    kv = torch.randn(2, sk, *dims, device=device, generator=generator).bfloat16()
+    k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+    return (q, k, v, sk - shape.sq, *engine_mirror(q, k))
+
+
 def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.device) -> dict:
     """What the engine runs with fp8=attention (history = all keys but the current block's Sq):
 
@@ -498,15 +509,9 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
     Configs with exp_f16 are rows of their own (``exp_f16: true``); ``exp_f16_vs_plain``: their ms over the
     same config's without it, where both ran."""
     records = []
-    dims = (shape.heads, shape.head_dim)
     for sk in sk_values:
-        generator = torch.Generator(device=device).manual_seed(sk)
-        q = torch.randn(1, shape.sq, *dims, device=device, generator=generator).bfloat16()
-        kv = torch.randn(2, sk, *dims, device=device, generator=generator).bfloat16()
-        k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
+        q, k, v, sh, mirror, q8, q_scale = engine_inputs(shape, sk, device)
         ref32 = float32_attention(q, k, v)
-        sh = sk - shape.sq
-        mirror, q8, q_scale = engine_mirror(q, k)
         fa.quantize_per_head_into(q, q8, q_scale)
         mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
         mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
@@ -561,14 +566,8 @@ def quantize_sweep(shape: Shape, env: dict, device: torch.device, sk_values: tup
     and whether its bits equal quantize_per_head's. ``v_current`` is the transposed V slice that starts at key
     ``history_tokens``: 8 bytes off a 16-byte boundary at odd multiples of 1,560 (``v_current_lead``)."""
     records = []
-    dims = (shape.heads, shape.head_dim)
     for sk in sk_values:
-        generator = torch.Generator(device=device).manual_seed(sk)
-        q = torch.randn(1, shape.sq, *dims, device=device, generator=generator).bfloat16()
-        kv = torch.randn(2, sk, *dims, device=device, generator=generator).bfloat16()
-        k, v = kv[0].unsqueeze(0), kv[1].unsqueeze(0)
-        sh = sk - shape.sq
-        mirror, q8, q_scale = engine_mirror(q, k)
+        q, k, v, sh, mirror, q8, q_scale = engine_inputs(shape, sk, device)
         values = mirror.values(0, sh, sk)
         record = {"quantize_sweep": True, "sk": sk, "history_tokens": sh, **env,
                   "v_current_lead": fa._aligned_rows(values)[1]}
