@@ -285,12 +285,18 @@ class SteadyStateDecode:
 # The decoder
 
 
-def frames_to_uint8(frames: torch.Tensor) -> np.ndarray:
-    """``[1, 3, T, H, W]`` in ``[-1, 1]`` -> ``[T, H, W, 3]`` uint8 (``round((x + 1) / 2 * 255)``); every video decoder's output."""
+def frames_to_uint8_tensor(frames: torch.Tensor) -> torch.Tensor:
+    """``[1, 3, T, H, W]`` in ``[-1, 1]`` -> ``[T, H, W, 3]`` uint8 (``round((x + 1) / 2 * 255)``) on the frames'
+    device; every video decoder's output."""
     if frames.ndim != 5 or frames.shape[0] != 1 or frames.shape[1] != 3:
         raise ValueError(f"frames must be [1, 3, T, H, W]; got shape {tuple(frames.shape)}")
     scaled = ((frames[0].float() + 1.0) / 2.0 * 255.0).round().clamp(0, 255)
-    return scaled.to(torch.uint8).permute(1, 2, 3, 0).contiguous().cpu().numpy()
+    return scaled.to(torch.uint8).permute(1, 2, 3, 0).contiguous()
+
+
+def frames_to_uint8(frames: torch.Tensor) -> np.ndarray:
+    """:func:`frames_to_uint8_tensor` in host memory (waits for the device)."""
+    return frames_to_uint8_tensor(frames).cpu().numpy()
 
 
 
@@ -329,6 +335,9 @@ class WanStreamingDecoder:
         config = vae.config
         self._latents_mean = torch.tensor(config.latents_mean).view(1, config.z_dim, 1, 1, 1)
         self._latents_std = torch.tensor(config.latents_std).view(1, config.z_dim, 1, 1, 1)
+        # (device, dtype) -> (mean, 1 / std) there: copied once, since a host-to-device copy per block would
+        # make the host wait for the device mid-block.
+        self._denormalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
     # -- session lifecycle -------------------------------------------------
 
@@ -345,8 +354,11 @@ class WanStreamingDecoder:
 
     def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
         """Model-space latents -> VAE-space latents, exactly as diffusers' WanPipeline does."""
-        mean = self._latents_mean.to(latents.device, latents.dtype)
-        inverse_std = 1.0 / self._latents_std.to(latents.device, latents.dtype)
+        key = (str(latents.device), latents.dtype)
+        if key not in self._denormalizers:
+            mean = self._latents_mean.to(latents.device, latents.dtype)
+            self._denormalizers[key] = (mean, 1.0 / self._latents_std.to(latents.device, latents.dtype))
+        mean, inverse_std = self._denormalizers[key]
         return latents / inverse_std + mean
 
     @torch.inference_mode()
