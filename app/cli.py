@@ -47,6 +47,7 @@ _ENGINE_FLAGS = {
     "audio": "audio",
     "max_sessions": "max_sessions",
     "lead_chunks": "lead_chunks",
+    "blocks_in_flight": "blocks_in_flight",
     "warmup_blocks": "warmup_blocks",
     "detach_grace_s": "detach_grace_s",
 }
@@ -204,6 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="open sessions per client address (default off; ARSTREAM_MAX_SESSIONS_PER_CLIENT)")
     srv.add_argument("--lead-chunks", type=int, default=argparse.SUPPRESS,
                      help="paced sessions run this many blocks ahead (default 2; ARSTREAM_ENGINE__LEAD_CHUNKS)")
+    srv.add_argument("--blocks-in-flight", type=int, default=argparse.SUPPRESS, choices=(1, 2),
+                     help="blocks a session may have queued on the device ahead of its delivered chunks; 2 keeps "
+                     "the GPU busy between blocks (default 2 on CUDA, 1 elsewhere; ARSTREAM_ENGINE__BLOCKS_IN_FLIGHT)")
     srv.add_argument("--warmup-blocks", type=int, default=argparse.SUPPRESS,
                      help="blocks run before ready (default 1; ARSTREAM_ENGINE__WARMUP_BLOCKS)")
     srv.add_argument("--detach-grace-s", type=float, default=argparse.SUPPRESS,

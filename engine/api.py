@@ -82,6 +82,7 @@ class Engine:
             core.finish_all(reason)
             if self._loop is not None:
                 await self._loop.stop()
+            await core.drain()
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, core.runner.execute, StepPlan(finished=core.take_finished()))
             await loop.run_in_executor(self._executor, core.runner.close_all, reason)

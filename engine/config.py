@@ -109,6 +109,14 @@ class EngineConfig(BaseModel):
         description="send a session's first block as two chunks, its opening frame as soon as it is denoised "
         "(shorter time to first media); None: on CUDA",
     )
+    blocks_in_flight: int | None = Field(
+        default=None,
+        ge=1,
+        le=2,
+        description="works a session may have dispatched to the device ahead of its delivered chunks: 2 queues "
+        "block N+1 while the device still runs block N (the GPU never waits for the host between blocks); "
+        "None: 2 on CUDA, 1 elsewhere",
+    )
     overlap_encode: bool = Field(
         default=True,
         description="a session's next block may run while its previous chunk is encoded and sent "
@@ -221,6 +229,12 @@ class EngineConfig(BaseModel):
         if self.split_first_block is None:
             return self.device.startswith("cuda")
         return self.split_first_block
+
+    @property
+    def resolved_blocks_in_flight(self) -> int:
+        if self.blocks_in_flight is None:
+            return 2 if self.device.startswith("cuda") else 1
+        return self.blocks_in_flight
 
     @property
     def torch_dtype(self) -> torch.dtype:

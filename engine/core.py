@@ -4,8 +4,9 @@
 
     apply queued controls, enforce timeouts
     schedule   → a StepPlan (the only thing that crosses to the device thread)
-    execute    → Runner.execute(plan) on the device thread
-    update     → deliver chunks, count costs and deadlines, end failed sessions
+    dispatch   → Runner.dispatch(plan) on the device thread: the plan's work is queued on the device
+    complete   → as each work finishes on the device (waited for on a second thread, so the next
+                 tick can be dispatched meanwhile): deliver its chunk, count costs and deadlines
 
 Everything here runs on the event loop; the device thread sees only plans.
 Controls (start, prompt, pause, resume, reset, close, attach, detach) are
@@ -52,7 +53,7 @@ from engine.errors import (
 )
 from engine.plan import FinishedSession, SessionWork, StepPlan
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
-from engine.runner import BlockOutput, StepResult
+from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
 from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
 from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
@@ -79,11 +80,16 @@ class EngineCore:
         self._executor = executor
         self.sessions: dict[str, SessionRecord] = {}
         self._finished: list[FinishedSession] = []
+        # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile.
+        self._completions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
+        self._completing: set[asyncio.Task] = set()
+        self._device_free_at = 0.0  # monotonic: when the device is expected to finish what was dispatched
         self.scheduler = Scheduler(
             fps=config.fps,
             frames_per_chunk=self.geometry.pixel_frames_per_block,
             lead_chunks=config.lead_chunks,
             ticks_per_block=built.ticks_per_block,
+            blocks_in_flight=config.resolved_blocks_in_flight,
         )
         self.policy = RealtimePolicy(
             block_seconds=self.geometry.block_seconds,
@@ -234,6 +240,7 @@ class EngineCore:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
         self.submit(session_id, Attach())
         record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
+        record.held = None
         return self.status(session_id)
 
     def _apply_controls(self) -> None:
@@ -293,25 +300,94 @@ class EngineCore:
 
     # --- the tick -------------------------------------------------------------------------------
     async def step(self) -> bool:
-        """One tick: apply controls, schedule, execute on the device thread, update. False when idle."""
+        """One tick: apply controls, schedule, dispatch on the device thread. False when idle."""
         self._apply_controls()
+        self._release_held()
         now = time.monotonic()
         self._enforce_limits(now)
         finished, self._finished = self._finished, []
         plan = self.scheduler.plan(
-            self._open_records(), finished, now, block_cost=self.cost_of, control_cost=self._control_cost
+            self._open_records(),
+            finished,
+            now,
+            block_cost=self.cost_of,
+            control_cost=self._control_cost,
+            backlog_s=max(0.0, self._device_free_at - now) if self._completing else 0.0,
         )
         if plan.empty:
             return False
         self._mark_planned(plan)
+        loop = asyncio.get_running_loop()
         try:
-            result = await asyncio.get_running_loop().run_in_executor(self._executor, self.runner.execute, plan)
+            dispatch = await loop.run_in_executor(self._executor, self.runner.dispatch, plan)
         except Exception as error:  # the runner itself broke: nothing can be trusted
             log.exception("runner crashed")
-            result = StepResult(fatal=f"runner crashed: {error!r}")
+            dispatch = Dispatch(fatal=f"runner crashed: {error!r}")
         self.ticks += 1
-        self._update(result)
+        self._dispatched(plan, dispatch, now)
         return True
+
+    def _dispatched(self, plan, dispatch: Dispatch, planned_at: float) -> None:
+        for failure in dispatch.failures:
+            record = self.sessions.get(failure.session_id)
+            if record is not None:
+                self._finish(record, "failed", error=failure.message)
+        if dispatch.fatal is not None:
+            self._die(dispatch.fatal)
+        if not dispatch.pending:
+            return
+        runs = {work.session_id for work in plan.work if work.run}
+        expected = 0.0
+        for pending in dispatch.pending:
+            record = self.sessions.get(pending.session_id)
+            if record is not None and pending.session_id in runs:
+                record.works_in_flight += 1
+                record.frames_in_flight += pending.frames
+                expected += self.cost_of(record)
+        self._device_free_at = max(self._device_free_at, planned_at) + expected
+        # Every wait is submitted now, in dispatch order: the completion thread runs them first in, first out,
+        # so a session's chunks are delivered in order even when two ticks are in flight.
+        loop = asyncio.get_running_loop()
+        waits = [loop.run_in_executor(self._completions, pending.wait) for pending in dispatch.pending]
+        task = loop.create_task(self._complete(dispatch.pending, waits, runs))
+        self._completing.add(task)
+        task.add_done_callback(self._completing.discard)
+
+    async def _complete(self, pending: list[PendingWork], waits: list[asyncio.Future], runs: set[str]) -> None:
+        """Deliver each work's chunk as the device finishes it; a failure ends its session (or, device-fatal,
+        the engine)."""
+        for work, wait in zip(pending, waits):
+            try:
+                output, cost = await wait
+                error = None
+            except Exception as failure:  # an asynchronous device error surfaces here
+                output, cost, error = None, None, failure
+            record = self.sessions.get(work.session_id)
+            if record is not None and work.session_id in runs:
+                record.works_in_flight -= 1
+                record.frames_in_flight -= work.frames
+            try:
+                if error is not None:
+                    raise error
+                self._account(cost)
+                if output is not None and record is not None and record.is_open:
+                    self._deliver(record, output)
+            except Exception as failure:
+                log.warning("session work failed", extra={"session_id": work.session_id, "error": repr(failure)},
+                            exc_info=failure)
+                if is_device_fatal(failure):
+                    self._die(str(failure))
+                elif record is not None:
+                    self._finish(record, "failed", error=f"{type(failure).__name__}: {failure}")
+        if not self._completing - {asyncio.current_task()}:
+            self._device_free_at = time.monotonic()  # nothing else in flight: the device is free now
+        self.wake.set()  # room for the next block
+
+    async def drain(self) -> None:
+        """Wait for every dispatched work to complete (before a shutdown releases the sessions)."""
+        while self._completing:
+            await asyncio.gather(*self._completing, return_exceptions=True)
+        self._completions.shutdown(wait=True)
 
     def next_wakeup(self) -> float:
         return self.scheduler.next_wakeup(self._open_records(), time.monotonic())
@@ -329,28 +405,30 @@ class EngineCore:
             if work.prompt is not None:
                 record.pending_prompt = None
 
-    def _update(self, result: StepResult) -> None:
-        for cost in result.costs:
-            record = self.sessions.get(cost.session_id)
-            if record is not None:
-                record.device_seconds_pending += cost.control_s + cost.block_s
-            kinds = [kind for kind in CONTROL_ORDER if kind in cost.controls]
-            if kinds and cost.control_s > 0:
-                self.control_costs[kinds[0]].observe(cost.control_s)
-        for failure in result.failures:
-            record = self.sessions.get(failure.session_id)
-            if record is not None:
-                self._finish(record, "failed", error=failure.message)
-        for output in result.outputs:
-            record = self.sessions.get(output.session_id)
-            if record is not None and record.is_open:
-                self._deliver(record, output)
-        if result.fatal is not None:
-            self.alive = False
-            self.dead_reason = result.fatal
-            log.error("engine dead: device-fatal error", extra={"error": result.fatal})
-            for record in self._open_records():
-                self._finish(record, "failed", error="the engine's device failed")
+    def _account(self, cost: WorkCost) -> None:
+        record = self.sessions.get(cost.session_id)
+        if record is not None:
+            record.device_seconds_pending += cost.control_s + cost.block_s
+        kinds = [kind for kind in CONTROL_ORDER if kind in cost.controls]
+        if kinds and cost.control_s > 0:
+            self.control_costs[kinds[0]].observe(cost.control_s)
+
+    def _die(self, reason: str) -> None:
+        if not self.alive:
+            return
+        self.alive = False
+        self.dead_reason = reason
+        log.error("engine dead: device-fatal error", extra={"error": reason})
+        for record in self._open_records():
+            self._finish(record, "failed", error="the engine's device failed")
+        self.wake.set()
+
+    def _release_held(self) -> None:
+        """A chunk held back for a slow consumer enters its queue once the consumer took the one before."""
+        for record in self._open_records():
+            if record.held is not None and len(record.queue) == 0:
+                chunk, record.held = record.held, None
+                record.queue.put_nowait(chunk)
 
     def _deliver(self, record: SessionRecord, output: BlockOutput) -> None:
         now = time.monotonic()
@@ -385,12 +463,19 @@ class EngineCore:
         if output.audio is not None:
             record.audio_samples_emitted += int(output.audio.shape[1])
         if not output.opening_frame:
-            record.blocks_since_reset += 1
+            # From the block's own index (it restarts with the content), not a count: chunks of the old content
+            # that were on the device when a reset applied still arrive after it.
+            record.blocks_since_reset = output.block_index + 1
             self.blocks += 1
         record.last_timings = timings
         record.decoder_state_bytes = output.decoder_state_bytes
         record.frame_rate.add(now, int(output.frames.shape[0]))
-        record.queue.put_nowait(chunk)
+        if len(record.queue) == 0 and record.held is None:
+            record.queue.put_nowait(chunk)
+        elif record.held is None:  # the previous chunk still waits for its consumer (dispatched before it was taken)
+            record.held = chunk
+        else:
+            raise RuntimeError("a chunk is already held back; the scheduler must not run this session")
 
     def _keep_time(self, record: SessionRecord, pts: int, now: float) -> None:
         """The playback clock: started by the first chunk, re-anchored after resume/attach, deadlines counted."""
@@ -435,6 +520,7 @@ class EngineCore:
         record.pending_prompt = None
         record.pending_reset = False
         record.decoder_state_bytes = 0
+        record.held = None
         record.queue.end()
         self.kv.unreserve(record.session_id)
         if record.opened_on_device:

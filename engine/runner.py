@@ -5,6 +5,13 @@ flight) and the streaming decoder state, and runs a :class:`StepPlan` on the
 engine's single device thread. Every way a session ends — close, reset,
 eviction, idle timeout, failed forward, shutdown — goes through
 :meth:`Runner.release`, which frees all of them together.
+
+Work is *dispatched*: :meth:`Runner.dispatch` queues a plan's device work and
+returns at once with one :class:`PendingWork` per work item; its block's
+frames land in host memory when the device gets there (:meth:`PendingWork.wait`).
+So the engine can queue block N+1 while the device still runs block N, and the
+GPU never waits for the host between blocks. :meth:`Runner.execute` is the
+synchronous form (dispatch, then wait for each), for warm-up and tests.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import numpy as np
 import torch
 
 from decoders.audio import AudioDecodeState, AudioStreamingDecoder
-from decoders.video import StreamingDecodeState, WanStreamingDecoder
+from decoders.video import StreamingDecodeState, WanStreamingDecoder, frames_to_uint8_tensor
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
 from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
@@ -44,7 +51,7 @@ class DeviceSession:
     audio_carry: torch.Tensor | None = None  # the previous content's audio tail, flushed at reset
     block_started_at: float | None = None  # epoch ms of the current output's first forward
     queued_ms: float = 0.0
-    denoise_s: float = 0.0
+    denoise_parts: list["_WorkTimer"] = field(default_factory=list)  # the current output's denoising so far
     opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
 
 
@@ -84,6 +91,66 @@ class StepResult:
     failures: list[SessionFailure] = field(default_factory=list)
     costs: list[WorkCost] = field(default_factory=list)
     fatal: str | None = None  # a device-fatal error: the engine is dead
+
+
+@dataclass
+class _QueuedOutput:
+    """A block output whose frames (and audio) are still on their way to host memory."""
+
+    frames: torch.Tensor  # uint8 [F, H, W, 3] in host memory (pinned on a GPU), complete once the device is done
+    audio: torch.Tensor | None  # float32 [channels, samples], likewise
+    block_index: int
+    started_at: float
+    queued_ms: float
+    denoise_parts: list["_WorkTimer"]
+    decoder_state_bytes: int
+    opening_frame: bool
+
+
+@dataclass
+class PendingWork:
+    """One work item whose device work is queued. :meth:`wait` blocks until the device is done with it and
+    returns its output (if it made one) and its cost, both measured on the device."""
+
+    session_id: str
+    controls: tuple[str, ...]
+    timer: "_WorkTimer"
+    output: _QueuedOutput | None = None
+
+    @property
+    def frames(self) -> int:
+        """Frames this work will deliver (0 if none): known at dispatch."""
+        return 0 if self.output is None else int(self.output.frames.shape[0])
+
+    def wait(self) -> tuple[BlockOutput | None, WorkCost]:
+        self.timer.wait()
+        control_s, block_s, decode_s = self.timer.seconds()
+        cost = WorkCost(self.session_id, control_s, block_s, self.controls)
+        queued = self.output
+        if queued is None:
+            return None, cost
+        output = BlockOutput(
+            session_id=self.session_id,
+            block_index=queued.block_index,
+            frames=queued.frames.numpy(),
+            audio=queued.audio.numpy() if queued.audio is not None else None,
+            started_at=queued.started_at,
+            queued_ms=queued.queued_ms,
+            denoise_ms=sum(part.seconds()[1] - part.seconds()[2] for part in queued.denoise_parts) * 1000.0,
+            decode_ms=decode_s * 1000.0,
+            decoder_state_bytes=queued.decoder_state_bytes,
+            opening_frame=queued.opening_frame,
+        )
+        return output, cost
+
+
+@dataclass
+class Dispatch:
+    """What :meth:`Runner.dispatch` returns: work queued on the device, and what failed while queueing it."""
+
+    pending: list[PendingWork] = field(default_factory=list)
+    failures: list[SessionFailure] = field(default_factory=list)
+    fatal: str | None = None
 
 
 def is_device_fatal(error: BaseException) -> bool:
@@ -206,40 +273,58 @@ class Runner:
             raise
 
     # --- execution ----------------------------------------------------------
-    def execute(self, plan: StepPlan) -> StepResult:
-        result = StepResult()
+    def dispatch(self, plan: StepPlan) -> Dispatch:
+        """Release the plan's finished sessions, then queue each work item's device work, in order."""
+        dispatch = Dispatch()
         for finished in plan.finished:
             try:
                 self.release(finished.session_id, finished.reason)
             except Exception as error:
-                result.failures.append(SessionFailure(finished.session_id, f"release failed: {error}"))
+                dispatch.failures.append(SessionFailure(finished.session_id, f"release failed: {error}"))
         for work in plan.work:
-            started = time.perf_counter()
-            controls_done = [0.0]  # perf_counter when the controls were done (set by _do)
+            timer = _WorkTimer.start(self.pipeline.transformer.device)
             try:
-                output = self._do(work, plan.planned_at, controls_done)
+                output = self._do(work, plan.planned_at, timer)
             except Exception as error:
-                log.warning("session step failed", extra={"session_id": work.session_id, "error": repr(error)})
-                try:
-                    self.release(work.session_id, "failed")  # no-op when bound() already released it
-                except Exception:
-                    log.exception("release after a failed step also failed")
-                result.failures.append(SessionFailure(work.session_id, f"{type(error).__name__}: {error}"))
-                if is_device_fatal(error):
+                if self._failed(work.session_id, error, dispatch.failures):
+                    dispatch.fatal = str(error)
+                    return dispatch
+                continue
+            timer.end()
+            dispatch.pending.append(PendingWork(work.session_id, _controls_of(work), timer, output))
+        return dispatch
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Dispatch the plan and wait for all of it: its outputs and costs, in order."""
+        dispatch = self.dispatch(plan)
+        result = StepResult(failures=dispatch.failures, fatal=dispatch.fatal)
+        for pending in dispatch.pending:
+            try:
+                output, cost = pending.wait()
+            except Exception as error:
+                if self._failed(pending.session_id, error, result.failures):
                     result.fatal = str(error)
-                    self.close_all("failed")
                     return result
                 continue
-            ended = time.perf_counter()
-            control_end = controls_done[0] or ended
-            result.costs.append(
-                WorkCost(work.session_id, control_end - started, ended - control_end, _controls_of(work))
-            )
+            result.costs.append(cost)
             if output is not None:
                 result.outputs.append(output)
         return result
 
-    def _do(self, work: SessionWork, planned_at: float, controls_done: list[float]) -> BlockOutput | None:
+    def _failed(self, session_id: str, error: Exception, failures: list[SessionFailure]) -> bool:
+        """Release a session whose work failed and record why; True if the device itself is lost (all released)."""
+        log.warning("session step failed", extra={"session_id": session_id, "error": repr(error)}, exc_info=error)
+        try:
+            self.release(session_id, "failed")  # no-op when bound() already released it
+        except Exception:
+            log.exception("release after a failed step also failed")
+        failures.append(SessionFailure(session_id, f"{type(error).__name__}: {error}"))
+        if is_device_fatal(error):
+            self.close_all("failed")
+            return True
+        return False
+
+    def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
         if work.open is not None:
             self.open(work.session_id, work.open)
         if work.session_id not in self.sessions:
@@ -248,11 +333,11 @@ class Runner:
             self.reset(work.session_id)
         if work.prompt is not None:
             self._change_prompt(work)
-        controls_done[0] = time.perf_counter()
+        timer.controls_done()
         if not work.run:
             return None
         with self.bound(work.session_id) as device_session:
-            return self._advance(work.session_id, device_session, planned_at)
+            return self._advance(device_session, planned_at, timer)
 
     def _change_prompt(self, work: SessionWork) -> None:
         update = work.prompt
@@ -266,15 +351,14 @@ class Runner:
             request = device_session.open_request
             device_session.open_request = OpenSession(request.seed, update.prompt, update.negative_prompt)
 
-    def _advance(self, session_id: str, device_session: DeviceSession, planned_at: float) -> BlockOutput | None:
+    def _advance(self, device_session: DeviceSession, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
         progress = device_session.progress
         if device_session.block_started_at is None:
             device_session.block_started_at = now_ms()
-            device_session.denoise_s = 0.0
+            device_session.denoise_parts = []
             device_session.queued_ms = max(0.0, device_session.block_started_at - planned_at)
+        device_session.denoise_parts.append(timer)
         opening = self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
-        started = time.perf_counter()
-        timer = _DeviceTimer.start(self.pipeline.transformer.device)
         if opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
@@ -284,38 +368,29 @@ class Runner:
         else:
             clean = self.pipeline.run_block(device_session.kv, progress)
         if clean is None:
-            device_session.denoise_s += time.perf_counter() - started
             return None
-        # No wait here: the decode's launches queue behind the commit pass while the device still runs it (on
-        # the H200 the wait left the GPU idle for the decode's host launch time, ~9 ms of TAEHV's 20). The
-        # frames' copy to the host below waits for both; the block's end stays the synchronisation point.
-        timer.mark()
-        decode_started = time.perf_counter()
+        # No wait anywhere here: the decode queues behind the commit pass, the frames' copy to pinned host
+        # memory behind the decode, and the caller may queue the next block before any of it has run.
+        timer.denoised()
         video = self.decoder.denormalize(clean.video)
         if opening:
             video = video[:, :, :1]
         elif progress.block_index == 1 and device_session.opening_frame_sent:
             video = video[:, :, 1:]  # the rest of the first block; its opening frame went out already
-        frames = self.decoder.to_uint8(self.decoder.decode_chunk(video, device_session.decode_state))
+        frames = _to_host(frames_to_uint8_tensor(self.decoder.decode_chunk(video, device_session.decode_state)))
         # The opening frame carries no audio: the block's audio is decoded whole with the rest of it.
         audio = None
         if self.audio_decoder is not None and not opening:
-            audio = self._decode_audio(device_session, clean)
-        _synchronize(clean.video)
-        ended = time.perf_counter()
-        denoise_s, decode_s = timer.split(started, decode_started, ended)
-        device_session.denoise_s += denoise_s
+            audio = _to_host(self._decode_audio(device_session, clean))
         device_session.opening_frame_sent |= opening
-        output = BlockOutput(
-            session_id=session_id,
-            block_index=progress.block_index if opening else progress.block_index - 1,
+        output = _QueuedOutput(
             frames=frames,
             audio=audio,
+            block_index=progress.block_index if opening else progress.block_index - 1,
             started_at=device_session.block_started_at,
             queued_ms=device_session.queued_ms,
-            denoise_ms=device_session.denoise_s * 1000.0,
-            decode_ms=decode_s * 1000.0,
-            decoder_state_bytes=self.decoder_state_bytes(session_id),
+            denoise_parts=device_session.denoise_parts,
+            decoder_state_bytes=self.decoder_state_bytes_of(device_session),
             opening_frame=opening,
         )
         device_session.block_started_at = None
@@ -324,13 +399,16 @@ class Runner:
     def decoder_state_bytes(self, session_id: str) -> int:
         """Bytes the session's streaming decoder caches (video and audio) hold on the device now."""
         device_session = self.sessions.get(session_id)
-        if device_session is None:
-            return 0
+        return 0 if device_session is None else self.decoder_state_bytes_of(device_session)
+
+    @staticmethod
+    def decoder_state_bytes_of(device_session: DeviceSession) -> int:
         audio = device_session.audio_state.nbytes() if device_session.audio_state is not None else 0
         return device_session.decode_state.nbytes() + audio
 
-    def _decode_audio(self, device_session: DeviceSession, clean) -> np.ndarray:
-        """The samples this block made decodable, minus the part of the opening frame before t = 0."""
+    def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
+        """The samples this block made decodable (float32, on the device), minus the part of the opening
+        frame before t = 0."""
         pcm = self.audio_decoder.decode_block(clean.audio, device_session.audio_state)
         trim = min(device_session.audio_samples_to_trim, pcm.shape[1])
         device_session.audio_samples_to_trim -= trim
@@ -338,7 +416,7 @@ class Runner:
         if device_session.audio_carry is not None:
             pcm = torch.cat([device_session.audio_carry.to(pcm), pcm], dim=1)
             device_session.audio_carry = None
-        return pcm.float().cpu().numpy()
+        return pcm.float()
 
     # --- warmup -----------------------------------------------------------
     def warmup(self, blocks: int = 2, *, transitions: bool = True) -> list[float]:
@@ -413,37 +491,64 @@ def _controls_of(work: SessionWork) -> tuple[str, ...]:
     return tuple(kinds)
 
 
-class _DeviceTimer:
-    """A block's denoise and decode seconds without a wait between them: CUDA events on a GPU (the denoise ends
-    when the device finishes it, not when the host has queued it), host time elsewhere (the CPU runs eagerly)."""
+class _WorkTimer:
+    """One work item's controls, denoise and decode seconds, taken without making the host wait: CUDA events
+    on a GPU (each part is timed from when the device reaches it, so device work still queued ahead of it
+    does not count), the host's clock elsewhere (the CPU runs eagerly). Marks: start, controls done, denoised
+    (only if the work made an output), end."""
 
-    def __init__(self, begin: "torch.cuda.Event | None") -> None:
-        self._begin, self._denoised = begin, None
+    _MARKS = ("start", "controls", "denoised", "end")
+
+    def __init__(self, cuda: bool) -> None:
+        self._cuda = cuda
+        self._marks: dict[str, "torch.cuda.Event | float"] = {}
+        self._mark("start")
 
     @classmethod
-    def start(cls, device: torch.device) -> "_DeviceTimer":
-        if device.type != "cuda":
-            return cls(None)
-        begin = torch.cuda.Event(enable_timing=True)
-        begin.record()
-        return cls(begin)
+    def start(cls, device: torch.device) -> "_WorkTimer":
+        return cls(device.type == "cuda")
 
-    def mark(self) -> None:
-        """The denoise is queued: its end is when the device gets here."""
-        if self._begin is not None:
-            self._denoised = torch.cuda.Event(enable_timing=True)
-            self._denoised.record()
+    def _mark(self, name: str) -> None:
+        if self._cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks[name] = event
+        else:
+            self._marks[name] = time.perf_counter()
 
-    def split(self, started: float, decode_started: float, ended: float) -> tuple[float, float]:
-        """(denoise, decode) seconds; call after synchronising, with the host's clock at the start, at
-        :meth:`mark` and at the end."""
-        if self._begin is None or self._denoised is None:
-            return decode_started - started, ended - decode_started
-        denoise = self._begin.elapsed_time(self._denoised) / 1000.0
-        return denoise, max(0.0, (ended - started) - denoise)
+    def controls_done(self) -> None:
+        self._mark("controls")
+
+    def denoised(self) -> None:
+        self._mark("denoised")
+
+    def end(self) -> None:
+        self._mark("end")
+
+    def wait(self) -> None:
+        """Block until the device has done everything queued before :meth:`end` (async errors surface here)."""
+        end = self._marks["end"]
+        if self._cuda:
+            end.synchronize()
+
+    def _between(self, first: str, second: str) -> float:
+        a, b = self._marks[first], self._marks[second]
+        if self._cuda:
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+    def seconds(self) -> tuple[float, float, float]:
+        """(controls, block, decode) seconds, after :meth:`wait`; block = denoise + decode."""
+        controls = self._between("start", "controls")
+        block = self._between("controls", "end")
+        decode = self._between("denoised", "end") if "denoised" in self._marks else 0.0
+        return controls, block, decode
 
 
-def _synchronize(tensor: torch.Tensor | None) -> None:
-    # The block boundary is where asynchronous device errors surface; keep it inside the fail-closed scope.
-    if tensor is not None and tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A host copy of ``tensor`` that fills in when the device gets there (pinned memory, no wait)."""
+    if tensor.device.type != "cuda":
+        return tensor.contiguous()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    return host

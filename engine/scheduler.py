@@ -8,8 +8,13 @@ its consumer has taken its previous chunk and asked for the next (a slow client
 pauses itself, not the engine; see ``ChunkQueue``), and, with pacing on, while
 its media runs ``lead_chunks`` blocks ahead of its playback clock.
 
-A tick's blocks are delivered together when the tick ends, so every block of a
-tick waits for the others. Hence:
+A session may have ``blocks_in_flight`` works dispatched and not yet delivered
+(2 on a GPU: block N+1 is queued while the device still runs block N, so the
+GPU never waits for the host between blocks); their frames count as emitted
+for pacing, and the device time still queued ahead of a tick (``backlog_s``)
+delays its end. A tick's blocks finish one after another on the device; the
+scheduler plans as if the tick's blocks were delivered together at its end
+(every block of a tick waits for the others — an upper bound). Hence:
 
 * live sessions (pacing on) run when due, nearest deadline first; one that
   is ahead of its clock waits a tick when its block would make a more
@@ -49,10 +54,13 @@ RECHECK_S = 0.005  # the soonest an idle loop looks again at a session that may 
 
 
 class Scheduler:
-    def __init__(self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1) -> None:
+    def __init__(
+        self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1, blocks_in_flight: int = 1
+    ) -> None:
         self.fps = fps
         self.lead_seconds = lead_chunks * frames_per_chunk / fps
         self.ticks_per_block = ticks_per_block  # stepwise mode: a block takes several ticks
+        self.blocks_in_flight = blocks_in_flight
         self._cursor = 0
 
     def pacing_allows(self, session: SessionRecord, now: float) -> bool:
@@ -68,7 +76,7 @@ class Scheduler:
         waits = [
             session.media_seconds_ahead(now, self.fps) - self.lead_seconds
             for session in sessions
-            if session.state is SessionState.ACTIVE and session.pace and session.queue.accepts_next
+            if session.state is SessionState.ACTIVE and session.pace and self._has_room(session)
         ]
         if not waits:
             return math.inf
@@ -82,7 +90,11 @@ class Scheduler:
         *,
         block_cost: Callable[[SessionRecord], float],
         control_cost: Callable[[SessionWork], float],
+        backlog_s: float = 0.0,
     ) -> StepPlan:
+        """``backlog_s``: expected device seconds of work dispatched earlier and not yet done (this tick runs
+        after it)."""
+        start = now + backlog_s
         candidates = []
         for session in sessions:
             work = self._work_for(session, now)
@@ -94,8 +106,8 @@ class Scheduler:
         live = sorted((c for c in candidates if c.record.pace), key=lambda c: -math.inf if c.deadline is None else c.deadline)
         best_effort = [c for c in candidates if not c.record.pace]
         if best_effort:
-            start = self._cursor % len(best_effort)
-            best_effort = best_effort[start:] + best_effort[:start]
+            first = self._cursor % len(best_effort)
+            best_effort = best_effort[first:] + best_effort[:first]
             self._cursor += 1
         waiting_live = [
             s
@@ -106,17 +118,17 @@ class Scheduler:
         members: list[_Candidate] = []
         for candidate in live:
             members.append(candidate)
-            if len(members) > 1 and not self._fits(members, waiting_live, now, block_cost):
+            if len(members) > 1 and not self._fits(members, waiting_live, start, block_cost):
                 # Its block (or its costly control) would make a more urgent member miss: it waits a
                 # tick if it can afford to, i.e. still makes its own deadline one tick later.
                 can_wait = candidate.deadline is not None and (
-                    now + self._length(members[:-1]) + candidate.cost_s <= candidate.deadline
+                    start + self._length(members[:-1]) + candidate.cost_s <= candidate.deadline
                 )
-                if can_wait and self._fits(members[:-1], waiting_live, now, block_cost):
+                if can_wait and self._fits(members[:-1], waiting_live, start, block_cost):
                     members.pop()
         for candidate in best_effort:
             members.append(candidate)
-            if not self._fits(members, waiting_live, now, block_cost):
+            if not self._fits(members, waiting_live, start, block_cost):
                 members.pop()
         return StepPlan(finished=list(finished), work=[c.work for c in members], planned_at=now_ms())
 
@@ -125,7 +137,7 @@ class Scheduler:
         return sum(c.cost_s for c in members)
 
     def _fits(
-        self, members: list[_Candidate], live: list[SessionRecord], now: float, block_cost: Callable[[SessionRecord], float]
+        self, members: list[_Candidate], live: list[SessionRecord], start: float, block_cost: Callable[[SessionRecord], float]
     ) -> bool:
         """Every live session still makes its next deadline with this tick.
 
@@ -133,7 +145,7 @@ class Scheduler:
         outside the tick counts only while it can still be saved (it runs one block after the tick);
         one that cannot — its consumer stalled, say — must not hold the others back forever.
         """
-        tick_end = now + self._length(members)
+        tick_end = start + self._length(members)
         in_tick = {c.record.session_id for c in members if c.work.run}
         for session in live:
             deadline = session.next_deadline(self.fps)
@@ -141,7 +153,7 @@ class Scheduler:
             if session.session_id in in_tick:
                 if tick_end > deadline:
                     return False
-            elif tick_end + own > deadline and now + own <= deadline:
+            elif tick_end + own > deadline and start + own <= deadline:
                 return False
         return True
 
@@ -157,7 +169,12 @@ class Scheduler:
         if session.pending_prompt is not None and open_request is None:
             change = session.pending_prompt
             prompt = PromptUpdate(change.prompt, change.negative_prompt, change.policy)
-        run = session.state is SessionState.ACTIVE and session.queue.accepts_next and self.pacing_allows(session, now)
+        run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now)
         if open_request is None and not reset and prompt is None and not run:
             return None
         return SessionWork(session.session_id, open=open_request, reset=reset, prompt=prompt, run=run)
+
+    def _has_room(self, session: SessionRecord) -> bool:
+        """Its consumer took the last chunk, none is held back, and fewer than ``blocks_in_flight`` works of it
+        are on the device: a slow consumer pauses its own session."""
+        return session.queue.accepts_next and session.held is None and session.works_in_flight < self.blocks_in_flight

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
 from engine.realtime import FrameRate, RunningCost
-from engine.session import ChunkQueue, ChunkTimings
+from engine.session import Chunk, ChunkQueue, ChunkTimings
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
 RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
@@ -76,6 +76,10 @@ class SessionRecord:
     deadline_misses: int = 0
     recent_misses: deque[bool] = field(default_factory=lambda: deque(maxlen=RECENT_CHUNKS))  # per chunk, newest last
     device_seconds_pending: float = 0.0  # device time spent since the last block (controls, stepwise steps)
+    # dispatched to the device, not yet delivered (the runner queues a block before the previous one is done)
+    works_in_flight: int = 0
+    frames_in_flight: int = 0
+    held: Chunk | None = None  # a finished chunk waiting for room in the queue (its consumer is slow)
     frame_rate: FrameRate = field(default_factory=FrameRate)
     decoder_state_bytes: int = 0
 
@@ -108,13 +112,14 @@ class SessionRecord:
         self.last_active = time.monotonic()
 
     def media_seconds_ahead(self, now: float, fps: int) -> float:
-        """How far the emitted media runs ahead of the playback clock (0 before the first chunk)."""
+        """How far the emitted and dispatched media runs ahead of the playback clock (0 before the first chunk)."""
         if self.playback_anchor is None or self.reanchor:
             return 0.0
-        return self.frames_emitted / fps - (now - self.playback_anchor)
+        return (self.frames_emitted + self.frames_in_flight) / fps - (now - self.playback_anchor)
 
     def next_deadline(self, fps: int) -> float | None:
-        """Monotonic time by which the next chunk must be emitted to play on time (None: no clock yet)."""
+        """Monotonic time by which the next block to be dispatched must be emitted to play on time (None: no
+        clock yet). Blocks already dispatched come before it."""
         if not self.pace or self.playback_anchor is None or self.reanchor:
             return None
-        return self.playback_anchor + self.frames_emitted / fps
+        return self.playback_anchor + (self.frames_emitted + self.frames_in_flight) / fps

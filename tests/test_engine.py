@@ -228,9 +228,12 @@ def test_detached_session_closes_after_its_grace_period():
     run(scenario())
 
 
-def test_paced_session_stays_within_lead_chunks_of_its_playback_clock():
+@pytest.mark.parametrize("blocks_in_flight", [1, 2])
+def test_paced_session_stays_within_lead_chunks_of_its_playback_clock(blocks_in_flight):
+    """Blocks dispatched ahead of their delivery count as emitted media: the lead holds with two in flight too."""
+
     async def scenario():
-        config = small_config(window_frames=3, lead_chunks=2)
+        config = small_config(window_frames=3, lead_chunks=2, blocks_in_flight=blocks_in_flight)
         engine = Engine(config)
         await engine.start()
         try:

@@ -36,10 +36,36 @@ def _running(session_id: str, *, pace: bool, now: float, deadline_in_s: float | 
     return record
 
 
-def _plan(records, now, control_s=0.0):
-    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
-    plan = scheduler.plan(records, [], now, block_cost=lambda r: BLOCK_S, control_cost=lambda w: control_s if w.prompt else 0.0)
+def _plan(records, now, control_s=0.0, backlog_s=0.0, blocks_in_flight=1):
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, blocks_in_flight=blocks_in_flight)
+    plan = scheduler.plan(records, [], now, block_cost=lambda r: BLOCK_S,
+                          control_cost=lambda w: control_s if w.prompt else 0.0, backlog_s=backlog_s)
     return [work.session_id for work in plan.work]
+
+
+def test_work_already_on_the_device_counts_before_a_tick():
+    """A block dispatched ahead counts toward pacing and deadlines, and the device time queued before a tick
+    (the backlog) can make a best-effort block wait."""
+    now = time.monotonic()
+    best_effort = _running("best", pace=False, now=now)
+    live = _running("live", pace=True, now=now, deadline_in_s=0.35, ready=False)
+    assert _plan([live, best_effort], now) == ["best"]
+    assert _plan([live, best_effort], now, backlog_s=0.2) == []  # 0.2 + 0.1 best + 0.1 live > 0.35
+    # One block of its own in flight: with room for two it may run again, with room for one it waits.
+    ahead = _running("ahead", pace=False, now=now)
+    ahead.works_in_flight, ahead.frames_in_flight = 1, 12
+    assert _plan([ahead], now, blocks_in_flight=2) == ["ahead"]
+    assert _plan([ahead], now, blocks_in_flight=1) == []
+    # A paced session's frames in flight count as emitted: 9 + 12 frames run past its two-block lead at 16 fps
+    # only after the in-flight ones are counted.
+    paced = _running("paced", pace=True, now=now, deadline_in_s=1.0)
+    assert _plan([paced], now, blocks_in_flight=2) == ["paced"]
+    paced.works_in_flight, paced.frames_in_flight = 1, 12
+    assert _plan([paced], now, blocks_in_flight=2) == []
+    # A held-back chunk (its consumer is slow) stops the session, whatever the room on the device.
+    held = _running("held", pace=False, now=now)
+    held.held = object()
+    assert _plan([held], now, blocks_in_flight=2) == []
 
 
 def test_live_sessions_run_nearest_deadline_first():
