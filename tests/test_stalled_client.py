@@ -42,7 +42,9 @@ def metric(base_url: str, name: str) -> float:
 
 async def healthy_reader(url: str, seed: int, stop: asyncio.Event, received: list[int]) -> str:
     async with connect(url, compression=None, max_size=2**24) as ws:
-        session_id = json.loads(await ws.recv())["session_id"]
+        first = json.loads(await ws.recv())
+        assert "session_id" in first, f"a healthy viewer was not given a session: {first}"
+        session_id = first["session_id"]
         await ws.recv()  # init segment
         await ws.send(json.dumps({"type": "start", "prompt": "a healthy viewer", "seed": seed,
                                   "options": {"pace": False}}))
@@ -106,7 +108,9 @@ def test_stalled_reader_is_detached_and_its_slot_freed_while_others_stream_on(se
         ticks_0 = metric(base, "arstream_engine_ticks_total")
         blocks_0 = metric(base, "arstream_engine_blocks_total")
         healthy_0 = [len(got) for got in received]
-        await asyncio.sleep(GRACE_S + 0.5)
+        # The grace is enforced at the engine's ticks: the detach applies at the tick after it was asked for, the
+        # close at the first tick after the grace (each up to a tick of two blocks late on a busy 2-core machine).
+        await asyncio.sleep(GRACE_S + SLACK_S)
         ticks_1 = metric(base, "arstream_engine_ticks_total")
         blocks_1 = metric(base, "arstream_engine_blocks_total")
         healthy_1 = [len(got) for got in received]
