@@ -331,7 +331,7 @@ def profile_section(bundle) -> dict:
         if device_us <= 0:
             continue
         name = event.key.lower()
-        if "sdpa" in name or "fmha" in name or "flash" in name or "attention" in name:
+        if "sdpa" in name or "fmha" in name or "flash" in name or "attention" in name or "attn" in name:
             category = "attention"
         elif "conv" in name or "fprop_implicit" in name or "winograd" in name or "nchwtonhwc" in name or "nhwctonchw" in name:
             category = "conv (vae)"
