@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from decoders.video import frames_to_uint8
+from decoders.video import frames_to_uint8, frames_to_uint8_tensor
 
 log = logging.getLogger("arstream.taehv")
 
@@ -320,6 +320,7 @@ class TAEHVStreamingDecoder:
         return self.model.decode_latent_frame(latent, state.memory, channels_last=self.channels_last)
 
     to_uint8 = staticmethod(frames_to_uint8)
+    to_uint8_tensor = staticmethod(frames_to_uint8_tensor)  # on the device: the runner copies it without a wait
 
     # -- admission ---------------------------------------------------------
 

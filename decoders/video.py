@@ -409,6 +409,7 @@ class WanStreamingDecoder:
         return out.clamp(-1.0, 1.0)
 
     to_uint8 = staticmethod(frames_to_uint8)
+    to_uint8_tensor = staticmethod(frames_to_uint8_tensor)  # on the device: the runner copies it without a wait
 
     # -- admission ---------------------------------------------------------
 

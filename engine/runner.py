@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from decoders.audio import AudioDecodeState, AudioStreamingDecoder
-from decoders.video import StreamingDecodeState, WanStreamingDecoder, frames_to_uint8_tensor
+from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
 from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
@@ -377,7 +377,7 @@ class Runner:
             video = video[:, :, :1]
         elif progress.block_index == 1 and device_session.opening_frame_sent:
             video = video[:, :, 1:]  # the rest of the first block; its opening frame went out already
-        frames = _to_host(frames_to_uint8_tensor(self.decoder.decode_chunk(video, device_session.decode_state)))
+        frames = _to_host(self.decoder.to_uint8_tensor(self.decoder.decode_chunk(video, device_session.decode_state)))
         # The opening frame carries no audio: the block's audio is decoded whole with the rest of it.
         audio = None
         if self.audio_decoder is not None and not opening:
