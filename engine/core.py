@@ -327,7 +327,7 @@ class EngineCore:
         self._dispatched(plan, dispatch, now)
         return True
 
-    def _dispatched(self, plan, dispatch: Dispatch, planned_at: float) -> None:
+    def _dispatched(self, plan: StepPlan, dispatch: Dispatch, planned_at: float) -> None:
         for failure in dispatch.failures:
             record = self.sessions.get(failure.session_id)
             if record is not None:

@@ -70,8 +70,9 @@ class ChunkQueue:
     """
 
     def __init__(self, overlap: bool = True, on_taken: Callable[[], None] | None = None) -> None:
-        """``on_taken``: called when the consumer takes a chunk and, with overlap, the session may run
-        again (the engine core wakes its loop with it: nothing else would tell it)."""
+        """``on_taken``: called when the consumer takes a chunk — with overlap the session may run again, and
+        a chunk held back behind this one may enter the queue (the engine core wakes its loop with it: nothing
+        else would tell it)."""
         self.overlap = overlap
         self._on_taken = on_taken
         self._item: Chunk | None = None
@@ -115,7 +116,7 @@ class ChunkQueue:
             await self._changed.wait()
         chunk, self._item = self._item, None
         self.in_hand = True
-        if self.overlap and self._on_taken is not None:
+        if self._on_taken is not None:
             self._on_taken()
         return chunk
 
