@@ -50,9 +50,6 @@ SWEEP = (
     C(128, 128, 8, 4), C(64, 128, 4, 2),
 )
 SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2))
-# The configs the engine sweep also times with exp_f16 (P's exp2 on float16 pairs): both defaults and the two
-# 8-warp ones; each variant compiles once, so a sweep at 6 key counts stays near 90 s of GPU time.
-EXP_F16_SWEEP = (C(64, 128, 4, 3), C(128, 64, 4, 4), C(128, 128, 8, 3), C(128, 64, 8, 3))
 CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 GOOD_ENOUGH = 0.1  # a config whose error vs float32 exceeds this is broken, not fast
 
@@ -125,20 +122,13 @@ def cubin_usage(compiled) -> dict:
     return {"regs": int(found[1]), "stack_bytes": int(found[2]), "local_bytes": int(found[3])} if found else {}
 
 
-def sass_mufu_ex2(compiled) -> dict:
-    """The MUFU exp2 instructions ptxas made, by kind (MUFU.EX2 float32, MUFU.EX2.F16; whole kernel: both key
-    loops and a few scalars). On sm_90 each ``ex2.approx.f16x2`` becomes two MUFU.EX2.F16."""
-    return dict(Counter(re.findall(r"\b(MUFU\.EX2[.\w]*)", cuobjdump(compiled, "-sass"))))
-
-
 def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_transposed: bool = True, arch: int = 90):
     """Compile the kernel for sm_``arch`` without a GPU, specialised as a launch on the bench's tensors would be."""
     fn = fa._attn_fwd
     pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "QScale": "*fp32",
                 "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32", "VScaleC": "*fp32"}
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                 "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv, "EXP_F16": config.exp_f16,
-                 "INTERPRETED": False,
+                 "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv,
                  ("stride_vs" if v_transposed else "stride_vd"): 1}  # Triton makes an int equal to 1 a constant
     # H = 12; SQ, SK, SH are not specialised; the rest divide by 16
     return _compile(fn, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale"), config.num_warps,
@@ -177,12 +167,11 @@ def cross_compile_quantizer(*, transposed: bool, rows: int, head_dim: int = 128,
 
 
 def compile_only() -> None:
-    """One JSON line per compiled kernel: ``kernel`` "attention" (the sweep at head_dim 128, three variants: precise
-    PV, natural v, exp_f16 for EXP_F16_SWEEP; the other head dims' default configs) or "quantize" (both passes, per
+    """One JSON line per compiled kernel: ``kernel`` "attention" (the sweep at head_dim 128, two variants: precise
+    PV, natural v; the other head dims' default configs) or "quantize" (both passes, per
     destination layout)."""
     variants = [(config, True, 128) for config in SWEEP]
     variants += [(replace(SWEEP[0], precise_pv=True), True, 128), (SWEEP[0], False, 128)]
-    variants += [(replace(config, exp_f16=True), True, 128) for config in EXP_F16_SWEEP]
     variants += [(fa.default_config(head_dim), True, head_dim) for head_dim in (32, 64)]  # tiny preset: 32
     for config, v_transposed, head_dim in variants:
         row = {"kernel": "attention", "head_dim": head_dim, **asdict(config),
@@ -191,9 +180,7 @@ def compile_only() -> None:
             started = time.monotonic()
             compiled = cross_compile(config, head_dim=head_dim, v_transposed=v_transposed)
             row.update(compile_s=round(time.monotonic() - started, 2), **kernel_facts(compiled))
-            row.update(cubin_usage(compiled), ptx_ex2_f16x2=compiled.asm["ptx"].count("ex2.approx.f16x2"))
-            if replace(config, exp_f16=False) in EXP_F16_SWEEP and v_transposed and not config.precise_pv:
-                row["sass_mufu_ex2"] = sass_mufu_ex2(compiled)  # ~0.5 s a kernel: only where exp_f16 is compared
+            row.update(cubin_usage(compiled))
             del row["n_regs"], row["n_spills"]
         except Exception as error:  # noqa: BLE001 - report every variant
             row["error"] = describe(error)
@@ -496,18 +483,10 @@ def config_key(config) -> str:
     return "x".join(str(getattr(config, key)) for key in CONFIG_KEYS)
 
 
-def engine_sweep_configs(sweep, exp_f16_sweep, exp_f16: str) -> list:
-    """``--exp-f16``: "off" the sweep as is, "on" only ``exp_f16_sweep`` with exp_f16, "both" the two."""
-    plain = list(sweep) if exp_f16 in ("off", "both") else []
-    return plain + ([replace(config, exp_f16=True) for config in exp_f16_sweep] if exp_f16 in ("on", "both") else [])
-
-
 def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values: tuple[int, ...]) -> list[dict]:
     """The engine's kernel (two segments: history quantized once, current per forward) for every config of
     ``sweep`` at each key count of ``sk_values`` (history = Sk - Sq): ms (L2 flushed), TFLOP/s, error vs
-    float32 and vs cuDNN, the cuDNN ms on the same inputs, and the config :func:`fa.default_config` picks.
-    Configs with exp_f16 are rows of their own (``exp_f16: true``); ``exp_f16_vs_plain``: their ms over the
-    same config's without it, where both ran."""
+    float32 and vs cuDNN, the cuDNN ms on the same inputs, and the config :func:`fa.default_config` picks."""
     records = []
     for sk in sk_values:
         q, k, v, sh, mirror, q8, q_scale = engine_inputs(shape, sk, device)
@@ -525,7 +504,7 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
             ref_cudnn, record["cudnn_error"] = None, describe(error)
         rows = []
         for config in sweep:
-            row = {key: getattr(config, key) for key in CONFIG_KEYS} | {"exp_f16": config.exp_f16}
+            row = {key: getattr(config, key) for key in CONFIG_KEYS}
             try:
                 out = torch.full(q.shape, float("nan"), dtype=torch.bfloat16, device=device)
 
@@ -547,14 +526,6 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
             log(f"engine sweep Sk={sk} {row}")
         good = [r for r in rows if "ms" in r and r["nan_count"] == 0 and r["rel_err_fp32"] < GOOD_ENOUGH]
         record["best"] = min(good, key=lambda r: r["ms"]) if good else None
-        ms = {}  # (config key, exp_f16) -> ms
-        for r in good:
-            ms[config_key(C(*(r[key] for key in CONFIG_KEYS))), r["exp_f16"]] = r["ms"]
-        for exp_f16, name in ((False, "best_plain"), (True, "best_exp_f16")):
-            of_kind = [r for r in good if r["exp_f16"] == exp_f16]
-            record[name] = min(of_kind, key=lambda r: r["ms"]) if of_kind else None
-        record["exp_f16_vs_plain"] = {key: round(t / ms[key, False], 4) for (key, exp_f16), t in ms.items()
-                                      if exp_f16 and (key, False) in ms}
         record["configs"] = rows
         records.append(record)
     return records
@@ -618,9 +589,6 @@ def main() -> None:
                         "at these comma-separated key counts (e.g. 18720,28080,32760)")
     parser.add_argument("--quantize-sweep", default=None, help="only the quantizer into the engine's mirror (q, the "
                         "current K and V, the history) at these comma-separated key counts")
-    parser.add_argument("--exp-f16", choices=("both", "on", "off"), default="both",
-                        help="engine sweep: also (both), only (on) or not (off) the exp_f16 variant of EXP_F16_SWEEP's "
-                        "configs (P's exp2 on float16 pairs)")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -632,10 +600,10 @@ def main() -> None:
         from tests.test_fp8_attention import _patch_interpreter
 
         _patch_interpreter()  # the interpreter's fp8 / bf16 casts and NumPy 2.4 (see the test's docstring)
-        shape, sweep, exp_f16_sweep, device = SMOKE, SMOKE_SWEEP, SMOKE_SWEEP, torch.device("cpu")
+        shape, sweep, device = SMOKE, SMOKE_SWEEP, torch.device("cpu")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": "cpu (Triton interpreter)"}
     else:
-        shape, sweep, exp_f16_sweep, device = WAN_480P, SWEEP, EXP_F16_SWEEP, torch.device("cuda")
+        shape, sweep, device = WAN_480P, SWEEP, torch.device("cuda")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "capability": list(torch.cuda.get_device_capability())}
     log(f"start {env}")
@@ -646,12 +614,11 @@ def main() -> None:
             return
     if args.engine_sweep:
         sk_values = tuple(int(x) for x in args.engine_sweep.split(","))
-        configs = engine_sweep_configs(sweep, exp_f16_sweep, args.exp_f16)
         summary = {"engine_sweep_summary": True, **env, "ms": {}}  # per Sk: cuDNN and each variant's ms
-        for record in engine_sweep(shape, configs, env, device, sk_values):
+        for record in engine_sweep(shape, sweep, env, device, sk_values):
             emit(json.dumps(record), args.out)
             summary["ms"][record["sk"]] = {"cudnn": record.get("cudnn_ms"), **{
-                config_key(C(*(r[key] for key in CONFIG_KEYS))) + ("+exp_f16" if r["exp_f16"] else ""): r.get("ms")
+                config_key(C(*(r[key] for key in CONFIG_KEYS))): r.get("ms")
                 for r in record["configs"]}}
         emit(json.dumps(summary), args.out)
         return

@@ -12,7 +12,7 @@ The subprocess patches two defects of Triton 3.6's interpreter (not of the GPU c
 
 * its float32 / float16 -> fp8 / bf16 casts drop the carry when rounding up crosses a power of two (0.121
   becomes 0.0625 in e4m3), so they are replaced by torch's round-to-nearest-even casts, which is what the sm_90
-  kernel's ``cvt.rn.satfinite.e4m3x2.f32`` (``.f16x2`` with exp_f16) computes for the |P| <= 256 it casts (and
+  kernel's ``cvt.rn.satfinite.e4m3x2.f32`` computes for the |P| <= 256 it casts (and
   ``cvt.rn.bf16`` for out);
 * ``range()`` over a runtime bound calls ``int()`` on a 1-element array, which NumPy >= 2.4 refuses.
 
@@ -36,7 +36,6 @@ import math
 import os
 import subprocess
 import sys
-from dataclasses import replace
 
 import pytest
 
@@ -125,14 +124,9 @@ def _emulate_kernel(q8, q_scale, k8, k_scale, v8, v_scale, config, history_token
         s = qk * c[..., block]
         m_new = torch.maximum(m, s.amax(-1, keepdim=True))
         alpha = torch.exp2(m - m_new)
-        if config.exp_f16:  # the kernel's order: the v factor in the exponent, float16 exponent and P
-            factor = v_factor[..., block]
-            p_v = torch.exp2((s - (m_new - config.p_shift) + torch.log2(factor)).half().float()).half().float()
-            l = l * alpha + (p_v / factor).sum(-1, keepdim=True)
-        else:
-            p = torch.exp2(s - (m_new - config.p_shift))
-            l = l * alpha + p.sum(-1, keepdim=True)
-            p_v = p * v_factor[..., block]
+        p = torch.exp2(s - (m_new - config.p_shift))
+        l = l * alpha + p.sum(-1, keepdim=True)
+        p_v = p * v_factor[..., block]
         acc = acc * alpha + p_v.to(torch.float8_e4m3fn).float() @ v[:, :, block]
         m = m_new
     return (acc * v_max[:, :, None, None] / l).transpose(1, 2)
@@ -312,18 +306,6 @@ def _interpreter_checks() -> dict:
         "segments_no_history": _segment_case(2, 100, 300, 0, 2, 32, tails, seed=18),
         "segments_all_history": _segment_case(2, 100, 300, 300, 2, 32, tails, seed=19),
     })
-    # exp_f16 (P's exp2 on float16 pairs; here the interpreter's float16 emulation of it): query and key tails,
-    # one and two segments, the boundary inside a block; the same inputs (seeds) as the float32-exp2 cases.
-    f16 = replace(tails, exp_f16=True)
-    results.update({
-        "exp_f16_tails": _case(2, 100, 300, 2, 32, f16, seed=1),
-        "exp_f16_keys_fewer_than_a_block": _case(1, 20, 20, 2, 32, f16, seed=2),
-        "exp_f16_segments_boundary_inside_a_block": _segment_case(2, 100, 300, 107, 2, 32, f16, seed=11),
-        "exp_f16_segments_current_v_larger": _segment_case(1, 64, 300, 107, 2, 32, f16, seed=12, k_gain=0.5,
-                                                           v_gain=0.1),
-        "exp_f16_segments_d128_short_context_config": _segment_case(
-            1, 40, 300, 130, 1, 128, replace(fa.default_config(128, 300), exp_f16=True), seed=17),
-    })
     results.update({
         "quantize_into_k_rows": _quantizer_case(1, 300, 4, 32, seed=21, transpose=False),
         "quantize_into_transposed_v": _quantizer_case(1, 300, 4, 64, seed=22, transpose=True),
@@ -415,27 +397,6 @@ def test_two_segment_kernel_matches_attention_of_the_dequantized_segments(interp
     assert case["rel_vs_dequantized"] < 0.035, case
 
 
-EXP_F16_CASES = {  # each exp_f16 case and the float32-exp2 case on the same inputs
-    "exp_f16_tails": "tails",
-    "exp_f16_keys_fewer_than_a_block": "keys_fewer_than_a_block",
-    "exp_f16_segments_boundary_inside_a_block": "segments_boundary_inside_a_block",
-    "exp_f16_segments_current_v_larger": "segments_current_v_larger",
-    "exp_f16_segments_d128_short_context_config": "segments_d128_short_context_config",
-}
-
-
-@pytest.mark.parametrize("name", EXP_F16_CASES)
-def test_exp_f16_kernel_matches_attention_of_the_dequantized_inputs(interpreted, name):
-    """P from float16 exponents (the interpreter's stand-in for ex2.approx.f16x2: float32 exp2 rounded to
-    float16): the same bounds as the float32-exp2 kernel, its own emulation to summation order, and an output
-    that differs from the float32-exp2 kernel's on the same inputs (so the float16 path is what ran)."""
-    case, plain = interpreted[name], interpreted[EXP_F16_CASES[name]]
-    assert case["nan_count"] == 0, case
-    assert case["rel_vs_emulation"] < 1e-3, case
-    assert case["rel_vs_dequantized"] < 0.035, case
-    assert case["out"] != plain["out"]
-
-
 @pytest.mark.parametrize("name", ["segments_no_history", "segments_all_history"])
 def test_one_segment_is_the_single_scale_kernel_and_never_reads_the_other_scales(interpreted, name):
     assert interpreted[name]["equals_single_scale"] is True  # bit for bit, with the unused scales NaN
@@ -501,8 +462,6 @@ def test_default_config_picks_by_key_count():
     long, short = fa.Fp8AttentionConfig(64, 128, 4, 3), fa.Fp8AttentionConfig(128, 64, 4, 4)
     assert fa.default_config(128, 32760) == fa.default_config(128, 18720) == fa.default_config(128) == long
     assert fa.default_config(128, 14040) == fa.default_config(128, 4680) == short
-    # exp_f16 is off unless asked for (the defaults are the GPU-timed float32-exp2 kernels)
-    assert not any(fa.default_config(d, n).exp_f16 for d in fa.HEAD_DIMS for n in (None, 4680, 32760))
 
 
 def test_fp8_attention_end_to_end(interpreted):
@@ -600,8 +559,7 @@ def test_the_sweep_compiles_for_sm90_with_wgmma(tmp_path):
     assert {row["head_dim"] for row in attention} == {32, 64, 128}
     assert all(row["wgmma"] and not row["mma_sync"] for row in attention), rows
     key = lambda r: (r["head_dim"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"])  # noqa: E731
-    by_config = {key(r): r for r in attention if r["v_layout"] == "transposed" and not r["precise_pv"]
-                 and not r["exp_f16"]}
+    by_config = {key(r): r for r in attention if r["v_layout"] == "transposed" and not r["precise_pv"]}
     # The defaults were picked by GPU timing (docs/FP8.md). Register use cross-compiled: the single-scale kernel
     # had 0 stack at 128x64 / 4 warps and 728 bytes at 64x128 / 4 warps (still the fastest at 32,760 keys); the
     # two-segment kernel must not spill more than that (it has 8 and 552).
@@ -612,18 +570,6 @@ def test_the_sweep_compiles_for_sm90_with_wgmma(tmp_path):
     for head_dim in (32, 64):
         config = fa.default_config(head_dim)
         assert by_config[(head_dim, config.block_m, config.block_n, config.num_warps, config.num_stages)]
-    # exp_f16: P's exp2 as ex2.approx.f16x2 in the PTX (float32 ex2 only for a few scalars), none in the others;
-    # spills within the plain kernel's bounds above (cross-compiled: 632 / 16 / 32 / 0 bytes of stack).
-    f16 = {key(r): r for r in attention if r["exp_f16"]}
-    long_key, short_key = (128, long.block_m, long.block_n, long.num_warps, long.num_stages), \
-        (128, short.block_m, short.block_n, short.num_warps, short.num_stages)
-    assert set(f16) == {long_key, short_key, (128, 128, 128, 8, 3), (128, 128, 64, 8, 3)}, sorted(f16)
-    assert all(r["ptx_ex2_f16x2"] > 0 and r["sass_mufu_ex2"].get("MUFU.EX2.F16", 0) > 0 for r in f16.values()), f16
-    assert all(r["sass_mufu_ex2"]["MUFU.EX2"] <= 16 for r in f16.values()), f16
-    assert all(r["ptx_ex2_f16x2"] == 0 for r in by_config.values())
-    assert all("MUFU.EX2.F16" not in by_config[k]["sass_mufu_ex2"] for k in f16), by_config
-    assert f16[long_key]["stack_bytes"] <= 728 and f16[short_key]["stack_bytes"] <= 16, f16
-    assert f16[(128, 128, 64, 8, 3)]["stack_bytes"] == 0, f16
     quantize = [row for row in rows if row["kernel"] == "quantize"]
     assert {(row["layout"], row["head_dim"], row["rows"]) for row in quantize} == {
         (layout, d, s) for layout in ("natural", "transposed") for d, s in ((32, 4680), (128, 4680), (128, 28080))}

@@ -4,7 +4,7 @@
 #     bash bench/device/run_engine_checks.sh
 #
 # GPU tests of the fast paths and FP8; how torch's affine norm rounds (bench/affine_norm_gpu.py); the FP8
-# kernel's configs with and without exp_f16 and the quantizer's casts (bench/fp8_attention_gpu.py); the DiT
+# kernel's configs (exp_f16 too, until it was removed) and the quantizer's casts (bench/fp8_attention_gpu.py); the DiT
 # at the fast window, bf16 (equivalence, forward, profile) and FP8 attention (forward, profile).
 # The JSON lines come back as files; the traces, profiles and logs in one tarball (the tool returns 8 files).
 set -u -o pipefail

@@ -60,14 +60,6 @@ class Fp8AttentionConfig:
     ``precise_pv``: ``max_num_imprecise_acc=block_n`` on the PV dot: on sm_90 Triton otherwise lets the fp8
     ``wgmma`` accumulate the whole key loop in the tensor core's reduced-precision accumulator; with it each
     block's product is added to the float32 accumulator separately (more registers, some FADDs).
-    ``exp_f16``: P's exp2 on float16 pairs (PTX ``ex2.approx.f16x2``), for a kernel whose exp2s (16 per clock
-    per SM on the MUFU, against ~8192 fp8 FLOP per clock, 512 per score at head_dim 128) may bound it. The
-    exponent is computed in float32 as before and rounded to float16: it is <= p_shift, e4m3 flushes results
-    below 2**-10 to zero anyway, and float16's 10 mantissa bits are far finer than e4m3's 3; -inf gives 0.
-    P's e4m3 cast is then from float16, the row sum adds the float16 P in float32. Measured on the H200:
-    1.04-1.35x *slower* than the float32 exp2 at every key count (ptxas for sm_90 emits two ``MUFU.EX2.F16``
-    per ``ex2.approx.f16x2``, so the MUFU work is not halved, and the packing costs extra): off, kept for
-    the bench's comparison on other GPUs.
     """
 
     block_m: int
@@ -76,7 +68,6 @@ class Fp8AttentionConfig:
     num_stages: int
     p_shift: int = 8
     precise_pv: bool = False
-    exp_f16: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -161,29 +152,15 @@ def dequantize_per_head(x_fp8: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 if triton is not None:
 
     @triton.jit
-    def _exp2_f16(x, INTERPRETED: tl.constexpr):
-        """exp2 of a float16 tensor, two elements per ``ex2.approx.f16x2`` (-inf -> +0). The interpreter cannot
-        run inline asm: there, float32 exp2 rounded to float16 (what the instruction approximates)."""
-        if INTERPRETED:
-            return tl.math.exp2(x.to(tl.float32)).to(tl.float16)
-        else:
-            return tl.inline_asm_elementwise(
-                asm="ex2.approx.f16x2 $0, $1;", constraints="=r,r", args=[x], dtype=tl.float16, is_pure=True,
-                pack=2,
-            )
-
-    @triton.jit
     def _attend_block(
         acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, lo, hi, qk_scale, log2_v_factor, stride_ks, stride_vs,
         BLOCK_N: tl.constexpr, MASK: tl.constexpr, P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr,
-        EXP_F16: tl.constexpr, INTERPRETED: tl.constexpr,
     ):
         """One step of the online softmax: the key block at ``start_n``, all of one segment's scalars.
 
         ``qk_scale``: the segment's ``q_scale * k_scale * sm_scale * log2(e)``; its v factor
         ``v_scale / v_scale_max`` (<= 1) rides in P's exponent as ``log2_v_factor`` (free) and is taken back
         out of the row sum (one scalar exp2 per block). ``MASK``: keys outside ``[lo, hi)`` are masked to ``-inf``.
-        ``EXP_F16``: P in float16 from packed exp2 (see Fp8AttentionConfig.exp_f16).
         """
         start_n = tl.multiple_of(start_n, BLOCK_N)
         if MASK:
@@ -198,13 +175,10 @@ if triton is not None:
         # log2 domain, scales folded: s = qk * qk_scale; one FMA per element below.
         m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         x = qk * qk_scale - (m_ij - P_SHIFT - log2_v_factor)[:, None]  # p = 2**x = 2**P_SHIFT e^(s-max) v_factor
-        if EXP_F16:
-            p = _exp2_f16(x.to(tl.float16), INTERPRETED)  # x <= P_SHIFT: no float16 overflow; -inf stays -inf
-        else:
-            p = tl.math.exp2(x)
+        p = tl.math.exp2(x)
         alpha = tl.math.exp2(m_i - m_ij)
-        # (.to is a no-op on float32 p.) exp2(-log2_v_factor) is exactly 1 for the larger segment.
-        l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1) * tl.math.exp2(-log2_v_factor)
+        # exp2(-log2_v_factor) is exactly 1 for the larger segment.
+        l_i = l_i * alpha + tl.sum(p, 1) * tl.math.exp2(-log2_v_factor)
         acc = acc * alpha[:, None]
         if MASK:
             v = tl.load(v_ptrs + start_n * stride_vs, mask=valid[:, None], other=0.0)
@@ -231,7 +205,7 @@ if triton is not None:
         stride_ob, stride_os, stride_oh,
         H, SQ, SK, SH, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr, EXP_F16: tl.constexpr, INTERPRETED: tl.constexpr,
+        P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr,
     ):
         # Query blocks of one head are adjacent programs, so they share that head's K/V in L2.
         start_m = tl.program_id(0)
@@ -277,7 +251,7 @@ if triton is not None:
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, tl.where(history, n, n + skip), 0, SK,
                 tl.where(history, qk_scale_h, qk_scale_c), tl.where(history, log2_v_factor_h, log2_v_factor_c),
-                stride_ks, stride_vs, BLOCK_N, False, P_SHIFT, PRECISE_PV, EXP_F16, INTERPRETED,
+                stride_ks, stride_vs, BLOCK_N, False, P_SHIFT, PRECISE_PV,
             )
         # Then up to three masked passes, in this order: the boundary block's history keys, its current keys,
         # the last partial block (unless it is the boundary block). Only passes with keys run: a row never
@@ -292,7 +266,7 @@ if triton is not None:
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, tl.where(tail_pass, full, h_full),
                 tl.where(history, 0, SH), tl.where(history, SH, SK),
                 tl.where(history, qk_scale_h, qk_scale_c), tl.where(history, log2_v_factor_h, log2_v_factor_c),
-                stride_ks, stride_vs, BLOCK_N, True, P_SHIFT, PRECISE_PV, EXP_F16, INTERPRETED,
+                stride_ks, stride_vs, BLOCK_N, True, P_SHIFT, PRECISE_PV,
             )
         out = acc * (v_scale_max / l_i)[:, None]
         o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
@@ -396,7 +370,7 @@ def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, confi
         out.stride(0), out.stride(1), out.stride(2),
         heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim),
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        P_SHIFT=config.p_shift, PRECISE_PV=config.precise_pv, EXP_F16=config.exp_f16, INTERPRETED=_interpreted(),
+        P_SHIFT=config.p_shift, PRECISE_PV=config.precise_pv,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
