@@ -324,10 +324,10 @@ class EngineCore:
             log.exception("runner crashed")
             dispatch = Dispatch(fatal=f"runner crashed: {error!r}")
         self.ticks += 1
-        self._dispatched(plan, dispatch, now)
+        self._dispatched(dispatch, now)
         return True
 
-    def _dispatched(self, plan: StepPlan, dispatch: Dispatch, planned_at: float) -> None:
+    def _dispatched(self, dispatch: Dispatch, planned_at: float) -> None:
         for failure in dispatch.failures:
             record = self.sessions.get(failure.session_id)
             if record is not None:
@@ -336,11 +336,10 @@ class EngineCore:
             self._die(dispatch.fatal)
         if not dispatch.pending:
             return
-        runs = {work.session_id for work in plan.work if work.run}
         expected = 0.0
         for pending in dispatch.pending:
             record = self.sessions.get(pending.session_id)
-            if record is not None and pending.session_id in runs:
+            if record is not None and pending.ran:
                 record.works_in_flight += 1
                 record.frames_in_flight += pending.frames
                 expected += self.cost_of(record)
@@ -349,11 +348,11 @@ class EngineCore:
         # so a session's chunks are delivered in order even when two ticks are in flight.
         loop = asyncio.get_running_loop()
         waits = [loop.run_in_executor(self._completions, pending.wait) for pending in dispatch.pending]
-        task = loop.create_task(self._complete(dispatch.pending, waits, runs))
+        task = loop.create_task(self._complete(dispatch.pending, waits))
         self._completing.add(task)
         task.add_done_callback(self._completing.discard)
 
-    async def _complete(self, pending: list[PendingWork], waits: list[asyncio.Future], runs: set[str]) -> None:
+    async def _complete(self, pending: list[PendingWork], waits: list[asyncio.Future]) -> None:
         """Deliver each work's chunk as the device finishes it; a failure ends its session (or, device-fatal,
         the engine)."""
         for work, wait in zip(pending, waits):
@@ -363,7 +362,7 @@ class EngineCore:
             except Exception as failure:  # an asynchronous device error surfaces here
                 output, cost, error = None, None, failure
             record = self.sessions.get(work.session_id)
-            if record is not None and work.session_id in runs:
+            if record is not None and work.ran:
                 record.works_in_flight -= 1
                 record.frames_in_flight -= work.frames
             try:

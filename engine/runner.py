@@ -54,6 +54,11 @@ class DeviceSession:
     denoise_parts: list["_WorkTimer"] = field(default_factory=list)  # the current output's denoising so far
     opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
 
+    def decoder_state_bytes(self) -> int:
+        """Bytes its streaming decoder caches (video and audio) hold on the device now."""
+        audio = self.audio_state.nbytes() if self.audio_state is not None else 0
+        return self.decode_state.nbytes() + audio
+
 
 @dataclass(frozen=True)
 class BlockOutput:
@@ -114,6 +119,7 @@ class PendingWork:
 
     session_id: str
     controls: tuple[str, ...]
+    ran: bool  # the work advanced the session's block (not controls alone): it counts as in flight
     timer: "_WorkTimer"
     output: _QueuedOutput | None = None
 
@@ -136,7 +142,7 @@ class PendingWork:
             audio=queued.audio.numpy() if queued.audio is not None else None,
             started_at=queued.started_at,
             queued_ms=queued.queued_ms,
-            denoise_ms=sum(part.seconds()[1] - part.seconds()[2] for part in queued.denoise_parts) * 1000.0,
+            denoise_ms=sum(part.denoise_seconds() for part in queued.denoise_parts) * 1000.0,
             decode_ms=decode_s * 1000.0,
             decoder_state_bytes=queued.decoder_state_bytes,
             opening_frame=queued.opening_frame,
@@ -291,7 +297,7 @@ class Runner:
                     return dispatch
                 continue
             timer.end()
-            dispatch.pending.append(PendingWork(work.session_id, _controls_of(work), timer, output))
+            dispatch.pending.append(PendingWork(work.session_id, _controls_of(work), work.run, timer, output))
         return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -390,7 +396,7 @@ class Runner:
             started_at=device_session.block_started_at,
             queued_ms=device_session.queued_ms,
             denoise_parts=device_session.denoise_parts,
-            decoder_state_bytes=self.decoder_state_bytes_of(device_session),
+            decoder_state_bytes=device_session.decoder_state_bytes(),
             opening_frame=opening,
         )
         device_session.block_started_at = None
@@ -399,12 +405,7 @@ class Runner:
     def decoder_state_bytes(self, session_id: str) -> int:
         """Bytes the session's streaming decoder caches (video and audio) hold on the device now."""
         device_session = self.sessions.get(session_id)
-        return 0 if device_session is None else self.decoder_state_bytes_of(device_session)
-
-    @staticmethod
-    def decoder_state_bytes_of(device_session: DeviceSession) -> int:
-        audio = device_session.audio_state.nbytes() if device_session.audio_state is not None else 0
-        return device_session.decode_state.nbytes() + audio
+        return 0 if device_session is None else device_session.decoder_state_bytes()
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
         """The samples this block made decodable (float32, on the device), minus the part of the opening
@@ -536,6 +537,10 @@ class _WorkTimer:
         if self._cuda:
             return a.elapsed_time(b) / 1000.0
         return b - a
+
+    def denoise_seconds(self) -> float:
+        """The block's part before its decode (all of it when the work made no output), after :meth:`wait`."""
+        return self._between("controls", "denoised" if "denoised" in self._marks else "end")
 
     def seconds(self) -> tuple[float, float, float]:
         """(controls, block, decode) seconds, after :meth:`wait`; block = denoise + decode."""
