@@ -9,6 +9,7 @@ leaves waiting, the pool coming back whole when a session ends mid-flight.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import numpy as np
@@ -48,16 +49,24 @@ def test_two_in_flight_streams_the_same_chunks_as_one():
         np.testing.assert_array_equal(two.audio, one.audio)
 
 
+@contextlib.asynccontextmanager
+async def streaming_with_two_in_flight(seed: int, prompt: str):
+    """A started engine with two blocks in flight, one best-effort session of it, its chunk stream and the
+    session's first chunk (taken): ``(engine, record, stream, first)``."""
+    engine = Engine(small_config(window_frames=3, blocks_in_flight=2))
+    await engine.start()
+    try:
+        sid = engine.create_session(seed=seed, prompt=prompt, pace=False).session_id
+        stream = engine.chunks(sid)
+        first = await anext(stream)
+        yield engine, engine._core.sessions[sid], stream, first
+    finally:
+        await engine.shutdown()
+
+
 def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_order():
     async def scenario():
-        engine = Engine(small_config(window_frames=3, blocks_in_flight=2))
-        await engine.start()
-        core = engine._core
-        try:
-            sid = engine.create_session(seed=3, prompt="a stall", pace=False).session_id
-            stream = engine.chunks(sid)
-            first = await anext(stream)
-            record = core.sessions[sid]
+        async with streaming_with_two_in_flight(3, "a stall") as (engine, record, stream, first):
             # The consumer stops reading: the session runs until a chunk waits in the queue and one is held.
             deadline = time.monotonic() + 30
             while not (record.held is not None and record.works_in_flight == 0):
@@ -71,22 +80,14 @@ def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_ord
             assert [c.index for c in [first, *rest]] == [0, 1, 2, 3]
             pts = [c.pts for c in [first, *rest]]
             assert all(b - a == c.frames.shape[0] for a, b, c in zip(pts, pts[1:], [first, *rest]))
-        finally:
-            await engine.shutdown()
 
     run(scenario())
 
 
 def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
     async def scenario():
-        engine = Engine(small_config(window_frames=3, blocks_in_flight=2))
-        await engine.start()
-        core = engine._core
-        try:
-            sid = engine.create_session(seed=4, prompt="a close", pace=False).session_id
-            stream = engine.chunks(sid)
-            await anext(stream)
-            record = core.sessions[sid]
+        async with streaming_with_two_in_flight(4, "a close") as (engine, record, stream, _):
+            core, sid = engine._core, record.session_id
             deadline = time.monotonic() + 30
             while record.works_in_flight == 0:  # catch it with work dispatched
                 assert time.monotonic() < deadline
@@ -102,8 +103,6 @@ def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
             # The engine goes on: a new session streams.
             other = engine.create_session(seed=5, prompt="next", pace=False).session_id
             assert (await anext(engine.chunks(other))).index == 0
-        finally:
-            await engine.shutdown()
 
     run(scenario())
 
