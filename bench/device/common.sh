@@ -1,9 +1,21 @@
 # Shared by the device scripts (sourced, not run): the wheel install, a bounded part, a service benchmark.
 #
+#   start_run TOTAL_S        a timed run: TOTAL, $OUT (default ./out-device) with its logs/, the wheels installed
+#   left                     seconds left of TOTAL
 #   install_wheels           the service's wheels from .whl/ into /tmp/site, first on PYTHONPATH with the tree
 #   part NAME LIMIT_S CMD..  CMD under `timeout`, its stdout / stderr in $PART_DIR (default $OUT) as NAME.std*
+#   gpu_tests LIMIT_S FILES..   the GPU-marked tests of FILES under `timeout`, the log in $OUT/gpu_tests.txt
 #   service NAME BUDGET_S ARGS...   bench/bench_service_gpu.py (ARGS: its own, then -- and `arstream serve`'s),
-#                            JSON in $OUT/service_NAME.json, logs in $OUT/logs; needs the caller's left()
+#                            JSON in $OUT/service_NAME.json, logs in $OUT/logs; needs TOTAL (start_run)
+
+start_run() {
+  TOTAL=$1
+  OUT=${OUT:-$PWD/out-device}
+  mkdir -p "$OUT/logs"
+  install_wheels
+}
+
+left() { echo $(( TOTAL - SECONDS )); }
 
 install_wheels() {
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -16,6 +28,12 @@ part() {
   echo "== $SECONDS s: $name (limit ${limit}s)"
   timeout -k 5 "$limit" "$@" > "$dir/$name.stdout" 2> "$dir/$name.stderr"
   echo "$name exit $?"
+}
+
+gpu_tests() {
+  local limit=$1; shift
+  timeout -k 5 "$limit" python3 -m pytest -q -p no:cacheprovider -m gpu "$@" > "$OUT/gpu_tests.txt" 2>&1
+  echo "gpu tests exit $?: $(tail -n 1 "$OUT/gpu_tests.txt")"
 }
 
 service() {

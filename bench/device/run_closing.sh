@@ -10,16 +10,10 @@
 # Real websockets clients against `arstream serve` (bench/bench_service_gpu.py); files in $OUT: each part's JSON,
 # the test log and one tarball of the server logs.
 set -u -o pipefail
-TOTAL=${1:-585}
-OUT=${OUT:-$PWD/out-device}
-mkdir -p "$OUT/logs"
-left() { echo $(( TOTAL - SECONDS )); }
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
-install_wheels
-timeout -k 5 "${TESTS_S:-90}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_fast_paths.py \
-  tests/test_fp8_attention_engine.py > "$OUT/gpu_tests.txt" 2>&1
-echo "gpu tests exit $?: $(tail -n 1 "$OUT/gpu_tests.txt")"
+start_run "${1:-585}"
+gpu_tests "${TESTS_S:-90}" tests/test_fast_paths.py tests/test_fp8_attention_engine.py
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FP8=attention service fast_fp8 "${FAST_FP8_S:-150}" \
   --concurrency 2,3 --pacing on --duration 14 --first-duration 12 --no-transitions -- "${SERVER[@]}" --window-frames 6

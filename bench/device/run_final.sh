@@ -10,13 +10,9 @@
 # 4. (FP8_FAST_S set) the same with --fp8 attention.
 # Everything lands in $OUT as at most 8 files: the JSON of each part and one tarball of the logs.
 set -u -o pipefail
-TOTAL=${1:-560}
-OUT=${OUT:-$PWD/out-device}
-mkdir -p "$OUT/logs"
-left() { echo $(( TOTAL - SECONDS )); }
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
-install_wheels
+start_run "${1:-560}"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 
 if [ "${ENGINE:-1}" = 1 ]; then  # ENGINE=0: the services only

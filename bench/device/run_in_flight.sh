@@ -15,22 +15,17 @@
 # Real websockets clients against `arstream serve` (bench/bench_service_gpu.py); files in $OUT: each part's JSON,
 # the test log and one tarball of the server logs.
 set -u -o pipefail
-TOTAL=${1:-585}
-OUT=${OUT:-$PWD/out-device}
-mkdir -p "$OUT/logs"
-left() { echo $(( TOTAL - SECONDS )); }
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
-install_wheels
+start_run "${1:-585}"
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 FAST=(--concurrency 2,3 --pacing on --duration 14 --first-duration "${FIRST_S:-12}" --no-transitions)
 STANDARD=(--concurrency 1 --pacing off,on --duration 12 --first-duration 12 --transitions-duration 16)
 for part in ${PARTS:-tests fast_fp8 fast_fp8_one standard_fp8}; do
   case $part in
     tests)
-      timeout -k 5 "${TESTS_S:-100}" python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_blocks_in_flight.py \
-        tests/test_fast_paths.py tests/test_fp8_attention_engine.py > "$OUT/gpu_tests.txt" 2>&1
-      echo "gpu tests exit $?: $(tail -n 1 "$OUT/gpu_tests.txt")" ;;
+      gpu_tests "${TESTS_S:-100}" tests/test_blocks_in_flight.py tests/test_fast_paths.py \
+        tests/test_fp8_attention_engine.py ;;
     fast_fp8)
       ARSTREAM_ENGINE__FP8=attention ARSTREAM_ENGINE__VIDEO_DECODER=taehv service fast_fp8 "${FAST_FP8_S:-150}" \
         "${FAST[@]}" -- "${SERVER[@]}" --window-frames 6 ;;
