@@ -29,7 +29,8 @@ which lines the output up with the Wan VAE's (its first latent frame also gives 
 
 Latent space: TAEHV was trained on the latents the diffusion model produces, normalised with the Wan
 VAE's ``latents_mean`` / ``latents_std``; it applies no shift or scale of its own. So
-:meth:`TAEHVStreamingDecoder.denormalize` is the identity, where the Wan VAE's undoes the normalisation.
+:meth:`TAEHVStreamingDecoder.denormalize` is the identity, where the Wan VAE's undoes the normalisation
+(the tiny preset's own TAEHV-class codec, trained here, passes its latent statistics instead).
 
 Every latent frame goes through the decoder alone, so every kernel sees the same shapes however a
 session is chunked: chunked decode equals one-call decode bit for bit. Inside one latent frame the 2
@@ -69,6 +70,8 @@ class TAEHVConfig:
     space_upscale: tuple[bool, bool, bool] = (True, True, True)  # a 2x upsample after stage i
     patch_size: int = 1  # pixel-shuffle factor of the output (1 for Wan2.1)
     image_channels: int = 3
+    # Add latent channels 0-2, upsampled, to the output pixels (the tiny codec's; see colour_shortcut()).
+    colour_shortcut: bool = False
 
     def __post_init__(self) -> None:
         if len(self.widths) != 4 or min(self.widths) <= 0:
@@ -93,6 +96,17 @@ class TAEHVConfig:
 
 # Tiny widths for CPU tests and toy presets: same layer list, same frame arithmetic.
 TINY_TAEHV_CONFIG = TAEHVConfig(widths=(8, 8, 4, 4))
+
+
+def colour_shortcut(latent: torch.Tensor, scale: int) -> torch.Tensor:
+    """``[n, C, h, w]`` latents -> ``[n, 3, scale h, scale w]``: channels 0-2 as a nearest-upsampled RGB image.
+
+    The tiny codec's encoder writes each latent cell's mean colour into these channels and its decoder
+    adds them back to its output (a space-to-channel shortcut, as DC-AE's residual autoencoding): a
+    flat background's colour passes through by construction, and the convs learn only the detail
+    (edges, shapes, motion) on top.
+    """
+    return F.interpolate(latent[:, :3], scale_factor=scale, mode="nearest")
 
 
 # ---------------------------------------------------------------------------
@@ -192,7 +206,36 @@ class TAEHVDecoder(nn.Module):
                     x = x.contiguous(memory_format=torch.channels_last)  # the frame split copies to NCHW
         if self.config.patch_size > 1:
             x = F.pixel_shuffle(x, self.config.patch_size)
+        if self.config.colour_shortcut:
+            x = x + colour_shortcut(latent, self.config.spatial_upscale)
         return x.clamp(0.0, 1.0), new_memory
+
+    def decode_video(self, latents: torch.Tensor, *, clamp: bool = True) -> torch.Tensor:
+        """``[B, C, N, h, w]`` -> ``[B, 3, 4N - 3, H, W]`` in ``[-1, 1]``: whole clips, every frame at once.
+
+        The function a fresh session's streaming decode computes (a memory block's past is its input one
+        frame earlier, zeros first; the start-up frames are dropped), batched, with gradients: what
+        training and the checks run. ``clamp=False`` leaves the output unclamped: a clamp passes no
+        gradient to an output beyond it, so a pixel that overshoots there would stay stuck.
+        """
+        x = latents.transpose(1, 2)  # [B, N, C, h, w]
+        batch, count = x.shape[:2]
+        for layer in self.decoder:
+            if isinstance(layer, MemoryBlock):
+                past = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+                flat = layer(x.flatten(0, 1), past.flatten(0, 1))
+            else:  # a grow layer turns frame n of the flat batch into frames n*s .. n*s + s - 1, in order
+                flat = layer(x.flatten(0, 1))
+            x = flat.view(batch, -1, *flat.shape[1:])
+        if self.config.patch_size > 1:
+            x = F.pixel_shuffle(x.flatten(0, 1), self.config.patch_size).view(x.shape[0], x.shape[1], -1, *x.shape[3:])
+        if self.config.colour_shortcut:  # every frame grown from a latent gets that latent's colours
+            shortcut = colour_shortcut(latents.transpose(1, 2).flatten(0, 1), self.config.spatial_upscale)
+            x = x + shortcut.view(batch, count, *shortcut.shape[1:]).repeat_interleave(self.config.frames_per_latent, dim=1)
+        frames = x[:, self.config.frames_per_latent - 1 :].transpose(1, 2)
+        if clamp:
+            frames = frames.clamp(0.0, 1.0)
+        return frames * 2 - 1
 
 
 # ---------------------------------------------------------------------------
@@ -235,7 +278,13 @@ class TAEHVStreamingDecoder:
     """
 
     def __init__(
-        self, model: TAEHVDecoder, *, channels_last: bool | None = None, compile_frames: bool = False
+        self,
+        model: TAEHVDecoder,
+        *,
+        channels_last: bool | None = None,
+        compile_frames: bool = False,
+        latents_mean: list[float] | None = None,
+        latents_std: list[float] | None = None,
     ) -> None:
         if not isinstance(model, TAEHVDecoder):
             raise TypeError(f"TAEHVStreamingDecoder needs a TAEHVDecoder, got {type(model).__name__}")
@@ -252,12 +301,25 @@ class TAEHVStreamingDecoder:
         self.dtype = parameter.dtype
         self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
         self.startup_frames = config.frames_per_latent - 1
+        if (latents_mean is None) != (latents_std is None):
+            raise ValueError("latents_mean and latents_std come together")
+        self._latent_stats = None
+        if latents_mean is not None:
+            if len(latents_mean) != config.latent_channels or len(latents_std) != config.latent_channels:
+                raise ValueError(f"latent statistics need {config.latent_channels} values each")
+            self._latent_stats = (torch.tensor(latents_mean), torch.tensor(latents_std))
+        self._denormalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
         self._compiled = None
         if compile_frames:
             self._compiled = torch.compile(
                 functools.partial(model.decode_latent_frame, channels_last=self.channels_last), dynamic=False
             )
         self.compile_failed = False
+
+    @property
+    def spatial_upscale(self) -> int:
+        """Output pixels per latent pixel along each side."""
+        return self.model.config.spatial_upscale
 
     # -- session lifecycle -------------------------------------------------
 
@@ -272,10 +334,21 @@ class TAEHVStreamingDecoder:
 
     # -- decode ------------------------------------------------------------
 
-    @staticmethod
-    def denormalize(latents: torch.Tensor) -> torch.Tensor:
-        """The identity: TAEHV decodes the model's (normalised) latents as they are."""
-        return latents
+    def denormalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """Model-space latents -> the decoder's latent space.
+
+        The identity for the published TAEHV weights (trained on the model's normalised latents); the
+        tiny codec's latents were normalised per channel for its DiT, and are scaled back here.
+        """
+        if self._latent_stats is None:
+            return latents
+        key = (str(latents.device), latents.dtype)
+        if key not in self._denormalizers:  # on the device once, not a host copy per block
+            mean, std = self._latent_stats
+            self._denormalizers[key] = (mean.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1),
+                                        std.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1))
+        mean, std = self._denormalizers[key]
+        return latents * std + mean
 
     @torch.inference_mode()
     def decode_chunk(self, latents: torch.Tensor, state: TAEHVDecodeState) -> torch.Tensor:

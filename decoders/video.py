@@ -339,6 +339,11 @@ class WanStreamingDecoder:
         # make the host wait for the device mid-block.
         self._denormalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    @property
+    def spatial_upscale(self) -> int:
+        """Output pixels per latent pixel along each side."""
+        return spatial_upscale(self.vae)
+
     # -- session lifecycle -------------------------------------------------
 
     def new_state(self, session_id: str) -> StreamingDecodeState:
