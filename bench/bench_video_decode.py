@@ -1,9 +1,9 @@
-"""CPU benchmark: streaming VAE decode of one 12-frame block (3 latent frames) at 256x144.
+"""CPU benchmark: streaming video decode of one 12-frame block (3 latent frames) at 256x144.
 
-Times the diffusers eager path (conv3d) and the CPU fast path (conv2d form) on
-the same seeded tiny VAE, each through its own session that has already
-decoded its opening block, so every timed block is a steady-state 12-frame
-block. Prints one JSON line.
+Times the tiny preset's codec decoder (TAEHV-class, decoders/taehv.py) against the toy Wan VAE it
+replaced, the latter through the diffusers eager path (conv3d) and the CPU fast path (conv2d form),
+all seeded, each through its own session that has already decoded its opening block, so every timed
+block is a steady-state 12-frame block. Prints one JSON line.
 
     python bench/bench_video_decode.py [--threads 2] [--blocks 5] [--base-dim 16 --num-res-blocks 1]
 """
@@ -19,11 +19,12 @@ import time
 import torch
 from diffusers import AutoencoderKLWan
 
+from decoders.taehv import TAEHVDecoder, TAEHVStreamingDecoder
 from decoders.video import WanStreamingDecoder
-from engine.models.presets import TINY_VAE_CONFIG
+from engine.models.presets import TINY_CODEC_DECODER, TINY_VAE_CONFIG
 
 
-def time_blocks(decoder: WanStreamingDecoder, latent_blocks: list[torch.Tensor]) -> list[float]:
+def time_blocks(decoder, latent_blocks: list[torch.Tensor]) -> list[float]:
     """Milliseconds per block; the first block (the session's opening, 9 frames) is warm-up."""
     state = decoder.new_state("bench")
     decoder.decode_chunk(latent_blocks[0], state)
@@ -63,6 +64,8 @@ def main() -> None:
     load_before = os.getloadavg()[0]
     eager = time_blocks(WanStreamingDecoder(vae, fast_path=False), latent_blocks)
     fast = time_blocks(WanStreamingDecoder(vae, fast_path=True), latent_blocks)
+    torch.manual_seed(args.seed)
+    codec = time_blocks(TAEHVStreamingDecoder(TAEHVDecoder(TINY_CODEC_DECODER).eval()), latent_blocks)
 
     eager_ms = statistics.median(eager)
     fast_ms = statistics.median(fast)
@@ -81,6 +84,9 @@ def main() -> None:
                 "eager_ms_min": round(min(eager), 1),
                 "fast_ms_min": round(min(fast), 1),
                 "speedup": round(eager_ms / fast_ms, 2),
+                "tiny_codec_widths": list(TINY_CODEC_DECODER.widths),
+                "tiny_codec_ms_per_block": round(statistics.median(codec), 1),
+                "tiny_codec_ms_min": round(min(codec), 1),
                 "fast_frames_per_s": round(12 / (fast_ms / 1000.0), 1),
                 "threads": torch.get_num_threads(),
                 # The 2-core CPU is shared with other jobs; a high load inflates both paths.

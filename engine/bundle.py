@@ -15,7 +15,7 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
 from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
-from decoders.video import WanStreamingDecoder, spatial_upscale
+from decoders.video import WanStreamingDecoder
 from engine.config import FP8_ATTENTION, FP8_LINEAR, EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
@@ -69,13 +69,15 @@ def build_models(config: EngineConfig) -> ModelBundle:
         with torch.device(device):
             torch.manual_seed(config.seed)
             transformer = WanTransformer3DModel(**preset.transformer_config)
-            torch.manual_seed(config.seed + 1)
-            vae = AutoencoderKLWan(**preset.vae_config, **(trained.vae_overrides() if trained else {}))
+            vae = None
+            if preset.vae_config is not None:
+                torch.manual_seed(config.seed + 1)
+                vae = AutoencoderKLWan(**preset.vae_config)
         if trained:
             trained.load("transformer", transformer)
-            trained.load("vae", vae)
         transformer = cast_keeping_fp32_modules(transformer, config.torch_dtype).eval()
-        vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
+        if vae is not None:
+            vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
         if trained:
             text_encoder = trained.text_encoder()
         else:
@@ -84,9 +86,10 @@ def build_models(config: EngineConfig) -> ModelBundle:
     audio = None
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
-    scale = spatial_upscale(vae)  # pixels per latent pixel, from the VAE's own config
+    decoder = _video_decoder(config, preset, vae, trained)
+    scale = decoder.spatial_upscale  # pixels per latent pixel, from the decoder's own config
     if height % scale or width % scale:
-        raise ValueError(f"{width}x{height} is not a multiple of the VAE's {scale}x spatial compression")
+        raise ValueError(f"{width}x{height} is not a multiple of the codec's {scale}x spatial compression")
     causal = CausalWanTransformer(
         transformer,
         latent_height=height // scale,
@@ -113,7 +116,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     return ModelBundle(
         preset=preset,
         pipeline=pipeline,
-        decoder=_video_decoder(config, vae),
+        decoder=decoder,
         height=height,
         width=width,
         audio_decoder=audio[1] if audio else None,
@@ -140,17 +143,30 @@ def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> F
 VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
 
 
-def _video_decoder(config: EngineConfig, vae: AutoencoderKLWan) -> VideoDecoder:
-    """The configured streaming video decoder; compiled steady state on CUDA unless switched off."""
+def _video_decoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoDecoder:
+    """The configured streaming video decoder; compiled steady state on CUDA unless switched off.
+
+    ``vae``: the Wan VAE (a model directory's, or a Wan preset's random one), None for a preset with its
+    own TAEHV-class codec; ``trained``: the preset's shipped weights, or None.
+    """
     compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
-    if config.video_decoder == "wan":
+    kind = config.resolved_video_decoder
+    if kind == "wan":
         return WanStreamingDecoder(vae, compile_steady_state=compile_steady)
     if config.model_dir is not None and not config.random_weights:
         return taehv_decoder_from_model_dir(
             config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady
         )
-    model = random_taehv(config.seed + 4, device=config.device, dtype=config.torch_dtype)
-    return TAEHVStreamingDecoder(model, compile_frames=compile_steady)
+    if preset.codec_decoder is None:  # a Wan preset with random weights, asked for TAEHV
+        model = random_taehv(config.seed + 4, device=config.device, dtype=config.torch_dtype)
+        return TAEHVStreamingDecoder(model, compile_frames=compile_steady)
+    model = random_taehv(config.seed + 1, config=preset.codec_decoder)
+    if trained is None:
+        return TAEHVStreamingDecoder(model.to(config.device, config.torch_dtype), compile_frames=compile_steady)
+    trained.load_codec_half(model)
+    return TAEHVStreamingDecoder(
+        model.to(config.device, config.torch_dtype), compile_frames=compile_steady, **trained.latent_stats()
+    )
 
 
 def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config, trained=None):

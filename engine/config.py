@@ -127,10 +127,11 @@ class EngineConfig(BaseModel):
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
     cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
     warmup_blocks: int = Field(default=1, ge=0, le=16, description="throwaway blocks at start; they seed the block cost")
-    video_decoder: Literal["wan", "taehv"] = Field(
-        default="wan",
-        description="wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random "
-        "weights with random_weights), many times faster, lower quality",
+    video_decoder: Literal["wan", "taehv"] | None = Field(
+        default=None,
+        description="None: the preset's own codec (the tiny preset's TAEHV-class codec; the Wan VAE otherwise); "
+        "wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random weights with "
+        "random_weights), many times faster, lower quality",
     )
     cuda_graphs: bool = Field(
         default=True,
@@ -214,6 +215,11 @@ class EngineConfig(BaseModel):
             refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
             if refusal:
                 raise ValueError(refusal)
+        if self.video_decoder == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
+            raise ValueError(
+                f"preset {self.preset} has no Wan VAE (its codec is a TAEHV-class encoder and decoder); "
+                "video_decoder=wan needs a Wan preset or a model directory"
+            )
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:
@@ -235,6 +241,13 @@ class EngineConfig(BaseModel):
         if self.blocks_in_flight is None:
             return 2 if self.device.startswith("cuda") else 1
         return self.blocks_in_flight
+
+    @property
+    def resolved_video_decoder(self) -> str:
+        """The video decoder sessions stream through: the one asked for, else the model's own."""
+        if self.video_decoder is not None:
+            return self.video_decoder
+        return "wan" if self.model_dir is not None else get_preset(self.preset).video_codec
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -91,9 +91,12 @@ def estimate_weight_bytes(config: EngineConfig) -> int:
         return _model_dir_elements(config) * element
     from diffusers import AutoencoderKLWan, WanTransformer3DModel
 
+    from decoders.taehv import TAEHVDecoder
+
     preset = get_preset(config.preset)
     with torch.device("meta"):
-        modules = [WanTransformer3DModel(**preset.transformer_config), AutoencoderKLWan(**preset.vae_config)]
+        codec = AutoencoderKLWan(**preset.vae_config) if preset.vae_config is not None else TAEHVDecoder(preset.codec_decoder)
+        modules = [WanTransformer3DModel(**preset.transformer_config), codec]
     return sum(p.numel() for module in modules for p in module.parameters()) * element
 
 
@@ -104,7 +107,7 @@ def estimate_decoder_session_bytes(config: EngineConfig) -> int:
 
     from decoders.video import WanStreamingDecoder
 
-    if config.video_decoder != "wan":
+    if config.resolved_video_decoder != "wan":
         return 0  # TAEHV's state is small next to the KV; the engine sizes its slots from the exact figure
     vae_config = get_preset(config.preset).vae_config
     if config.model_dir is not None:

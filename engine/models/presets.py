@@ -7,7 +7,10 @@ everywhere else; nothing downstream writes those numbers as literals.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from decoders.taehv import TAEHVConfig
+from decoders.taehv_encoder import TAEHVEncoderConfig
 
 # The embedded default: the same architecture class as Wan2.1 at toy size, so it
 # runs live on a 2-core CPU. Its shipped weights were trained on the procedural
@@ -28,12 +31,20 @@ TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "rope_max_seq_len": 1024,
 }
 
+# The tiny preset's video codec: a TAEHV-class encoder and decoder (decoders/taehv_encoder.py,
+# decoders/taehv.py) in Wan2.1's latent geometry (16 channels, 8x spatial, 4x temporal), with a colour
+# shortcut: latent channels 0-2 carry each 8x8 cell's mean colour, which the decoder adds back. Plain
+# convs and ReLUs, no normalisation layer. Why not the toy Wan VAE below (sessions 1-5): its colour has
+# to be learned through ~20 layers, 4-channel RMS norms and an output clamp, and in every GPU run it came
+# out as one grey-purple tint (docs/TINY_MODEL.md). Decoder widths: decode cost on the 2-core CPU
+# (docs/BENCHMARKS.md).
+TINY_CODEC_DECODER = TAEHVConfig(widths=(64, 32, 16, 8), colour_shortcut=True)
+TINY_CODEC_ENCODER = TAEHVEncoderConfig(widths=(16, 32, 48, 64), colour_shortcut=True)
+
 # diffusers AutoencoderKLWan at toy size: 8x spatial, 4x temporal compression; decoder
-# channels 16/16/8/4 from the latent level up to full resolution. Sized for the 2-core CPU:
-# a 12-frame block at 256x144 decodes in ~220-250 ms through decoders.video's CPU fast path
-# (base_dim 8: ~270-400 ms; eager conv3d: ~1.1 s). Default init stays finite and unsaturated
-# (frame std ~0.2-0.3), so no weight rescaling is needed. num_res_blocks must stay >= 1:
-# with 0 the encoder's resample convs get the wrong channel count.
+# channels 16/16/8/4 from the latent level up to full resolution. The tiny preset's codec until
+# session 5; now the toy Wan VAE of the tests and the CPU decode bench (the Wan decoder's fast path).
+# num_res_blocks must stay >= 1: with 0 the encoder's resample convs get the wrong channel count.
 TINY_VAE_CONFIG: dict[str, Any] = {
     "base_dim": 4,
     "z_dim": 16,
@@ -97,12 +108,17 @@ class ModelPreset:
 
     name: str
     transformer_config: dict[str, Any]
-    vae_config: dict[str, Any]
+    vae_config: dict[str, Any] | None  # an AutoencoderKLWan config, when the preset's codec is a Wan VAE
     height: int
     width: int
     text_len: int = 512
     audio_vae_config: dict[str, Any] | None = None  # an AutoencoderOobleck config when the preset has audio
     weights: str | None = None  # shipped weights under engine/models/weights/ (engine.models.trained); None: seeded random
+    # "wan": the Wan VAE (vae_config) or, when asked, a TAEHV decoder of Wan2.1's latents;
+    # "taehv": the preset's own TAEHV-class codec (codec_decoder / codec_encoder), always.
+    video_codec: Literal["wan", "taehv"] = "wan"
+    codec_decoder: TAEHVConfig | None = None
+    codec_encoder: TAEHVEncoderConfig | None = None
     notes: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -111,11 +127,14 @@ PRESETS: dict[str, ModelPreset] = {
     "tiny": ModelPreset(
         name="tiny",
         transformer_config=TINY_TRANSFORMER_CONFIG,
-        vae_config=TINY_VAE_CONFIG,
+        vae_config=None,
         height=144,
         width=256,
         audio_vae_config=TINY_AUDIO_VAE_CONFIG,
         weights="tiny",
+        video_codec="taehv",
+        codec_decoder=TINY_CODEC_DECODER,
+        codec_encoder=TINY_CODEC_ENCODER,
         notes="toy-size Wan2.1-class model trained on a procedural world (shapes, colours, motion, sound); "
         "random_weights gives the seeded random model",
     ),

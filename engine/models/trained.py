@@ -1,7 +1,8 @@
 """Weights shipped in the package for a preset (engine/models/weights/<name>/), one safetensors file per module.
 
     transformer.safetensors   WanTransformer3DModel state dict
-    vae.safetensors           AutoencoderKLWan state dict; metadata: latents_mean, latents_std (JSON lists)
+    codec.safetensors         the TAEHV-class video codec: encoder.* and decoder.* tensors (decoders.taehv_encoder,
+                              decoders.taehv); metadata: latents_mean, latents_std (JSON lists) of its latents
     audio_vae.safetensors     AutoencoderOobleck state dict
     audio_tokens.safetensors  AudioTokenProjections state dict
     text_encoder.safetensors  WordTextEncoder (vocabulary in its metadata)
@@ -38,14 +39,20 @@ class TrainedWeights:
     def load(self, name: str, module: torch.nn.Module) -> None:
         module.load_state_dict(load_file(str(self._path(name))))
 
-    def vae_overrides(self) -> dict[str, list[float]]:
-        """The latent statistics measured at training time (the decoder denormalises with them)."""
-        with safe_open(str(self._path("vae")), framework="pt") as handle:
+    def load_codec_half(self, module: torch.nn.Module) -> None:
+        """The codec file's tensors of ``module`` (its keys start ``encoder.`` or ``decoder.``), strictly."""
+        tensors = load_file(str(self._path("codec")))
+        prefix = next(iter(module.state_dict())).split(".")[0] + "."
+        module.load_state_dict({key: value for key, value in tensors.items() if key.startswith(prefix)})
+
+    def latent_stats(self) -> dict[str, list[float]]:
+        """The codec's latent statistics measured at training time (the decoder denormalises with them)."""
+        with safe_open(str(self._path("codec")), framework="pt") as handle:
             metadata = handle.metadata() or {}
         try:
             return {"latents_mean": json.loads(metadata["latents_mean"]), "latents_std": json.loads(metadata["latents_std"])}
         except (KeyError, ValueError) as exc:
-            raise ValueError(f"{self._path('vae')}: no latents_mean / latents_std metadata") from exc
+            raise ValueError(f"{self._path('codec')}: no latents_mean / latents_std metadata") from exc
 
     def text_encoder(self) -> WordTextEncoder:
         return WordTextEncoder.load(self._path("text_encoder"))
