@@ -65,15 +65,14 @@ def test_sampler_learns_only_blocks_after_a_switch_and_only_the_last_block_of_an
         assert weight[0].tolist() == [0, 0, 1]
 
 
-def _tiny_vae_step():
-    from diffusers import AutoencoderKLWan
-
-    from engine.models.presets import TINY_VAE_CONFIG
-    from train.vae import _vae_loss
+def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_it():
+    from engine.models.presets import TINY_CODEC_DECODER, TINY_CODEC_ENCODER
+    from train.codec import TinyCodec, codec_loss, init_for_training, update_mismatch
 
     torch.manual_seed(0)
-    vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
-    params = list(vae.parameters())
+    codec = TinyCodec(TINY_CODEC_ENCODER, TINY_CODEC_DECODER)
+    init_for_training(codec)
+    params = list(codec.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     video = torch.rand(1, 3, 5, 16, 16) * 2 - 1
     weight = torch.ones(1, 1, 5, 16, 16)
@@ -82,91 +81,12 @@ def _tiny_vae_step():
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=False)
-        loss, _, _ = _vae_loss(vae, video, weight, noise=0.0)
+        loss, _ = codec_loss(codec, video, weight, noise=0.0)
         loss.backward()
         optimizer.step()
 
-    return vae, params, optimizer, video, weight, step
-
-
-def test_vae_loss_decodes_the_posterior_mean_not_a_sample():
-    from train.vae import _vae_loss
-
-    vae, _, _, video, weight, _ = _tiny_vae_step()
-    with torch.no_grad():
-        first, second = (_vae_loss(vae, video, weight, noise=0.0)[1] for _ in range(2))
-    assert torch.equal(first, second)  # no posterior sample: the same clip gives the same loss
-
-
-def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_it():
-    from train.vae import update_mismatch
-
-    _, params, optimizer, _, _, step = _tiny_vae_step()
     step()  # optimiser state exists, as after the warm-up
     before = [p.detach().clone() for p in params]
     assert update_mismatch(params, optimizer, step, step) < 1e-5
     assert update_mismatch(params, optimizer, step, lambda: step(lr=3e-3)) > 0.3
     assert all(torch.equal(p, b) for p, b in zip(params, before))
-
-
-def _overfit_one_frame(steps: int, lr: float = 1e-3):
-    """The project's VAE step (``_vae_loss``, clipping, AdamW) on one world frame at batch 1, fixed lr."""
-    from diffusers import AutoencoderKLWan
-
-    from engine.models.presets import TINY_VAE_CONFIG
-    from train.vae import OBJECT_WEIGHT, _vae_loss, init_for_training
-    from world.clips import make_clip
-    from world.grammar import Scene
-
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
-    init_for_training(vae)
-    params = list(vae.parameters())
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    clip = make_clip(Scene("circle", "red", "still", "blue", "plain"), 0, 1)
-    video = clip.video.unsqueeze(0)
-    weight = (1 + OBJECT_WEIGHT * clip.coverage).view(1, 1, *clip.coverage.shape)
-    for _ in range(steps):
-        optimizer.zero_grad(set_to_none=True)
-        loss, _, _ = _vae_loss(vae, video, weight)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimizer.step()
-    with torch.no_grad():
-        recon = vae.decode(vae.encode(video).latent_dist.mode()).sample
-    return clip, video, recon
-
-
-def test_the_vae_step_overfits_one_world_frame_object_colour_and_shape_included():
-    """Sessions 1-3's object-weighted L1 learned the background in ~20 steps and never the object (a flat field)."""
-    from world import measure
-
-    _, video, recon = _overfit_one_frame(steps=150)
-    frame = ((recon[0, :, 0] + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy()
-    reading = measure.read_frame(frame)
-    assert float((recon - video).abs().mean()) < 0.05
-    assert measure.background_name(reading) == "blue"
-    assert measure.colour_name(reading) == "red"
-    assert measure.shape_name(reading) == "circle"
-
-
-def test_training_init_makes_the_vae_latents_depend_on_the_image():
-    """With PyTorch's default init the tiny VAE's means hardly vary between world frames (ratio ~0.3)."""
-    from diffusers import AutoencoderKLWan
-
-    from engine.models.presets import TINY_VAE_CONFIG
-    from train.vae import init_for_training
-    from world.clips import random_clip
-
-    video = torch.stack([random_clip(seed, 1).video for seed in range(4)])
-    torch.manual_seed(0)
-    vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
-    init_for_training(vae)
-    with torch.no_grad():
-        mean = vae.encode(video).latent_dist.mode()
-        z = torch.randn_like(mean[:1])
-        moved = (vae.decode(z).sample - vae.decode(torch.zeros_like(z)).sample).abs().mean()
-    across_images, across_positions = mean.std(0).mean(), mean.std(dim=(2, 3, 4)).mean()
-    assert across_images > 0.5 * across_positions
-    assert moved > 0.15
-    assert all(float(m.bias.abs().max()) == 0.0 for m in vae.modules() if isinstance(m, torch.nn.Conv3d))

@@ -7,15 +7,15 @@ import time
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DModel
+from diffusers import AutoencoderOobleck, WanTransformer3DModel
 from safetensors.torch import load_file, save_file
 
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
-from engine.models.presets import TINY_AUDIO_VAE_CONFIG, TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG, get_preset
+from engine.models.presets import TINY_AUDIO_VAE_CONFIG, TINY_TRANSFORMER_CONFIG, get_preset
 from engine.models.text_encoder import WordTextEncoder
 from world.grammar import VOCABULARY
 
-MODULE_FILES = ("vae", "audio_vae", "transformer", "audio_tokens", "text_encoder")
+MODULE_FILES = ("codec", "audio_vae", "transformer", "audio_tokens", "text_encoder")
 
 
 class LossLog:
@@ -68,7 +68,7 @@ class Checkpoint:
         if isinstance(module, WordTextEncoder):
             module.save(self.directory / f"{name}.safetensors")
             return
-        tensors = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}
+        tensors = {k: v.detach().float().cpu().contiguous() for k, v in module.state_dict().items()}  # TinyCodec: its file layout
         save_file(tensors, str(self.directory / f"{name}.safetensors"), metadata=metadata)
 
     def load_into(self, name: str, module: torch.nn.Module) -> bool:
@@ -96,7 +96,9 @@ def build_modules(device) -> dict[str, torch.nn.Module]:
     preset = get_preset("tiny")
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG)
-    vae = AutoencoderKLWan(**TINY_VAE_CONFIG)
+    from train.codec import TinyCodec
+
+    codec = TinyCodec(preset.codec_encoder, preset.codec_decoder)
     audio_vae = AutoencoderOobleck(**TINY_AUDIO_VAE_CONFIG)
     timing = AudioTiming(sample_rate=48000, fps=16, hop=600)
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
@@ -105,7 +107,7 @@ def build_modules(device) -> dict[str, torch.nn.Module]:
     torch.nn.init.normal_(text_encoder.words.weight, std=1.0)
     torch.nn.init.normal_(text_encoder.positions, std=0.5)
     modules = {
-        "vae": vae,
+        "codec": codec,
         "audio_vae": audio_vae,
         "transformer": transformer,
         "audio_tokens": audio_tokens,

@@ -1,8 +1,7 @@
-"""Stage 3: the DiT's training set: world clips encoded once by the trained VAE, in model space.
+"""Stage 3: the DiT's training set: world clips encoded once by the trained codec, in model space.
 
 Video latents are normalised per channel (mean and std measured here, stored
-with the VAE weights so the engine's decoder denormalises exactly as it would
-for Wan). Audio latents are the clips' sound features (already in [-1, 1]).
+with the codec's weights so the engine's decoder denormalises them back). Audio latents are the clips' sound features (already in [-1, 1]).
 Each latent frame also gets the object's footprint on the latent grid (the
 coverage of the video frames it stands for, max-pooled to 8x8 cells and
 dilated by one cell): the DiT's video loss is weighted up there.
@@ -16,7 +15,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from train.vae import encode_mode
 from world.clips import random_clip
 
 
@@ -26,7 +24,7 @@ class LatentSet:
     audio: torch.Tensor  # [n, 8, 20 L]
     token_ids: list[list[int]]  # the clips' captions, as text-encoder ids
     switch: torch.Tensor  # [n] latent frame of the prompt switch, -1 when none
-    mean: torch.Tensor  # [16] VAE-space channel means
+    mean: torch.Tensor  # [16] the codec's latent channel means
     std: torch.Tensor  # [16]
     objects: torch.Tensor | None = None  # [n, L, h, w] in [0, 1]: the object's footprint per latent frame
 
@@ -43,7 +41,7 @@ def latent_footprint(coverage: torch.Tensor, latent_frames: int, scale: int = 8)
 
 
 @torch.no_grad()
-def build_latent_set(vae, text_encoder, *, clips: int, latent_frames: int, device, batch: int = 16, seed: int = 3,
+def build_latent_set(codec, text_encoder, *, clips: int, latent_frames: int, device, batch: int = 16, seed: int = 3,
                      switch_probability: float = 0.25, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> LatentSet:
     """``stats``: the (mean, std) to normalise with, when a DiT was already trained on them; else measured here."""
     rng = np.random.default_rng(seed)
@@ -53,7 +51,7 @@ def build_latent_set(vae, text_encoder, *, clips: int, latent_frames: int, devic
             random_clip(int(rng.integers(1 << 31)), latent_frames, switch_probability=switch_probability, device=device)
             for _ in range(min(batch, clips - start))
         ]
-        videos.append(encode_mode(vae, torch.stack([c.video for c in group])))
+        videos.append(codec.encode_video(torch.stack([c.video for c in group])))
         audios.append(torch.stack([c.features for c in group]))
         objects.append(torch.stack([latent_footprint(c.coverage, latent_frames) for c in group]).half())
         ids += [text_encoder.token_ids(c.caption) for c in group]

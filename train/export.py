@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name}: not in the checkpoint, keeping {source}")
         weights = TrainedWeights(staging)
         modules = build_modules("cpu")
-        weights.vae_overrides()
+        weights.latent_stats()
         for name in MODULE_FILES:
             if name == "text_encoder":
                 weights.text_encoder()

@@ -1,14 +1,18 @@
 """Train the tiny preset on the procedural world, stage by stage, each within its time budget.
 
-    python -m train.run --checkpoint CKPT --log LOG [--init DIR] [--only audio|video|dit] [--budget k=s,...] [--toy]
+    python -m train.run --checkpoint CKPT --log LOG [--init DIR] [--only audio|codec|video|dit] [--budget k=s,...] [--toy]
 
-``--only video`` (the default): the VAE from scratch, its reconstruction check
-(true world clips read back with world.measure), the latent set, then the DiT
-(teacher forcing, few-step, rollout) from scratch, then a sampled check of the
-DiT (sessions generated as the engine does, decoded and read back).
-``--only dit``: keep the VAE (and its latent statistics) and continue the DiT
-(stages tf2, fewstep2, rollout2, from the loaded weights). ``--only audio``:
-the audio decoder alone.
+``--only codec``: the video codec from scratch and its reconstruction check
+(held-out world clips read back with world.measure), nothing else.
+``--only video`` (the default): the codec (unless the checkpoint has it done)
+and its check, which is a gate: the DiT gets no time unless colour,
+background and shape read back in enough frames (train.codec.GATE;
+``--no-gate`` overrides). Then the latent set, the DiT (teacher forcing,
+few-step, rollout) from scratch, then a sampled check of the DiT (sessions
+generated as the engine does, decoded and read back).
+``--only dit``: keep the codec (and its latent statistics) and continue the
+DiT (stages tf2, fewstep2, rollout2, from the loaded weights). ``--only
+audio``: the audio decoder alone.
 
 ``--init DIR`` loads module files from DIR first (e.g. the shipped weights, to
 reuse the audio decoder); files in the checkpoint directory win. Resumable:
@@ -38,12 +42,12 @@ from train.data import build_latent_set
 from train.dit import DiTTrainer, Sampler, sample_session
 
 FULL = {
-    "audio_s": 150, "vae_s": 160, "vae_batch": 12, "vae_latents": 9, "vae_lr": 2e-3, "vae_pool": 1024,
+    "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
     "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
-    "audio_s": 60, "vae_s": 60, "vae_batch": 1, "vae_latents": 3, "vae_lr": 1e-3, "vae_pool": 2,
+    "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
     "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
@@ -67,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--init", type=Path, help="a directory of module files to start from (e.g. the shipped weights)")
     parser.add_argument("--init-modules", default="", help="comma-separated modules to take from --init (default: all there)")
     parser.add_argument("--toy", action="store_true")
-    parser.add_argument("--only", choices=["audio", "video", "dit"], default="video")
-    parser.add_argument("--budget", default="", help="stage seconds (and other plan values), e.g. vae_s=150,tf_s=90")
-    parser.add_argument("--images", type=Path, help="directory for the check images (vae_check.png, dit_check.png)")
+    parser.add_argument("--only", choices=["audio", "codec", "video", "dit"], default="video")
+    parser.add_argument("--no-gate", action="store_true", help="train the DiT even when the codec's check fails")
+    parser.add_argument("--budget", default="", help="stage seconds (and other plan values), e.g. codec_s=150,tf_s=90")
+    parser.add_argument("--images", type=Path, help="directory for the check images (codec_check.png, dit_check.png)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     cfg = dict(TOY if args.toy else FULL)
@@ -104,45 +109,51 @@ def main(argv: list[str] | None = None) -> int:
             ckpt.mark("audio", steps=n)
         return 0
 
-    from train.vae import print_report, reconstruction_report, train_vae
+    from train.codec import ClipPool, init_for_training, passes_gate, print_report, reconstruction_report, train_codec
 
-    vae = modules["vae"]
+    codec = modules["codec"]
     continuing = args.only == "dit"
-    if not continuing and not ckpt.done("vae"):
-        from train.vae import ClipPool, init_for_training
-
-        if "vae" not in loaded:  # from scratch: the default init's latents do not depend on the image
-            init_for_training(vae)
-
+    if not continuing and not ckpt.done("codec"):
+        if "codec" not in loaded:  # from scratch: the codec starts as its colour shortcut
+            init_for_training(codec)
         started = time.monotonic()
-        pool = ClipPool(cfg["vae_pool"], cfg["vae_latents"], device)
-        print(f"VAE clip pool: {len(pool)} clips x {cfg['vae_latents']} latent frames in {time.monotonic() - started:.1f}s", flush=True)
-        n = train_vae(vae, log, StageClock(cfg["vae_s"], steps()), device=device, seconds=cfg["vae_s"], batch=cfg["vae_batch"],
-                      latent_frames=cfg["vae_latents"], lr=cfg["vae_lr"], save=lambda m: ckpt.save("vae", m), pool=pool)
+        pool = ClipPool(cfg["codec_pool"], cfg["codec_latents"], device)
+        print(f"codec clip pool: {len(pool)} clips x {cfg['codec_latents']} latent frames in {time.monotonic() - started:.1f}s", flush=True)
+        n = train_codec(codec, log, StageClock(cfg["codec_s"], steps()), device=device, seconds=cfg["codec_s"],
+                        batch=cfg["codec_batch"], latent_frames=cfg["codec_latents"], lr=cfg["codec_lr"],
+                        save=lambda m: ckpt.save("codec", m), pool=pool)
         del pool
-        ckpt.save("vae", vae)
-        ckpt.mark("vae", steps=n)
-    vae.eval()
+        ckpt.save("codec", codec)
+        ckpt.mark("codec", steps=n)
+    codec.eval()
     started = time.monotonic()
+    rows = None
     try:  # a failing check must not cost the DiT its budget
-        rows, image = reconstruction_report(vae, device, latent_frames=12 if not args.toy else 4)
-        print_report(f"VAE reconstruction of true world clips ({time.monotonic() - started:.1f}s)", rows)
-        _save_image(args.images, "vae_check.png", image)
+        rows, image = reconstruction_report(codec, device, latent_frames=12 if not args.toy else 4)
+        print_report(f"Codec reconstruction of held-out world clips ({time.monotonic() - started:.1f}s)", rows)
+        _save_image(args.images, "codec_check.png", image)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
+    if args.only == "codec":
+        _summary(log, ckpt)
+        return 0
+    if not continuing and not args.toy and not args.no_gate and not (rows and passes_gate(rows)):
+        print("the codec's check did not pass its gate: no DiT training (--no-gate overrides)", flush=True)
+        _summary(log, ckpt)
+        return 3
 
     t0 = time.monotonic()
     stats = None
     if continuing:
-        metadata = _vae_metadata(ckpt.directory if (ckpt.directory / "vae.safetensors").exists() else args.init)
+        metadata = _codec_metadata(ckpt.directory if (ckpt.directory / "codec.safetensors").exists() else args.init)
         stats = (json.loads(metadata["latents_mean"]), json.loads(metadata["latents_std"]))
-    data = build_latent_set(vae, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
+    data = build_latent_set(codec, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
                             device=device, stats=stats, seed=5 if continuing else 3, batch=cfg["data_batch"])
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
-          f"VAE latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
-    vae_metadata = latent_stats_metadata(data.mean, data.std)
+          f"latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
+    codec_metadata = latent_stats_metadata(data.mean, data.std)
     if not continuing:
-        ckpt.save("vae", vae, metadata=vae_metadata)
+        ckpt.save("codec", codec, metadata=codec_metadata)
 
     latent_h, latent_w = data.video.shape[3], data.video.shape[4]
     causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w,
@@ -194,17 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     causal.eval()
     modules["text_encoder"].eval()
     try:
-        _sample_check(trainer, vae, data, args.images, blocks=6 if not args.toy else 2)
+        _sample_check(trainer, codec, data, args.images, blocks=6 if not args.toy else 2)
     except Exception:  # noqa: BLE001
         traceback.print_exc()
     _summary(log, ckpt)
     return 0
 
 
-def _vae_metadata(directory: Path) -> dict[str, str]:
+def _codec_metadata(directory: Path) -> dict[str, str]:
     from safetensors import safe_open
 
-    with safe_open(str(directory / "vae.safetensors"), framework="pt") as handle:
+    with safe_open(str(directory / "codec.safetensors"), framework="pt") as handle:
         return dict(handle.metadata() or {})
 
 
@@ -218,7 +229,7 @@ def _save_image(directory: Path | None, name: str, image: np.ndarray) -> None:
 
 
 @torch.no_grad()
-def _sample_check(trainer: DiTTrainer, vae, data, images: Path | None, blocks: int) -> None:
+def _sample_check(trainer: DiTTrainer, codec, data, images: Path | None, blocks: int) -> None:
     """Sessions of the checks' prompts generated as the engine does, decoded, read back with world.measure."""
     from engine.models.latents import BlockLatents
     from world import measure
@@ -232,7 +243,7 @@ def _sample_check(trainer: DiTTrainer, vae, data, images: Path | None, blocks: i
     latents = sample_session(trainer, ids, blocks, like)
     mean = data.mean.to(latents.video.device).view(1, -1, 1, 1, 1)
     std = data.std.to(latents.video.device).view(1, -1, 1, 1, 1)
-    pixels = vae.decode(latents.video.float() * std + mean).sample
+    pixels = codec.decode_video(latents.video.float() * std + mean)
     frames = ((pixels.float() + 1) * 127.5).round().clamp(0, 255).byte().permute(0, 2, 3, 4, 1).cpu().numpy()
     print("\nDiT sessions (engine sampler, dense context), read back:\n"
           "| prompt | object | colour | background | shape | speed px/s |\n| --- | --- | --- | --- | --- | --- |")

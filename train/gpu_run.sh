@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call of the tiny model's training (docs/TINY_MODEL.md): install the carried wheels, run
+# train.run within TOTAL_S, pack the checkpoint. Everything that comes back lies in $OUT (at most 6 files).
+#
+#   run(command="bash train/gpu_run.sh 560 --init engine/models/weights/tiny --init-modules audio_vae",
+#       carry=[".whl"], timeout_s=600)
+#   # a later call resumes from the checkpoint the last one packed, unpacked into the ignored .train-ckpt/:
+#   run(command="bash train/gpu_run.sh 560 --only dit", carry=[".whl", ".train-ckpt"], timeout_s=600)
+set -u
+TOTAL=$1
+shift
+OUT=${OUT:-$PWD/out-train}
+mkdir -p "$OUT" .train-ckpt
+source bench/device/common.sh
+install_wheels
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+echo "== $SECONDS s: train.run $*"
+# Stopped 30 s before TOTAL_S, so the checkpoint (saved every ~45 s and at each stage's end) is packed in time.
+timeout -k 10 $((TOTAL - 30 - SECONDS)) python3 -m train.run --checkpoint .train-ckpt --log "$OUT/train.log" \
+  --images "$OUT" "$@" > "$OUT/train.stdout" 2> "$OUT/train.stderr"
+echo "train exit $? after $SECONDS s"
+tar czf "$OUT/ckpt.tgz" .train-ckpt
+grep -v -e "^tf step" -e "^fewstep step" -e "^rollout step" -e "^codec step" "$OUT/train.stdout" | tail -n 70
+tail -n 5 "$OUT/train.stderr"
