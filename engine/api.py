@@ -160,7 +160,7 @@ class Engine:
 
     def detach(self, session_id: str) -> None:
         core = self._core
-        if core is not None and session_id in core.sessions:
+        if core is not None and session_id in core.records:
             core.submit(session_id, Detach())
 
     def start_session(
@@ -226,7 +226,7 @@ class Engine:
 
     def list_sessions(self) -> list[SessionStatus]:
         core = self._core
-        return [core.status(session_id) for session_id in core.sessions] if core is not None else []
+        return [core.status(session_id) for session_id in core.records] if core is not None else []
 
     def open_sessions(self) -> list[SessionStatus]:
         return [status for status in self.list_sessions() if status.is_open]

@@ -51,22 +51,17 @@ from engine.errors import (
     TooManyControls,
     UnknownSession,
 )
-from engine.plan import FinishedSession, SessionWork, StepPlan
+from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, PromptUpdate, SessionWork, StepPlan
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
 from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
-from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
+from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
 from engine.startup import BuiltEngine
 from engine.snapshots import session_status
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
-
-# A control kind's cost is learned from the runner's measurements; until then a recache or a reset
-# is assumed to cost about one block (both re-run forwards), the others nothing.
-COSTLY_CONTROLS = ("recache", "reset")
-CONTROL_ORDER = ("recache", "reset", "open", "soft")  # a work item's control time goes to its costliest
 
 
 class EngineCore:
@@ -78,7 +73,7 @@ class EngineCore:
         self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
         self._executor = executor
-        self.sessions: dict[str, SessionRecord] = {}
+        self.records: dict[str, SessionRecord] = {}
         self._finished: list[FinishedSession] = []
         # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile.
         self._completions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
@@ -97,7 +92,7 @@ class EngineCore:
             enabled=config.realtime_admission,
         )
         self.block_cost = RunningCost(built.seed_block_cost_s)  # engine-wide, every session's blocks
-        self.control_costs = {kind: RunningCost() for kind in CONTROL_ORDER}
+        self.control_costs = {kind: RunningCost() for kind in CONTROL_KINDS}
         self.wake = asyncio.Event()
         self.ticks = 0
         self.blocks = 0
@@ -135,7 +130,7 @@ class EngineCore:
             cost=RunningCost(),
             negative_prompt=negative_prompt,
         )
-        self.sessions[session_id] = record
+        self.records[session_id] = record
         if prompt is not None:
             start = Start(prompt=prompt)
             if start_on_attach:
@@ -244,7 +239,7 @@ class EngineCore:
         return self.status(session_id)
 
     def _apply_controls(self) -> None:
-        for record in list(self.sessions.values()):
+        for record in list(self.records.values()):
             while record.controls:
                 self._apply(record, record.controls.popleft())
 
@@ -276,7 +271,7 @@ class EngineCore:
             # A reset still waiting to be applied must survive a later soft change.
             if pending is not None and pending.policy == "reset":
                 policy = "reset"
-            record.pending_prompt = PromptChange(control.prompt, record.negative_prompt, policy)
+            record.pending_prompt = PromptUpdate(control.prompt, record.negative_prompt, policy)
         elif isinstance(control, Pause):
             record.state = SessionState.PAUSED
         elif isinstance(control, Resume):
@@ -329,7 +324,7 @@ class EngineCore:
 
     def _dispatched(self, dispatch: Dispatch, planned_at: float) -> None:
         for failure in dispatch.failures:
-            record = self.sessions.get(failure.session_id)
+            record = self.records.get(failure.session_id)
             if record is not None:
                 self._finish(record, "failed", error=failure.message)
         if dispatch.fatal is not None:
@@ -338,7 +333,7 @@ class EngineCore:
             return
         expected = 0.0
         for pending in dispatch.pending:
-            record = self.sessions.get(pending.session_id)
+            record = self.records.get(pending.session_id)
             if record is not None and pending.ran:
                 record.works_in_flight += 1
                 record.frames_in_flight += pending.frames
@@ -361,7 +356,7 @@ class EngineCore:
                 error = None
             except Exception as failure:  # an asynchronous device error surfaces here
                 output, cost, error = None, None, failure
-            record = self.sessions.get(work.session_id)
+            record = self.records.get(work.session_id)
             if record is not None and work.ran:
                 record.works_in_flight -= 1
                 record.frames_in_flight -= work.frames
@@ -394,7 +389,7 @@ class EngineCore:
     def _mark_planned(self, plan: StepPlan) -> None:
         """What the plan carries is no longer pending (the one place ``opened_on_device`` is set)."""
         for work in plan.work:
-            record = self.sessions[work.session_id]
+            record = self.records[work.session_id]
             if work.open is not None:
                 record.opened_on_device = True
                 record.pending_prompt = None
@@ -405,12 +400,11 @@ class EngineCore:
                 record.pending_prompt = None
 
     def _account(self, cost: WorkCost) -> None:
-        record = self.sessions.get(cost.session_id)
+        record = self.records.get(cost.session_id)
         if record is not None:
             record.device_seconds_pending += cost.control_s + cost.block_s
-        kinds = [kind for kind in CONTROL_ORDER if kind in cost.controls]
-        if kinds and cost.control_s > 0:
-            self.control_costs[kinds[0]].observe(cost.control_s)
+        if cost.controls and cost.control_s > 0:  # costliest first: the time is learned for that kind
+            self.control_costs[cost.controls[0]].observe(cost.control_s)
 
     def _die(self, reason: str) -> None:
         if not self.alive:
@@ -546,19 +540,19 @@ class EngineCore:
 
     def forget(self, session_id: str) -> None:
         """Drop an ended session's record (whoever shows it to clients calls this after its retention)."""
-        record = self.sessions.get(session_id)
+        record = self.records.get(session_id)
         if record is not None and not record.is_open:
-            del self.sessions[session_id]
+            del self.records[session_id]
 
     # --- reading --------------------------------------------------------------------------------
     def record(self, session_id: str) -> SessionRecord:
-        record = self.sessions.get(session_id)
+        record = self.records.get(session_id)
         if record is None:
             raise UnknownSession("unknown session")
         return record
 
     def _open_records(self) -> list[SessionRecord]:
-        return [r for r in self.sessions.values() if r.is_open]
+        return [r for r in self.records.values() if r.is_open]
 
     def cost_of(self, record: SessionRecord) -> float:
         """Expected device seconds of the session's next block: its own estimate, else the engine's."""
@@ -567,15 +561,12 @@ class EngineCore:
         return self.block_cost.seconds or 0.0
 
     def _control_cost(self, work: SessionWork) -> float:
-        kinds = []
-        if work.reset or (work.prompt is not None and work.prompt.policy == "reset"):
-            kinds.append("reset")
-        if work.prompt is not None and work.prompt.policy == "recache":
-            kinds.append("recache")
+        """Expected device seconds of the work's controls that re-run forwards (a block each until learned)."""
         total = 0.0
-        for kind in kinds:
-            learned = self.control_costs[kind]
-            total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
+        for kind in work.control_kinds:
+            if kind in FORWARD_CONTROL_KINDS:
+                learned = self.control_costs[kind]
+                total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
         return total
 
     def live_capacity(self) -> int | None:
@@ -596,7 +587,7 @@ class EngineCore:
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}
-        for session_id in self.sessions:
+        for session_id in self.records:
             state = self.status(session_id).state
             by_state[state] = by_state.get(state, 0) + 1
         open_records = self._open_records()

@@ -81,7 +81,7 @@ class WorkCost:
     session_id: str
     control_s: float
     block_s: float
-    controls: tuple[str, ...]  # which controls ran: open, reset, soft, recache
+    controls: tuple[str, ...]  # which controls ran, costliest first (engine.plan.CONTROL_KINDS)
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ class Runner:
         self.kv_manager = kv_manager
         self.stepwise = stepwise
         self.split_first_block = split_first_block
-        self.sessions: dict[str, DeviceSession] = {}
+        self.device_sessions: dict[str, DeviceSession] = {}
 
     # --- lifetime ---------------------------------------------------------
     def open(self, session_id: str, request: OpenSession) -> DeviceSession:
@@ -213,12 +213,12 @@ class Runner:
         except Exception:
             kv.close()
             raise
-        self.sessions[session_id] = device_session
+        self.device_sessions[session_id] = device_session
         return device_session
 
     def release(self, session_id: str, reason: str) -> None:
         """The one release path: KV blocks, cross caches, decoder state and model state, together."""
-        device_session = self.sessions.pop(session_id, None)
+        device_session = self.device_sessions.pop(session_id, None)
         if device_session is None:
             return
         errors = []
@@ -239,7 +239,7 @@ class Runner:
 
     def reset(self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None) -> None:
         """Restart content as a new session with the same seed (and the given or current prompt)."""
-        old = self.sessions[session_id].open_request
+        old = self.device_sessions[session_id].open_request
         request = OpenSession(
             seed=old.seed,
             prompt=old.prompt if prompt is None else prompt,
@@ -247,7 +247,7 @@ class Runner:
         )
         # The old content's held-back audio ends where its video ends: flush it into the next chunk so
         # the session's audio timeline stays continuous (no gap, no drift) across the reset.
-        old = self.sessions[session_id]
+        old = self.device_sessions[session_id]
         tail = None
         if old.audio_state is not None and old.audio_state.frames_received:
             expected = old.audio_state.pending_frames * self.audio_decoder.hop
@@ -259,7 +259,7 @@ class Runner:
         self.open(session_id, request).audio_carry = tail
 
     def close_all(self, reason: str) -> None:
-        for session_id in list(self.sessions):
+        for session_id in list(self.device_sessions):
             try:
                 self.release(session_id, reason)
             except Exception:
@@ -268,7 +268,7 @@ class Runner:
     @contextmanager
     def bound(self, session_id: str) -> Iterator[DeviceSession]:
         """Bind one session for a model call and fail closed: on any error it is released first."""
-        device_session = self.sessions[session_id]
+        device_session = self.device_sessions[session_id]
         try:
             yield device_session
         except Exception:
@@ -297,7 +297,7 @@ class Runner:
                     return dispatch
                 continue
             timer.end()
-            dispatch.pending.append(PendingWork(work.session_id, _controls_of(work), work.run, timer, output))
+            dispatch.pending.append(PendingWork(work.session_id, work.control_kinds, work.run, timer, output))
         return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -333,7 +333,7 @@ class Runner:
     def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
         if work.open is not None:
             self.open(work.session_id, work.open)
-        if work.session_id not in self.sessions:
+        if work.session_id not in self.device_sessions:
             return None
         if work.reset:
             self.reset(work.session_id)
@@ -401,11 +401,6 @@ class Runner:
         )
         device_session.block_started_at = None
         return output
-
-    def decoder_state_bytes(self, session_id: str) -> int:
-        """Bytes the session's streaming decoder caches (video and audio) hold on the device now."""
-        device_session = self.sessions.get(session_id)
-        return 0 if device_session is None else device_session.decoder_state_bytes()
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
         """The samples this block made decodable (float32, on the device), minus the part of the opening
@@ -479,17 +474,6 @@ def runner_for(
         audio_trim_samples=timing.samples_before_start if timing is not None else 0,
         split_first_block=split_first_block,
     )
-
-
-def _controls_of(work: SessionWork) -> tuple[str, ...]:
-    kinds = []
-    if work.open is not None:
-        kinds.append("open")
-    if work.reset:
-        kinds.append("reset")
-    if work.prompt is not None:
-        kinds.append(work.prompt.policy)
-    return tuple(kinds)
 
 
 class _WorkTimer:

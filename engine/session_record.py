@@ -13,18 +13,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
+from engine.plan import PromptUpdate
 from engine.realtime import FrameRate, RunningCost
 from engine.session import Chunk, ChunkQueue, ChunkTimings
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
 RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
-
-
-@dataclass
-class PromptChange:
-    prompt: str
-    negative_prompt: str
-    policy: str  # soft | recache | reset
 
 
 @dataclass(frozen=True)
@@ -62,7 +56,7 @@ class SessionRecord:
     error: str | None = None
     # device-side work the next plan must carry
     opened_on_device: bool = False  # set once, when a plan first carries the open; never unset
-    pending_prompt: PromptChange | None = None
+    pending_prompt: PromptUpdate | None = None
     pending_reset: bool = False
     # counters and clocks
     chunks_emitted: int = 0

@@ -98,7 +98,7 @@ def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
             while core._completing or core.kv.blocks_in_use:
                 assert time.monotonic() < deadline, "the pool did not come back"
                 await asyncio.sleep(0.02)
-            assert sid not in core.runner.sessions
+            assert sid not in core.runner.device_sessions
             assert record.held is None and record.works_in_flight == 0 and record.frames_in_flight == 0
             # The engine goes on: a new session streams.
             other = engine.create_session(seed=5, prompt="next", pace=False).session_id

@@ -46,7 +46,7 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 def _measured_session_bytes(runner: Runner, session_id: str) -> int:
     """Bytes one session holds, summed over the tensors it actually owns (not the admission formula)."""
-    device_session = runner.sessions[session_id]
+    device_session = runner.device_sessions[session_id]
     kv, progress = device_session.kv, device_session.progress
     storage = runner.kv_manager.block_pool.storage
     kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
@@ -159,7 +159,7 @@ def test_a_failing_session_costs_no_other_session_anything():
             assert status.close_reason == "failed"
             assert "injected forward failure" in status.error
             assert engine.alive
-            assert bad not in engine.runner.sessions
+            assert bad not in engine.runner.device_sessions
         finally:
             await engine.shutdown()
 
@@ -183,7 +183,7 @@ def test_device_fatal_error_marks_the_engine_dead():
         assert {engine.status(a).close_reason, engine.status(b).close_reason} == {"failed"}
         with pytest.raises(EngineUnavailable):
             engine.create_session()
-        assert engine.runner.sessions == {}
+        assert engine.runner.device_sessions == {}
         await engine.shutdown()
 
     run(scenario())

@@ -13,7 +13,8 @@ from engine.errors import CapacityFull
 from engine.realtime import RealtimePolicy, RunningCost
 from engine.scheduler import Scheduler
 from engine.session import ChunkQueue
-from engine.session_record import PromptChange, SessionRecord
+from engine.plan import PromptUpdate
+from engine.session_record import SessionRecord
 from tests.engine_helpers import small_config
 
 FPS = 16
@@ -95,11 +96,11 @@ def test_a_recache_waits_a_tick_when_it_would_make_another_live_session_miss():
     now = time.monotonic()
     urgent = _running("urgent", pace=True, now=now, deadline_in_s=0.15)
     recaching = _running("recaching", pace=True, now=now, deadline_in_s=1.0)
-    recaching.pending_prompt = PromptChange("new", "", "recache")
+    recaching.pending_prompt = PromptUpdate("new", "", "recache")
     assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent"]
     # Once its own deadline is near it runs anyway.
     recaching = _running("recaching", pace=True, now=now, deadline_in_s=0.35)
-    recaching.pending_prompt = PromptChange("new", "", "recache")
+    recaching.pending_prompt = PromptUpdate("new", "", "recache")
     assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent", "recaching"]
 
 

@@ -359,6 +359,6 @@ def test_engine_streams_through_taehv_when_configured():
         assert not result.failures
         counts.append(result.outputs[0].frames.shape[0])
     assert counts == [9, 12]
-    assert runner.decoder_state_bytes("s") > 0
+    assert runner.device_sessions["s"].decoder_state_bytes() > 0
     runner.release("s", "test")
-    assert runner.decoder_state_bytes("s") == 0
+    assert "s" not in runner.device_sessions
