@@ -156,7 +156,9 @@ class Engine:
 
         The snapshot returned says where the consumer's timeline starts (``frames``, ``audio_samples``).
         """
-        return self._known().attach(session_id)
+        core = self._known()
+        core.attach(session_id)
+        return core.status(session_id)
 
     def detach(self, session_id: str) -> None:
         core = self._core
@@ -225,8 +227,7 @@ class Engine:
         return self._known().status(session_id)
 
     def list_sessions(self) -> list[SessionStatus]:
-        core = self._core
-        return [core.status(session_id) for session_id in core.records] if core is not None else []
+        return self._core.statuses() if self._core is not None else []
 
     def open_sessions(self) -> list[SessionStatus]:
         return [status for status in self.list_sessions() if status.is_open]

@@ -26,8 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.controls import (
@@ -35,13 +35,12 @@ from engine.controls import (
     Close,
     Control,
     Detach,
-    Pause,
     Reset,
     Resume,
     SessionState,
     SetPrompt,
     Start,
-    next_state,
+    applied,
 )
 from engine.errors import (
     CapacityFull,
@@ -58,10 +57,19 @@ from engine.scheduler import Scheduler
 from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
 from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
 from engine.startup import BuiltEngine
-from engine.snapshots import session_status
+from engine.snapshots import session_status, shown_state
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What admitting a newcomer takes now (:meth:`EngineCore._admission`)."""
+
+    evict: list[SessionRecord]  # idle sessions to end first, least recently active first
+    remaining: list[SessionRecord]  # the open sessions once they have ended
+    refused: str | None = None  # "memory" or "time": no eviction makes room
 
 
 class EngineCore:
@@ -109,19 +117,13 @@ class EngineCore:
         """A new session in ``created`` (``active`` with a prompt, unless it starts on attach), or a refusal."""
         self.require_serving()
         self._apply_controls()  # eviction and the budgets must see every accepted control
+        plan = self._admission(live=pace)
+        if plan.refused is not None:
+            return self._refusal(plan)
+        self._evict(plan)
         session_id = new_session_id()
-        while self.kv.reserve(session_id) is None:
-            if not self._evict_one(self._open_records()):
-                return CapacityFull(retry_after_s=self._expected_wait(self._open_records()))
-        if pace and not self._realtime_admits():
-            self.kv.unreserve(session_id)
-            self.refused_realtime += 1
-            live = [r for r in self._open_records() if r.pace]
-            return CapacityFull(
-                retry_after_s=self._expected_wait(live),
-                message="no device time left for another live session; try again later, or stream with pace off",
-                live_capacity=self.live_capacity(),
-            )
+        if self.kv.reserve(session_id) is None:
+            raise RuntimeError("the admission plan left no memory slot free")
         record = SessionRecord(
             session_id=session_id,
             seed=seed,
@@ -140,22 +142,49 @@ class EngineCore:
                 self._apply(record, start)
         return record
 
-    def _realtime_admits(self) -> bool:
-        """One more live session keeps every live session in real time (evicting an idle live one if that helps)."""
-        while True:
-            live = [r for r in self._open_records() if r.pace]
-            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
-                return True
-            if not self._evict_one(live):
-                return False
+    def _admission(self, *, live: bool, needs_slot: bool = True) -> Admission:
+        """The one admission rule, worked out without changing anything: what admitting a newcomer takes now.
 
-    def _evict_one(self, records: Iterable[SessionRecord]) -> bool:
-        """End the least recently active session without a live client that is detached or paused."""
-        candidates = [r for r in records if _evictable(r)]
-        if not candidates:
-            return False
-        self._finish(min(candidates, key=lambda r: r.last_active), "evicted")
-        return True
+        Memory first: without a free slot, the least recently active idle session (detached, or paused
+        without a client) makes room. Then, for a live newcomer, time: while the live sessions' costs with the
+        newcomer's do not fit the device, the least recently active idle live session makes room. ``admit``
+        carries the evictions out; ``outlook`` only reads the answer.
+        """
+        remaining = self._open_records()
+        evict: list[SessionRecord] = []
+
+        def evict_one(among: list[SessionRecord]) -> bool:
+            candidates = [r for r in among if _evictable(r)]
+            if not candidates:
+                return False
+            victim = min(candidates, key=lambda r: r.last_active)
+            remaining.remove(victim)
+            evict.append(victim)
+            return True
+
+        if needs_slot and self.kv.num_reserved >= self.capacity and not evict_one(remaining):
+            return Admission(evict, remaining, refused="memory")
+        while live:
+            live_records = [r for r in remaining if r.pace]
+            if self.policy.admits([self.cost_of(r) for r in live_records], self.block_cost.seconds):
+                break
+            if not evict_one(live_records):
+                return Admission(evict, remaining, refused="time")
+        return Admission(evict, remaining)
+
+    def _evict(self, plan: Admission) -> None:
+        for record in plan.evict:
+            self._finish(record, "evicted")
+
+    def _refusal(self, plan: Admission) -> CapacityFull:
+        if plan.refused == "memory":
+            return CapacityFull(retry_after_s=self._expected_wait(plan.remaining))
+        self.refused_realtime += 1
+        return CapacityFull(
+            retry_after_s=self._expected_wait([r for r in plan.remaining if r.pace]),
+            message="no device time left for another live session; try again later, or stream with pace off",
+            live_capacity=self.live_capacity(),
+        )
 
     def outlook(self) -> AdmissionOutlook:
         """What :meth:`admit` would decide now for a live (paced) newcomer, without admitting it or evicting
@@ -163,37 +192,16 @@ class EngineCore:
         are not applied first, so it may trail :meth:`admit` by up to one tick."""
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
-        slots_free = max(0, self.capacity - self.kv.num_reserved)
         live_capacity = self.live_capacity()
         return AdmissionOutlook(
-            admitting=self.alive and not self.draining and self._would_admit(open_records, slots_free),
-            slots_free=slots_free,
+            admitting=self.alive and not self.draining and self._admission(live=True).refused is None,
+            slots_free=max(0, self.capacity - self.kv.num_reserved),
             open_sessions=len(open_records),
             live_sessions=len(live),
             live_headroom=max(0, live_capacity - len(live)) if live_capacity is not None else None,
             utilisation=self._utilisation(),
             retry_after_s=self._expected_wait(open_records),
         )
-
-    def _would_admit(self, open_records: list[SessionRecord], slots_free: int) -> bool:
-        """:meth:`admit`'s two budgets over a copy: evictions are only pretended."""
-        remaining = list(open_records)
-
-        def pretend_evict(among: list[SessionRecord]) -> bool:
-            candidates = [r for r in among if _evictable(r)]
-            if not candidates:
-                return False
-            remaining.remove(min(candidates, key=lambda r: r.last_active))
-            return True
-
-        if slots_free <= 0 and not pretend_evict(remaining):
-            return False
-        while True:
-            live = [r for r in remaining if r.pace]
-            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
-                return True
-            if not pretend_evict(live):
-                return False
 
     def _expected_wait(self, blocking: list[SessionRecord]) -> float:
         """Seconds until the soonest of ``blocking`` must end on its own (grace, idle timeout, maximum duration)."""
@@ -215,28 +223,30 @@ class EngineCore:
         ``Close`` and ``Detach`` of an ended session are accepted and do nothing.
         """
         record = self.record(session_id)
-        state = record.projected_state()
-        new_state = _checked(state, control, record)
-        if not record.is_open or state is SessionState.CLOSED:
+        projected = record.projected()
+        new_state = applied(projected, control, starts_on_attach=record.start_on_attach is not None).state
+        if not record.is_open or projected.state is SessionState.CLOSED:
             return new_state
-        if isinstance(control, Start) and control.pace and not record.pace and not self._realtime_admits():
-            self.refused_realtime += 1
-            raise NoRealtimeCapacity("no device time left for another live session; start with pace off or try later")
+        if isinstance(control, Start) and control.pace and not record.pace:
+            plan = self._admission(live=True, needs_slot=False)  # it holds its slot: only time is asked
+            if plan.refused is not None:
+                self.refused_realtime += 1
+                raise NoRealtimeCapacity("no device time left for another live session; start with pace off or try later")
+            self._evict(plan)
         if len(record.controls) >= MAX_PENDING_CONTROLS:
             raise TooManyControls("too many controls waiting for this session; slow down")
         record.controls.append(control)
         self.wake.set()
         return new_state
 
-    def attach(self, session_id: str) -> SessionStatus:
+    def attach(self, session_id: str) -> None:
         """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
         record = self.record(session_id)
-        if record.projected_state() is SessionState.CLOSED:
+        if record.projected().state is SessionState.CLOSED:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
         self.submit(session_id, Attach())
         record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
         record.held = None
-        return self.status(session_id)
 
     def _apply_controls(self) -> None:
         for record in list(self.records.values()):
@@ -244,52 +254,36 @@ class EngineCore:
                 self._apply(record, record.controls.popleft())
 
     def _apply(self, record: SessionRecord, control: Control) -> None:
-        """The one place a session's state moves (the transitions are checked in ``engine/controls.py``)."""
+        """The one place a session's state moves: what the control changes is ``applied``'s (``engine/controls.py``);
+        here are its effects on the device work to come and on the clocks."""
         if not record.is_open:
             return
         now = time.monotonic()
         record.touch()
         if isinstance(control, Close):
             self._finish(record, control.reason)
-        elif isinstance(control, Start):
-            if control.seed is not None:
-                record.seed = control.seed
-            if control.negative_prompt is not None:
-                record.negative_prompt = control.negative_prompt
-            if control.pace is not None:
-                record.pace = control.pace
-            record.prompt = control.prompt
+            self.wake.set()
+            return
+        was = record.state
+        record.take(applied(record.view(), control, starts_on_attach=record.start_on_attach is not None))
+        if was is SessionState.CREATED and record.state is SessionState.ACTIVE:  # `start`, or the attach it waited for
             record.start_on_attach = None
-            record.state = SessionState.ACTIVE
             record.started_at = now
-        elif isinstance(control, SetPrompt):
-            if control.negative_prompt is not None:
-                record.negative_prompt = control.negative_prompt
-            record.prompt = control.prompt
-            policy = control.policy
+        if isinstance(control, SetPrompt):
             pending = record.pending_prompt
             # A reset still waiting to be applied must survive a later soft change.
-            if pending is not None and pending.policy == "reset":
-                policy = "reset"
+            policy = "reset" if pending is not None and pending.policy == "reset" else control.policy
             record.pending_prompt = PromptUpdate(control.prompt, record.negative_prompt, policy)
-        elif isinstance(control, Pause):
-            record.state = SessionState.PAUSED
-        elif isinstance(control, Resume):
-            if record.state is SessionState.PAUSED:
-                record.state = SessionState.ACTIVE
-                record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
+        elif isinstance(control, Resume) and was is SessionState.PAUSED:
+            record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
         elif isinstance(control, Reset):
             record.pending_reset = True
             record.pending_prompt = None  # the reset restarts with the current prompt
             record.blocks_since_reset = 0
         elif isinstance(control, Attach):
-            record.attached = True
             record.detached_at = None
             record.reanchor = record.playback_anchor is not None  # a new viewer's playback starts at its first chunk
-            if record.start_on_attach is not None and record.state is SessionState.CREATED:
-                self._apply(record, record.start_on_attach)
         elif isinstance(control, Detach):
-            record.attached = False
             record.detached_at = now
         self.wake.set()
 
@@ -577,23 +571,32 @@ class EngineCore:
         running = [r for r in self._open_records() if r.pace and r.state is SessionState.ACTIVE]
         return self.policy.utilisation([self.cost_of(r) for r in running])
 
-    def _below_realtime(self, record: SessionRecord) -> bool:
+    @staticmethod
+    def _below_realtime(record: SessionRecord, utilisation: float) -> bool:
         """The live sessions' measured demand exceeds the device, and this one is missing deadlines because of it."""
-        return self._utilisation() > 1.0 and any(record.recent_misses)
+        return utilisation > 1.0 and any(record.recent_misses)
 
     def status(self, session_id: str) -> SessionStatus:
         record = self.record(session_id)
-        return session_status(record, draining=self.draining, below_realtime=self._below_realtime(record))
+        return self._snapshot(record, self._utilisation())
+
+    def statuses(self) -> list[SessionStatus]:
+        """A snapshot of every session the core knows, ended ones still kept included."""
+        utilisation = self._utilisation()
+        return [self._snapshot(record, utilisation) for record in self.records.values()]
+
+    def _snapshot(self, record: SessionRecord, utilisation: float) -> SessionStatus:
+        return session_status(record, draining=self.draining, below_realtime=self._below_realtime(record, utilisation))
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}
-        for session_id in self.records:
-            state = self.status(session_id).state
+        for record in self.records.values():
+            state = shown_state(record.projected(), draining=self.draining)
             by_state[state] = by_state.get(state, 0) + 1
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
         utilisation = self._utilisation()
-        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r))
+        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r, utilisation))
         cost = self.block_cost.seconds
         return EngineCounters(
             ready=ready,
@@ -634,5 +637,3 @@ def _evictable(record: SessionRecord) -> bool:
     return not record.attached and (record.detached_at is not None or record.state is SessionState.PAUSED)
 
 
-def _checked(state: SessionState, control: Control, record: SessionRecord) -> SessionState:
-    return next_state(state, control, starts_on_attach=record.start_on_attach is not None)

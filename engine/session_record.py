@@ -12,25 +12,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
+from engine.controls import Control, SessionState, SessionView, Start, applied
 from engine.plan import PromptUpdate
 from engine.realtime import FrameRate, RunningCost
 from engine.session import Chunk, ChunkQueue, ChunkTimings
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
 RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A session as it will be once its queued controls apply: what snapshots show and controls are checked on."""
-
-    state: SessionState
-    attached: bool
-    detached: bool
-    prompt: str | None
-    seed: int
-    pace: bool
 
 
 @dataclass
@@ -81,26 +69,22 @@ class SessionRecord:
     def is_open(self) -> bool:
         return self.state is not SessionState.CLOSED
 
-    def projected_state(self) -> SessionState:
-        """The state once every queued control has applied (what a new control is checked against)."""
-        return self.projected().state
+    def view(self) -> SessionView:
+        """The session as its applied controls left it."""
+        return SessionView(self.state, self.attached, self.detached_at is not None, self.prompt, self.negative_prompt,
+                           self.seed, self.pace)
 
-    def projected(self) -> Projection:
-        state, starts = self.state, self.start_on_attach is not None
-        attached, detached = self.attached, self.detached_at is not None
-        prompt, seed, pace = self.prompt, self.seed, self.pace
+    def projected(self) -> SessionView:
+        """The session once every queued control has applied: what snapshots show and new controls are checked on."""
+        view = self.view()
         for control in self.controls:
-            state = next_state(state, control, starts_on_attach=starts)
-            if isinstance(control, Attach):
-                attached, detached = True, False
-            elif isinstance(control, Detach):
-                attached, detached = False, True
-            elif isinstance(control, (Start, SetPrompt)):
-                prompt = control.prompt
-                if isinstance(control, Start):
-                    seed = control.seed if control.seed is not None else seed
-                    pace = control.pace if control.pace is not None else pace
-        return Projection(state, attached, detached, prompt, seed, pace)
+            view = applied(view, control, starts_on_attach=self.start_on_attach is not None)
+        return view
+
+    def take(self, view: SessionView) -> None:
+        """Hold what a control left (the consumer's timestamps are the core's to set)."""
+        self.state, self.attached = view.state, view.attached
+        self.prompt, self.negative_prompt, self.seed, self.pace = view.prompt, view.negative_prompt, view.seed, view.pace
 
     def touch(self) -> None:
         self.last_active = time.monotonic()

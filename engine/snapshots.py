@@ -2,25 +2,28 @@
 
 from __future__ import annotations
 
-from engine.controls import SessionState
+from engine.controls import SessionState, SessionView
 from engine.session_record import SessionRecord
 from engine.status import RealtimeStatus, SessionStatus
+
+
+def shown_state(projected: SessionView, *, draining: bool) -> str:
+    """The protocol's state of a session: an open one shows ``detached`` without a consumer, and ``draining``
+    while the engine drains."""
+    if projected.state is SessionState.CLOSED:
+        return projected.state.value
+    if draining:
+        return "draining"
+    return "detached" if projected.detached else projected.state.value
 
 
 def session_status(record: SessionRecord, *, draining: bool, below_realtime: bool) -> SessionStatus:
     """``below_realtime``: the core's judgement for this session (shown only while it runs live)."""
     projected = record.projected()
-    state = projected.state
-    shown = state.value
-    if state is not SessionState.CLOSED:
-        if projected.detached:
-            shown = "detached"
-        if draining:
-            shown = "draining"
-    live_running = projected.pace and state is SessionState.ACTIVE
+    live_running = projected.pace and projected.state is SessionState.ACTIVE
     return SessionStatus(
         session_id=record.session_id,
-        state=shown,
+        state=shown_state(projected, draining=draining),
         attached=projected.attached,
         seed=projected.seed,
         pace=projected.pace,
