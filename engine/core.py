@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -44,7 +45,6 @@ from engine.controls import (
 )
 from engine.errors import (
     CapacityFull,
-    EngineUnavailable,
     NoRealtimeCapacity,
     SessionClosed,
     TooManyControls,
@@ -73,8 +73,13 @@ class Admission:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``draining``: whether the engine drains (its owner's flag; snapshots and the outlook show it)."""
         self.config = config
+        self._draining = draining
         self.runner = built.runner
         self.kv = built.runner.kv_manager
         self.capacity = built.capacity
@@ -108,14 +113,12 @@ class EngineCore:
         self.refused_realtime = 0
         self.alive = True
         self.dead_reason: str | None = None
-        self.draining = False
 
     # --- admission ----------------------------------------------------------------------------
     def admit(
         self, *, seed: int, pace: bool, negative_prompt: str, prompt: str | None, start_on_attach: bool
     ) -> SessionRecord | CapacityFull:
         """A new session in ``created`` (``active`` with a prompt, unless it starts on attach), or a refusal."""
-        self.require_serving()
         self._apply_controls()  # eviction and the budgets must see every accepted control
         plan = self._admission(live=pace)
         if plan.refused is not None:
@@ -194,7 +197,7 @@ class EngineCore:
         live = [r for r in open_records if r.pace]
         live_capacity = self.live_capacity()
         return AdmissionOutlook(
-            admitting=self.alive and not self.draining and self._admission(live=True).refused is None,
+            admitting=self.alive and not self._draining() and self._admission(live=True).refused is None,
             slots_free=max(0, self.capacity - self.kv.num_reserved),
             open_sessions=len(open_records),
             live_sessions=len(live),
@@ -524,7 +527,6 @@ class EngineCore:
         self._finish(record, reason)
 
     def finish_all(self, reason: str) -> None:
-        self.draining = True
         for record in self._open_records():
             self._finish(record, reason)
 
@@ -586,12 +588,13 @@ class EngineCore:
         return [self._snapshot(record, utilisation) for record in self.records.values()]
 
     def _snapshot(self, record: SessionRecord, utilisation: float) -> SessionStatus:
-        return session_status(record, draining=self.draining, below_realtime=self._below_realtime(record, utilisation))
+        return session_status(record, draining=self._draining(), below_realtime=self._below_realtime(record, utilisation))
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}
+        draining = self._draining()
         for record in self.records.values():
-            state = shown_state(record.projected(), draining=self.draining)
+            state = shown_state(record.projected(), draining=draining)
             by_state[state] = by_state.get(state, 0) + 1
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
@@ -601,7 +604,7 @@ class EngineCore:
         return EngineCounters(
             ready=ready,
             alive=self.alive,
-            draining=self.draining,
+            draining=draining,
             ticks=self.ticks,
             blocks=self.blocks,
             capacity=self.capacity,
@@ -623,12 +626,6 @@ class EngineCore:
             ),
             session_deadline_misses=tuple(r.deadline_misses for r in live),
         )
-
-    def require_serving(self) -> None:
-        if not self.alive:
-            raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
-        if self.draining:
-            raise EngineUnavailable("the engine is draining")
 
 
 def _evictable(record: SessionRecord) -> bool:

@@ -9,8 +9,24 @@ it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from engine.session import ChunkTimings
+
+
+class NotReady(Enum):
+    """Why an engine admits no new session now. The one readiness rule is ``Engine.not_ready()``; every
+    surface (``/readyz``, the stream sockets, REST, metrics, a cluster worker's health) asks it."""
+
+    WARMING_UP = "engine warming up"
+    DRAINING = "draining"
+    DEAD = "engine dead"
+    FAILED_TO_START = "engine failed to start"
+
+    @property
+    def final(self) -> bool:
+        """The engine will never serve again (a process running it should exit, a worker be replaced)."""
+        return self in (NotReady.DEAD, NotReady.FAILED_TO_START)
 
 
 @dataclass(frozen=True)

@@ -535,7 +535,7 @@ def test_histogram_exposition_is_cumulative_with_inclusive_bounds():
         kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(), session_frames_per_second=(),
         session_deadline_misses=(),
     )
-    lines = metrics.render(counters, draining=False).decode().splitlines()
+    lines = metrics.render(counters).decode().splitlines()
     assert "# TYPE arstream_encode_seconds histogram" in lines
     assert ENCODE_BUCKETS_S[:2] == (0.001, 0.0025)
     assert 'arstream_encode_seconds_bucket{le="0.001"} 2.0' in lines

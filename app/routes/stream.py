@@ -36,6 +36,7 @@ from app.streaming import (
     StreamConnection,
     closed_message,
 )
+from engine.api import NotReady
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
 log = logging.getLogger("arstream.stream")
@@ -52,8 +53,8 @@ async def create_stream(websocket: WebSocket, service: ServiceDep) -> None:
         return
     try:
         record = service.registry.create(caller, via="websocket")
-    except EngineUnavailable:
-        await refuse_socket(websocket, service, "draining" if service.engine.draining else "failed")
+    except EngineUnavailable:  # it stopped serving meanwhile
+        await _refuse_not_ready(websocket, service, service.not_ready() or NotReady.DEAD)
         return
     except EngineError as error:  # too many sessions for this client
         await refuse_socket(websocket, service, "capacity", error=(error.code, error.message),
@@ -115,18 +116,21 @@ async def _deny(websocket: WebSocket, service: Gate, reason: str, address: str) 
 
 
 async def _serving(websocket: WebSocket, service: Service) -> bool:
-    if service.draining or service.engine.draining:
+    reason = service.not_ready()
+    if reason is not None:
+        await _refuse_not_ready(websocket, service, reason)
+    return reason is None
+
+
+async def _refuse_not_ready(websocket: WebSocket, service: Service, reason: NotReady) -> None:
+    """Draining: ``closed`` draining (1001); dead or failed to start: ``closed`` failed (1011); warming up: try later."""
+    if reason is NotReady.DRAINING:
         await refuse_socket(websocket, service, "draining")
-        return False
-    if not service.engine.alive or service.start_error is not None:
+    elif reason.final:
         await refuse_socket(websocket, service, "failed", error=("internal", "the engine is not available"))
-        return False
-    if not service.engine.ready:
-        await refuse_socket(websocket, service, "capacity",
-                            error=("internal", "the engine is warming up; try again later"),
+    else:
+        await refuse_socket(websocket, service, "capacity", error=("internal", "the engine is warming up; try again later"),
                             retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
-        return False
-    return True
 
 
 async def refuse_socket(websocket: WebSocket, service: Gate, reason: str, error: tuple[str, str] | None = None,
