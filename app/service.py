@@ -18,7 +18,7 @@ from app.memory import FreedMemoryReleaser
 from app.registry import SessionRegistry
 from app.settings import Settings
 from app.telemetry import ServiceMetrics
-from engine.api import Engine, NotReady
+from engine.api import Engine, Geometry, NotReady
 
 
 class OpenSocket(Protocol):
@@ -60,6 +60,15 @@ class Service:
     @property
     def ready(self) -> bool:
         return self.engine.ready
+
+    @property
+    def geometry(self) -> Geometry:
+        """The media every session's chunks have (final once the engine is built)."""
+        return self.engine.geometry
+
+    def render_metrics(self) -> bytes:
+        """``/metrics``: what the service counted and the engine's counters now."""
+        return self.metrics.render(self.engine.counters())
 
     def begin_start(self) -> None:
         """Build and warm the engine in the background: the server answers ``/healthz`` (and ``/readyz`` 503)

@@ -579,16 +579,17 @@ class EngineCore:
         return utilisation > 1.0 and any(record.recent_misses)
 
     def status(self, session_id: str) -> SessionStatus:
-        record = self.record(session_id)
-        return self._snapshot(record, self._utilisation())
+        return self.statuses([self.record(session_id)])[0]
 
-    def statuses(self) -> list[SessionStatus]:
-        """A snapshot of every session the core knows, ended ones still kept included."""
-        utilisation = self._utilisation()
-        return [self._snapshot(record, utilisation) for record in self.records.values()]
-
-    def _snapshot(self, record: SessionRecord, utilisation: float) -> SessionStatus:
-        return session_status(record, draining=self._draining(), below_realtime=self._below_realtime(record, utilisation))
+    def statuses(self, records: list[SessionRecord] | None = None) -> list[SessionStatus]:
+        """Snapshots of ``records`` (default: every session the core knows, ended ones still kept included);
+        the engine-wide figures they show are taken once."""
+        utilisation, live_capacity, draining = self._utilisation(), self.live_capacity(), self._draining()
+        return [
+            session_status(record, draining=draining, below_realtime=self._below_realtime(record, utilisation),
+                           live_capacity=live_capacity)
+            for record in (self.records.values() if records is None else records)
+        ]
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}

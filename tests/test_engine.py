@@ -113,9 +113,9 @@ def test_chunks_flow_pause_resume_reset_close():
 
             engine.pause(sid)
             await asyncio.sleep(0.3)
-            produced = engine.status(sid).chunks
+            produced = engine.status(sid).counters.chunks
             await asyncio.sleep(0.5)
-            assert engine.status(sid).chunks == produced  # nothing generated while paused
+            assert engine.status(sid).counters.chunks == produced  # nothing generated while paused
             assert engine.status(sid).state == "paused"
 
             engine.resume(sid)
@@ -285,7 +285,7 @@ def test_split_first_block_counts_time_to_first_media_at_the_opening_frame():
             # First media is the opening frame; the block's rest re-anchors playback, so it is no miss.
             assert status.time_to_first_chunk_ms is not None
             assert status.realtime.deadline_misses == 0
-            assert status.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
+            assert status.counters.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
         finally:
             await engine.shutdown()
 

@@ -165,7 +165,7 @@ class FrontEnd:
             if previous is not None and previous.generation == endpoint.generation and unanswered < UNANSWERED_POLLS:
                 return  # keep the last answer a little longer
             load = WorkerLoad(endpoint.name, endpoint.generation, ready=False, admitting=False, live_sessions=0,
-                              live_capacity=None, slots_free=0, utilisation=0.0, open_sessions=0)
+                              live_headroom=None, slots_free=0, utilisation=0.0, open_sessions=0)
         if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
             self.loads[endpoint.name] = load
 
@@ -423,7 +423,7 @@ class FrontEnd:
                 lost=self._lost.get(name, 0),
                 live_sessions=load.live_sessions if load else 0,
                 open_sessions=load.open_sessions if load else 0,
-                live_capacity=load.live_capacity if load else None,
+                live_headroom=load.live_headroom if load else None,
                 slots_free=load.slots_free if load else 0,
                 utilisation=load.utilisation if load else 0.0,
                 placed=self._placed.get(name, 0),

@@ -16,5 +16,4 @@ async def metrics(service: ServiceDep) -> Response:
     """Sessions by state, ticks, blocks, KV and decoder memory, realtime admission (live capacity,
     utilisation, deadline misses), frame rates, chunk latency, time to first chunk, encode time.
     No session ids: an id is a capability."""
-    body = service.metrics.render(service.engine.counters())
-    return Response(body, media_type=CONTENT_TYPE_PLAIN_0_0_4)
+    return Response(service.render_metrics(), media_type=CONTENT_TYPE_PLAIN_0_0_4)

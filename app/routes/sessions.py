@@ -7,20 +7,17 @@ from typing import Annotated
 from fastapi import APIRouter, Body, Path, Request, Response
 
 from app.deps import CallerDep, RegistryDep
-from app.registry import SessionRecord, SessionRegistry
+from app.registry import RegisteredSession, SessionRegistry
 from app.routes import ERROR_RESPONSES, ApiError
 from app.schemas import (
     MAX_ID_CHARS,
     CreateSessionRequest,
     PromptRequest,
-    SessionCounters,
     SessionCreated,
     SessionDetail,
     SessionList,
-    SessionRealtime,
     SessionStateResponse,
     SessionSummary,
-    SessionTimings,
 )
 from engine.errors import CapacityFull, EngineError
 
@@ -34,7 +31,7 @@ def _stream_url(request: Request, session_id: str) -> str:
     return str(url.replace(scheme="wss" if url.scheme == "https" else "ws"))
 
 
-def _controlled(registry: SessionRegistry, session_id: str) -> SessionRecord:
+def _controlled(registry: SessionRegistry, session_id: str) -> RegisteredSession:
     """The session, if this control may run now (REST controls share a per-session rate limit)."""
     try:
         record = registry.get(session_id)
@@ -47,7 +44,7 @@ def _controlled(registry: SessionRegistry, session_id: str) -> SessionRecord:
 
 
 def _state(registry: SessionRegistry, session_id: str) -> SessionStateResponse:
-    return SessionStateResponse(session_id=session_id, state=registry.status(session_id).state)
+    return SessionStateResponse.model_validate(registry.status(session_id))
 
 
 @router.post("", status_code=201, response_model=SessionCreated)
@@ -73,53 +70,13 @@ async def create_session(
 @router.get("", response_model=SessionList)
 async def list_sessions(caller: CallerDep, registry: RegistryDep) -> SessionList:
     """Session ids and states (with auth on, only the caller's)."""
-    return SessionList(
-        sessions=[
-            SessionSummary(session_id=r.session_id, state=registry.status(r.session_id).state)
-            for r in registry.visible(caller)
-        ]
-    )
+    return SessionList(sessions=[SessionSummary.model_validate(r.session) for r in registry.visible(caller)])
 
 
 @router.get("/{session_id}", response_model=SessionDetail)
 async def get_session(session_id: SessionId, caller: CallerDep, registry: RegistryDep) -> SessionDetail:
     """State, counters, timings and how it keeps real time; of the prompt only its length."""
-    status = registry.status(session_id)
-    timings = status.last_timings
-    return SessionDetail(
-        session_id=status.session_id,
-        state=status.state,
-        attached=status.attached,
-        prompt_length=status.prompt_length,
-        seed=status.seed,
-        pace=status.pace,
-        created_at=status.created_at,
-        counters=SessionCounters(
-            chunks=status.chunks,
-            frames=status.frames,
-            blocks_since_reset=status.blocks_since_reset,
-            queue_depth=status.queue_depth,
-            decoder_state_bytes=status.decoder_state_bytes,
-        ),
-        realtime=SessionRealtime(
-            live=status.realtime.live,
-            frames_per_second=round(status.realtime.frames_per_second, 3),
-            deadline_misses=status.realtime.deadline_misses,
-            block_cost_ms=status.realtime.block_cost_ms,
-            below_realtime=status.realtime.below_realtime,
-            live_capacity=registry.engine.live_capacity,
-        ),
-        last_timings=SessionTimings(
-            started_at=timings.started_at,
-            queued_ms=timings.queued_ms,
-            denoise_ms=timings.denoise_ms,
-            decode_ms=timings.decode_ms,
-        )
-        if timings is not None
-        else None,
-        time_to_first_chunk_ms=status.time_to_first_chunk_ms,
-        close_reason=status.close_reason,
-    )
+    return SessionDetail.model_validate(registry.status(session_id))
 
 
 @router.post("/{session_id}/prompt", response_model=SessionStateResponse)

@@ -71,7 +71,7 @@ async def attach_stream(websocket: WebSocket, session_id: str, service: ServiceD
     caller = await admit_socket(websocket, service)
     if caller is None or not await _serving(websocket, service):
         return
-    if len(session_id) > MAX_ID_CHARS or session_id not in service.registry.records:
+    if len(session_id) > MAX_ID_CHARS or not service.registry.knows(session_id):
         service.metrics.count(service.metrics.refused, "unknown_session")
         await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
         return
