@@ -54,7 +54,7 @@ from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, P
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
-from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
+from engine.session import Chunk, ChunkQueue, new_session_id, now_ms
 from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
 from engine.startup import BuiltEngine
 from engine.snapshots import session_status, shown_state
@@ -427,12 +427,7 @@ class EngineCore:
             if block_s > 0:
                 record.cost.observe(block_s)
                 self.block_cost.observe(block_s)
-        timings = ChunkTimings(
-            started_at=output.started_at,
-            queued_ms=output.queued_ms,
-            denoise_ms=output.denoise_ms,
-            decode_ms=output.decode_ms,
-        )
+        timings = output.timings
         chunk = Chunk(
             session_id=record.session_id,
             index=record.chunks_emitted,

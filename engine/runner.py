@@ -30,7 +30,7 @@ from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
 from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
-from engine.session import now_ms
+from engine.session import ChunkTimings, now_ms
 
 log = logging.getLogger("arstream.runner")
 
@@ -66,10 +66,7 @@ class BlockOutput:
     block_index: int
     frames: np.ndarray  # uint8 [F, H, W, 3]
     audio: np.ndarray | None  # float32 [channels, samples]: what became decodable with this block
-    started_at: float  # epoch ms
-    queued_ms: float
-    denoise_ms: float
-    decode_ms: float
+    timings: ChunkTimings
     decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
     opening_frame: bool = False  # the opening frame of a session's first block; the block's other frames follow
 
@@ -140,10 +137,12 @@ class PendingWork:
             block_index=queued.block_index,
             frames=queued.frames.numpy(),
             audio=queued.audio.numpy() if queued.audio is not None else None,
-            started_at=queued.started_at,
-            queued_ms=queued.queued_ms,
-            denoise_ms=sum(part.denoise_seconds() for part in queued.denoise_parts) * 1000.0,
-            decode_ms=decode_s * 1000.0,
+            timings=ChunkTimings(
+                started_at=queued.started_at,
+                queued_ms=queued.queued_ms,
+                denoise_ms=sum(part.denoise_seconds() for part in queued.denoise_parts) * 1000.0,
+                decode_ms=decode_s * 1000.0,
+            ),
             decoder_state_bytes=queued.decoder_state_bytes,
             opening_frame=queued.opening_frame,
         )
