@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheManager
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import DenseContext
 from engine.models.latents import BlockLatents
 from engine.models.reference import block_causal_mask
 from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
@@ -236,7 +236,7 @@ def test_recache_recomputes_resident_kv_under_the_new_prompt(runner):
     stage = torch.empty(spec.num_layers, 2, count * tokens, spec.num_kv_heads, spec.head_dim)
     cos, sin = transformer.rotary(count)
     mask = block_causal_mask(count, pipeline.frames_per_block, tokens, "cpu")
-    context = SelfAttentionContext(cos=cos, sin=sin, stage=stage, attn_mask=mask)
+    context = DenseContext(cos=cos, sin=sin, stage=stage, attn_mask=mask)
     cross = transformer.project_text(pipeline.embed("a harbour at dawn"))[0]
     transformer(frames, torch.zeros(1, count), context, cross)
     expected = stage.unflatten(2, (count, tokens))

@@ -256,10 +256,8 @@ class Kernels:
         """
         if not fused:
             return cls(fused=False, **_EAGER)
-        fused_table = dict(_FUSED if fuse_norms else _NORMS_APART)
-        if exact:
-            fused_table["gelu_linear"] = gelu_linear
-        table = {name: fused_table[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
+        chosen = _FUSED_TABLES[fuse_norms, exact]
+        table = {name: chosen[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
         return cls(fused=True, fuse_norms=fuse_norms, exact=exact, **table)
 
 
@@ -274,7 +272,6 @@ _EAGER: dict[str, Callable] = {
     "gelu_linear": gelu_linear,
 }
 # One compiled kernel per function for the process: every layer of every model reuses it.
-_FUSED: dict[str, Callable] = {name: DeviceKernel(fn) for name, fn in _EAGER.items()}
 _FUSED_NORMALIZE_MODULATE = DeviceKernel(normalize_modulate_frames)
 _FUSED_GATED_RESIDUAL = DeviceKernel(gated_residual_frames)
 _FUSED_NORMALIZE_AFFINE = DeviceKernel(normalize_affine)
@@ -377,10 +374,13 @@ _INTERLEAVED_ROPE = _InterleavedRope()
 _FUSED_ROTATE_INTERLEAVED = DeviceKernel(rotate_interleaved)
 
 
+_FUSED_ROTATE_PAIRS = DeviceKernel(rotate_pairs)
+
+
 def _rotate_pairs_fast(x, cos, sin):
     tables = _INTERLEAVED_ROPE(cos, sin) if DeviceKernel.compiles_for(x) else None
     if tables is None:
-        return _FUSED["rotate_pairs"](x, cos, sin)
+        return _FUSED_ROTATE_PAIRS(x, cos, sin)
     return _FUSED_ROTATE_INTERLEAVED(x, *tables)
 
 
@@ -388,7 +388,11 @@ def _rms_norm_rotate_apart(x, weight, eps, heads, cos, sin):
     return _rotate_pairs_fast(rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
 
 
-# The norms on torch's kernels, everything between them fused.
+# The fused steps but the FFN's first half, in two sets: each function one compiled kernel, the norms included...
+_NORMS_FUSED: dict[str, Callable] = {
+    name: DeviceKernel(fn) for name, fn in _EAGER.items() if name not in ("rotate_pairs", "gelu_linear")
+} | {"rotate_pairs": _FUSED_ROTATE_PAIRS}
+# ... or the norms on torch's kernels and everything between them fused (the engine's).
 _NORMS_APART: dict[str, Callable] = {
     "modulated_layer_norm": _modulated_layer_norm_apart,
     "gated_residual": _gated_residual_apart,
@@ -397,7 +401,12 @@ _NORMS_APART: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotate_pairs": _rotate_pairs_fast,
     "rms_norm_rotate": _rms_norm_rotate_apart,
-    "gelu_linear": _gelu_linear_epilogue,
 }
-_FUSED["gelu_linear"] = _gelu_linear_epilogue  # a matrix product is not compiled: cuBLASLt's epilogue in both sets
+# (fuse_norms, exact) -> every step. A matrix product is not compiled: the FFN's first half is eager where the
+# set must round as eager does, and has its GELU in cuBLASLt's epilogue where it need not.
+_FUSED_TABLES: dict[tuple[bool, bool], dict[str, Callable]] = {
+    (fuse_norms, exact): {**steps, "gelu_linear": gelu_linear if exact else _gelu_linear_epilogue}
+    for fuse_norms, steps in ((True, _NORMS_FUSED), (False, _NORMS_APART))
+    for exact in (True, False)
+}
 EAGER_KERNELS = Kernels.make(False)

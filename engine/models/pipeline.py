@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from engine.kv_cache import KVSpec, SessionKVState
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import GatheredContext, PagedContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.context_kv import ContextKV
 from engine.models.forward_graphs import GraphedForwards
@@ -262,7 +262,7 @@ class CausalWanPipeline:
 
     def _attention_context(
         self, kv: SessionKVState, branch: str, history_ids: list[int], frames: int, staging: torch.Tensor | None
-    ) -> SelfAttentionContext:
+    ) -> GatheredContext | PagedContext:
         """Context for a forward of ``frames`` frames after the history frames ``history_ids`` (oldest first)."""
         cos, sin = self.transformer.rotary(len(history_ids) + frames)
         workspace = self.context_kv.get(branch)
@@ -270,7 +270,7 @@ class CausalWanPipeline:
             # The same ids after the same pool writes hold the same K/V: a block's forwards share one load.
             owner = (kv, branch, tuple(history_ids), self._pool_writes)
             history_tokens = workspace.load(owner, kv.pool, history_ids, cos, sin, self.transformer.kernels.rotate_pairs)
-            return SelfAttentionContext(
+            return GatheredContext(
                 cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens,
                 fp8=workspace.fp8,
             )
@@ -279,7 +279,7 @@ class CausalWanPipeline:
             ids = kv.history(branch)[0]  # the table keeps its ids on the device
         elif history_ids:
             ids = torch.tensor(history_ids, dtype=torch.long).to(self.transformer.device)
-        return SelfAttentionContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
+        return PagedContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
 
     def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: BlockLatents, timestep: float) -> BlockLatents:
         cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
