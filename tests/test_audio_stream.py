@@ -8,8 +8,7 @@ import io
 import av
 import pytest
 
-from tests.conftest import start_server
-from tests.test_service_e2e import StreamClient
+from tests.stream_client import StreamClient
 
 BLOCKS = 200
 SAMPLES_PER_FRAME = 3000  # 48 kHz at 16 fps
@@ -19,12 +18,8 @@ OPUS_ENCODER_DELAY = 312  # libopus' lookahead (the pre-skip): the last 6.5 ms f
 
 
 @pytest.fixture(scope="module")
-def server():
-    running = start_server("--max-sessions", "2")
-    try:
-        yield running
-    finally:
-        running.stop()
+def server(shared_server):
+    return shared_server
 
 
 def test_two_hundred_blocks_of_audio_stay_on_the_video_clock(server):

@@ -20,17 +20,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
+from tests.browser import CHROMIUM, CHROMIUM_ARGS
+
 READY_TIMEOUT_S = 45
 HEIGHT, WIDTH = 96, 160
 H264_BASELINE = 'video/mp4; codecs="avc1.42c00b"'

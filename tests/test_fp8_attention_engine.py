@@ -69,9 +69,9 @@ def _mirror_matches_quantized_history(workspace) -> dict:
 
 
 def _interpreter_checks() -> dict:
-    from tests.test_fp8_attention import _patch_interpreter
+    from tests.triton_interpreted import patch_interpreter
 
-    _patch_interpreter()
+    patch_interpreter()
     assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
     from engine.models.attention import GatheredContext, PagedContext
 

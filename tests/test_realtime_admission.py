@@ -38,7 +38,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import start_server
-from tests.test_service_e2e import StreamClient
+from tests.stream_client import StreamClient
 
 HEIGHT = WIDTH = 128
 # Device time comes from many denoise steps, not from pixels: on a 2-core CPU the encoder threads would
