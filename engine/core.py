@@ -374,10 +374,14 @@ class EngineCore:
             self._device_free_at = time.monotonic()  # nothing else in flight: the device is free now
         self.wake.set()  # room for the next block
 
-    async def drain(self) -> None:
-        """Wait for every dispatched work to complete (before a shutdown releases the sessions)."""
+    async def delivered(self) -> None:
+        """Wait until every dispatched work has completed and its chunk was delivered."""
         while self._completing:
             await asyncio.gather(*self._completing, return_exceptions=True)
+
+    async def drain(self) -> None:
+        """Wait for every dispatched work to complete (before a shutdown releases the sessions); no more come."""
+        await self.delivered()
         self._completions.shutdown(wait=True)
 
     def next_wakeup(self) -> float:
