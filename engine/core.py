@@ -443,7 +443,8 @@ class EngineCore:
             timings=timings,
             ready_at=now_ms(),
         )
-        self._keep_time(record, chunk.pts, now)
+        if record.keep_time(chunk.pts, now, fps=self.config.fps, tolerance_s=self.config.deadline_tolerance_s):
+            self.deadline_misses += 1
         if output.opening_frame:
             # A preview ahead of its block: playback (and deadlines) start with the block's other frames.
             record.reanchor = True
@@ -465,24 +466,6 @@ class EngineCore:
             record.held = chunk
         else:
             raise RuntimeError("a chunk is already held back; the scheduler must not run this session")
-
-    def _keep_time(self, record: SessionRecord, pts: int, now: float) -> None:
-        """The playback clock: started by the first chunk, re-anchored after resume/attach, deadlines counted."""
-        fps = self.config.fps
-        if record.playback_anchor is None:
-            if record.started_at is not None:
-                record.time_to_first_chunk_ms = (now - record.started_at) * 1000.0
-            record.playback_anchor = now - pts / fps
-            return
-        if record.reanchor:
-            record.playback_anchor = now - pts / fps
-            record.reanchor = False
-            return
-        late = record.pace and now > record.playback_anchor + pts / fps + self.config.deadline_tolerance_s
-        record.recent_misses.append(late)
-        if late:
-            record.deadline_misses += 1
-            self.deadline_misses += 1
 
     def _enforce_limits(self, now: float) -> None:
         """End sessions past their grace period, idle timeout or maximum duration."""

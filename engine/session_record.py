@@ -95,6 +95,25 @@ class SessionRecord:
             return 0.0
         return (self.frames_emitted + self.frames_in_flight) / fps - (now - self.playback_anchor)
 
+    def keep_time(self, pts: int, now: float, *, fps: int, tolerance_s: float) -> bool:
+        """The playback clock at a chunk emitted at ``now``: the first chunk starts it, the first after a resume
+        or an attach re-anchors it; any other is a deadline miss (returned) when it comes more than
+        ``tolerance_s`` after its playback time. Best-effort sessions have no deadlines."""
+        if self.playback_anchor is None:
+            if self.started_at is not None:
+                self.time_to_first_chunk_ms = (now - self.started_at) * 1000.0
+            self.playback_anchor = now - pts / fps
+            return False
+        if self.reanchor:
+            self.playback_anchor = now - pts / fps
+            self.reanchor = False
+            return False
+        late = self.pace and now > self.playback_anchor + pts / fps + tolerance_s
+        self.recent_misses.append(late)
+        if late:
+            self.deadline_misses += 1
+        return late
+
     def next_deadline(self, fps: int) -> float | None:
         """Monotonic time by which the next block to be dispatched must be emitted to play on time (None: no
         clock yet). Blocks already dispatched come before it."""
