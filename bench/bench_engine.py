@@ -61,7 +61,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
     progress = pipeline.new_progress(seed=0, prompt="a bench")
     state = decoder.new_state("bench")
     forward_ms = defaultdict(list)
-    original = pipeline._forward
+    original = pipeline.forward_branch
 
     def timed_forward(kv_, progress_, branch, latents, timestep, *, stage):
         history = kv_.history(branch)[1]
@@ -70,7 +70,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
         forward_ms[history].append((clock.now() - start) * 1000)
         return out
 
-    pipeline._forward = timed_forward
+    pipeline.forward_branch = timed_forward
     decode_ms, block_ms, frames, outputs = [], [], 0, []
     try:
         for _ in range(blocks):
@@ -84,7 +84,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
             frames += pixels.shape[2]
             outputs.append(clean)
     finally:
-        pipeline._forward = original
+        pipeline.forward_branch = original
     state_bytes = state.nbytes()
     kv.close()
     decoder.release(state)

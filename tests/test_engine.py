@@ -145,14 +145,14 @@ def test_a_failing_session_costs_no_other_session_anything():
             good = engine.create_session(seed=1, prompt="good", pace=False).session_id
             bad = engine.create_session(seed=2, prompt="bad", pace=False).session_id
             pipeline = engine.runner.pipeline
-            original = pipeline._forward
+            original = pipeline.forward_branch
 
             def failing(kv, progress, branch, latents, timestep, *, stage):
                 if kv.session_id == bad:
                     raise ValueError("injected forward failure")
                 return original(kv, progress, branch, latents, timestep, stage=stage)
 
-            pipeline._forward = failing
+            pipeline.forward_branch = failing
             good_chunks, bad_chunks = await asyncio.gather(take(engine, good, 3), take(engine, bad, 1))
             assert len(good_chunks) == 3 and bad_chunks == []
             status = engine.status(bad)
@@ -177,7 +177,7 @@ def test_device_fatal_error_marks_the_engine_dead():
         def fatal(*args, **kwargs):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        pipeline._forward = fatal
+        pipeline.forward_branch = fatal
         await asyncio.gather(take(engine, a, 1), take(engine, b, 1))
         assert not engine.alive and not engine.ready
         assert {engine.status(a).close_reason, engine.status(b).close_reason} == {"failed"}

@@ -441,7 +441,7 @@ def test_dead_engine_fails_sessions_and_asks_the_process_to_exit(make_client):
             raise RuntimeError("CUDA error: simulated")
 
         # The engine's own path for a device-fatal error in a step.
-        service.engine.runner.pipeline._forward = device_fatal
+        service.engine.runner.pipeline.forward_branch = device_fatal
         with client.websocket_connect("/v1/stream") as ws:
             hello(ws)
             start(ws)

@@ -108,18 +108,18 @@ def test_every_release_path_returns_pool_and_decoder_state_to_baseline(runner, e
     elif ending == "evicted":
         close(runner, "victim", "evicted")
     elif ending == "failed":
-        original = runner.pipeline._forward
+        original = runner.pipeline.forward_branch
 
         def failing_forward(kv, progress, branch, latents, timestep, *, stage):
             if kv.session_id == "victim" and stage:
                 raise RuntimeError("injected failure in the commit pass")
             return original(kv, progress, branch, latents, timestep, stage=stage)
 
-        runner.pipeline._forward = failing_forward
+        runner.pipeline.forward_branch = failing_forward
         try:
             result = runner.execute(StepPlan(work=[SessionWork("victim", run=True), SessionWork("bystander", run=True)]))
         finally:
-            runner.pipeline._forward = original
+            runner.pipeline.forward_branch = original
         assert [f.session_id for f in result.failures] == ["victim"]
         assert "injected failure" in result.failures[0].message
         assert [o.session_id for o in result.outputs] == ["bystander"]
@@ -152,7 +152,7 @@ def test_failed_commit_pass_commits_nothing_in_any_branch():
     pipeline.run_block(kv, progress)
     before = {b: (kv.committed_frames(b), kv.resident_block_ids(b)) for b in ("cond", "uncond")}
     pool_before = manager.block_pool.storage.clone()
-    original = pipeline._forward
+    original = pipeline.forward_branch
 
     def failing_forward(kv, progress, branch, latents, timestep, *, stage):
         out = original(kv, progress, branch, latents, timestep, stage=stage)
@@ -160,10 +160,10 @@ def test_failed_commit_pass_commits_nothing_in_any_branch():
             raise RuntimeError("injected")
         return out
 
-    pipeline._forward = failing_forward
+    pipeline.forward_branch = failing_forward
     with pytest.raises(RuntimeError, match="injected"):
         pipeline.run_block(kv, progress)
-    pipeline._forward = original
+    pipeline.forward_branch = original
     assert {b: (kv.committed_frames(b), kv.resident_block_ids(b)) for b in ("cond", "uncond")} == before
     assert torch.equal(manager.block_pool.storage, pool_before)
 

@@ -243,7 +243,7 @@ class CausalWanPipeline:
         return kv.read_cross(branch, TEXT_CACHE)
 
     # --- the block loop ---------------------------------------------------
-    def _forward(
+    def forward_branch(
         self,
         kv: SessionKVState,
         progress: SessionProgress,
@@ -253,6 +253,9 @@ class CausalWanPipeline:
         *,
         stage: bool,
     ) -> BlockLatents:
+        """One forward of one KV branch for a session at ``timestep`` (``stage``: the commit pass, its K/V into
+        the staging buffer). Every forward of the block loop goes through here: the one seam where tests
+        inject a failure and benchmarks time forwards."""
         frames = latents.frames
         staging = kv.staging(branch) if stage else None
         context = self._attention_context(kv, branch, kv.resident_block_ids(branch), frames, staging)
@@ -282,10 +285,10 @@ class CausalWanPipeline:
         return PagedContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
 
     def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: BlockLatents, timestep: float) -> BlockLatents:
-        cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
+        cond = self.forward_branch(kv, progress, "cond", latents, timestep, stage=False).float()
         if "uncond" not in self.branch_names:
             return cond
-        uncond = self._forward(kv, progress, "uncond", latents, timestep, stage=False).float()
+        uncond = self.forward_branch(kv, progress, "uncond", latents, timestep, stage=False).float()
         return uncond.combine(cond, 1.0 - self.guidance_scale, self.guidance_scale)
 
     def _noise(self, progress: SessionProgress) -> BlockLatents:
@@ -307,7 +310,7 @@ class CausalWanPipeline:
             return None
         clean = progress.clean
         for branch in self.branch_names:
-            self._forward(kv, progress, branch, clean, 0.0, stage=True)
+            self.forward_branch(kv, progress, branch, clean, 0.0, stage=True)
         # Every branch's forward succeeded: only now does anything enter the cache.
         self._pool_writes += 1
         for branch in self.branch_names:
