@@ -65,8 +65,8 @@ class FP8ContextKV:
     # The batch axis is added before slicing, so its stride is the whole layer's (a multiple of 16), never
     # the slice's length: Triton specialises every integer argument on divisibility by 16, and a batch
     # stride of e.g. 32,760 (a slice's key count) cost it the proof that the V rows are 16-byte aligned:
-    # V read byte by byte instead of by 16-byte asynchronous copies (sm_90 PTX), the standard window's FP8
-    # block 2.4x slower, at key counts that are not multiples of 16 only (docs/FP8.md).
+    # V read byte by byte instead of by 16-byte asynchronous copies (sm_90 PTX): the standard window's FP8
+    # block ran several times slower, at key counts that are not multiples of 16 only (docs/FP8.md).
 
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rows ``start:end`` of one layer's K as the kernel's ``[1, S, H, D]``."""
@@ -86,7 +86,7 @@ class FP8ContextKV:
         """:meth:`quantize` for every layer at once: ``keys``/``values`` ``[layers, S, H, D]``.
 
         Bit for bit the per-layer calls (a scale per layer and head either way), in four launches instead of
-        four per layer: the per-layer launches' host time left the GPU idle ~0.25 ms per layer in each load.
+        four per layer: the per-layer launches' host time left the GPU idle in each load (docs/BENCHMARKS.md).
         """
         end = start + keys.shape[1]
         fa.quantize_per_head_into(keys, self.k[:, start:end], self.scales[:, 0, segment, 0])
@@ -175,9 +175,9 @@ class ContextKV:
         """Rotate the gathered history keys of every layer in place and quantize the FP8 mirror's history.
 
         On CUDA (``cuda_graphs``) this runs as one CUDA graph per (token count, tables, rotation): its ~100
-        launches are otherwise enqueued one by one at every block's start, and the GPU waited for them
-        (8.7 ms of a bf16 block's 287 idle, 21 of an FP8 block's 278: bench_fast_paths' profile). Everything
-        it reads and writes is at a fixed address: this buffer, its mirror, the rotary module's tables.
+        launches are otherwise enqueued one by one at every block's start, and the GPU waits for them (the
+        profile is in docs/BENCHMARKS.md). Everything it reads and writes is at a fixed address: this buffer,
+        its mirror, the rotary module's tables.
         """
         key = (tokens, cos.data_ptr(), sin.data_ptr(), rotate)
         graph = self._graphs.get(key) if self._graphs.enabled else None

@@ -1,9 +1,8 @@
 """DiT forwards replayed as CUDA graphs, one graph per forward shape.
 
 A 1.3B forward launches ~1,500 kernels. At the fast window the device needs
-less time for them than the host needs to launch them (the host enqueue of a
-block measured 80 % of its device time at the standard window), so the host
-sets the pace. A graph replays the whole forward with one launch.
+less time for them than the host needs to launch them (docs/BENCHMARKS.md),
+so the host sets the pace. A graph replays the whole forward with one launch.
 
 What a graph may depend on must not move between replays, so everything a
 forward reads is either copied into the graph's own input buffers (latents,

@@ -1,7 +1,7 @@
 """CUDA graphs of the text encoder: one per padded token length, so a prompt's encode is one replay.
 
 A prompt is a few dozen tokens: UMT5-XXL's 24 layers at that size are hundreds of small kernels whose
-launches, not their arithmetic, set the time (26.8 ms on the H200 for 24 tokens, docs/BENCHMARKS.md), and
+launches, not their arithmetic, set the time (docs/BENCHMARKS.md), and
 the encode sits on every new session's path to its first media. A graph replays them in one launch.
 
 A graph has fixed shapes, so the tokens are padded to the smallest of a few lengths (``bucket_for``)
