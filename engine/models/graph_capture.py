@@ -51,10 +51,16 @@ class GraphCache(Generic[E]):
     """
 
     def __init__(self, name: str, max_graphs: int, *, enabled: bool = True,
-                 on_full: Literal["eager", "retire"] = "eager") -> None:
+                 on_full: Literal["eager", "retire"] = "eager",
+                 new_pool: Callable[[], object] = torch.cuda.graph_pool_handle,
+                 capturing: Callable[[], bool] = torch.cuda.is_current_stream_capturing) -> None:
+        """``new_pool`` / ``capturing``: CUDA's, given otherwise only where there is no CUDA (the CPU tests of
+        this bookkeeping)."""
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         self.name = name
+        self._new_pool = new_pool
+        self._capturing = capturing
         self.max_graphs = max_graphs
         self.enabled = enabled
         self.on_full = on_full
@@ -82,14 +88,14 @@ class GraphCache(Generic[E]):
     def capture(self, key: Hashable, record: Callable[[object], E]) -> E | None:
         """The entry ``record(pool)`` captures into this cache's pool, or None where the cache is off, full
         (``"eager"``) or the capture failed."""
-        if not self.enabled or torch.cuda.is_current_stream_capturing():
+        if not self.enabled or self._capturing():  # nested capture is not allowed: the caller runs eagerly
             return None
         if len(self._entries) >= self.max_graphs:
             if self.on_full == "eager":
                 return None
             self.retire()
         if self._pool is None:
-            self._pool = torch.cuda.graph_pool_handle()
+            self._pool = self._new_pool()
         try:
             entry = record(self._pool)
         except Exception:
