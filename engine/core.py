@@ -16,9 +16,9 @@ session ends goes through :meth:`_finish`, the one finish path: it marks the
 record closed, ends its queue, returns its KV reservation, and hands its id to
 the next plan so the runner releases its device state.
 
-Admission asks two budgets: memory (the KV manager's reservation, ``None``
-when full) and time (realtime admission, ``engine/realtime.py``). Either
-refusal is a :class:`CapacityFull` value with the expected wait.
+Admission asks two budgets, memory and time, through one planning function
+(``engine/admission.py``) that :meth:`admit` carries out and :meth:`outlook`
+only reads. Either refusal is a :class:`CapacityFull` value with the expected wait.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
+from engine.admission import Admission, plan_admission
 from engine.config import EngineConfig
 from engine.controls import (
     Attach,
@@ -61,15 +61,6 @@ from engine.snapshots import session_status, shown_state
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
-
-
-@dataclass(frozen=True)
-class Admission:
-    """What admitting a newcomer takes now (:meth:`EngineCore._admission`)."""
-
-    evict: list[SessionRecord]  # idle sessions to end first, least recently active first
-    remaining: list[SessionRecord]  # the open sessions once they have ended
-    refused: str | None = None  # "memory" or "time": no eviction makes room
 
 
 class EngineCore:
@@ -146,34 +137,15 @@ class EngineCore:
         return record
 
     def _admission(self, *, live: bool, needs_slot: bool = True) -> Admission:
-        """The one admission rule, worked out without changing anything: what admitting a newcomer takes now.
-
-        Memory first: without a free slot, the least recently active idle session (detached, or paused
-        without a client) makes room. Then, for a live newcomer, time: while the live sessions' costs with the
-        newcomer's do not fit the device, the least recently active idle live session makes room. ``admit``
-        carries the evictions out; ``outlook`` only reads the answer.
-        """
-        remaining = self._open_records()
-        evict: list[SessionRecord] = []
-
-        def evict_one(among: list[SessionRecord]) -> bool:
-            candidates = [r for r in among if _evictable(r)]
-            if not candidates:
-                return False
-            victim = min(candidates, key=lambda r: r.last_active)
-            remaining.remove(victim)
-            evict.append(victim)
-            return True
-
-        if needs_slot and self.kv.num_reserved >= self.capacity and not evict_one(remaining):
-            return Admission(evict, remaining, refused="memory")
-        while live:
-            live_records = [r for r in remaining if r.pace]
-            if self.policy.admits([self.cost_of(r) for r in live_records], self.block_cost.seconds):
-                break
-            if not evict_one(live_records):
-                return Admission(evict, remaining, refused="time")
-        return Admission(evict, remaining)
+        """What admitting a newcomer takes now (``engine/admission.py``); ``needs_slot=False``: it holds one."""
+        return plan_admission(
+            self._open_records(),
+            slots_free=self.capacity - self.kv.num_reserved if needs_slot else None,
+            live=live,
+            policy=self.policy,
+            cost_of=self.cost_of,
+            newcomer_cost_s=self.block_cost.seconds,
+        )
 
     def _evict(self, plan: Admission) -> None:
         for record in plan.evict:
@@ -609,11 +581,3 @@ class EngineCore:
             ),
             session_deadline_misses=tuple(r.deadline_misses for r in live),
         )
-
-
-def _evictable(record: SessionRecord) -> bool:
-    """Detached, or paused, and without a live client: a session with a live client is never evicted
-    (the newcomer is refused instead)."""
-    return not record.attached and (record.detached_at is not None or record.state is SessionState.PAUSED)
-
-
