@@ -68,14 +68,14 @@ class Engine:
             built = await asyncio.get_running_loop().run_in_executor(
                 self._executor, build_engine, self.config, self._bundle
             )
-        except BaseException as error:
+            self._bundle = None  # the core owns it now
+            self.geometry = built.geometry
+            self._core = EngineCore(self.config, built, self._executor, draining=lambda: self.draining)
+            self._loop = EngineLoop(self._core)
+            self._loop.start()
+        except BaseException as error:  # not ready for good: readiness says so
             self.start_error = error
             raise
-        self._bundle = None  # the core owns it now
-        self.geometry = built.geometry
-        self._core = EngineCore(self.config, built, self._executor, draining=lambda: self.draining)
-        self._loop = EngineLoop(self._core)
-        self._loop.start()
         self._started = True
         log.info("engine ready", extra={"capacity": built.capacity, "preset": self.config.preset})
 

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.api import Engine
+from engine.api import Engine, NotReady
 from engine.errors import (
     AlreadyStarted,
     CapacityFull,
@@ -160,6 +160,24 @@ def test_a_failing_session_costs_no_other_session_anything():
             assert "injected forward failure" in status.error
             assert engine.alive
             assert bad not in engine.runner.device_sessions
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_readiness_says_why_new_sessions_are_refused_and_a_failed_start_is_final():
+    async def scenario():
+        engine = Engine(small_config(kv_memory_budget_bytes=1))  # a budget that holds no session: the build fails
+        assert engine.not_ready() is NotReady.WARMING_UP and not engine.ready
+        with pytest.raises(ValueError, match="holds no session"):
+            await engine.start()
+        try:
+            assert engine.not_ready() is NotReady.FAILED_TO_START and engine.not_ready().final
+            with pytest.raises(EngineUnavailable, match="failed to start"):
+                engine.create_session()
+            engine.begin_drain()
+            assert engine.not_ready() is NotReady.DRAINING  # draining is said first, whatever else holds
         finally:
             await engine.shutdown()
 
