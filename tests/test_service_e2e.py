@@ -13,17 +13,13 @@ import socket
 import struct
 import subprocess
 import sys
-import time
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
-from websockets.asyncio.client import connect
 from websockets.client import ClientProtocol
-from websockets.exceptions import ConnectionClosed
 from websockets.frames import Opcode
 from websockets.http11 import Response
 from websockets.uri import parse_uri

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -13,7 +12,6 @@ from decoders.taehv import (
     TINY_TAEHV_CONFIG,
     MemoryBlock,
     TAEHVConfig,
-    TAEHVDecodeState,
     TAEHVDecoder,
     TAEHVStreamingDecoder,
     TAEHVWeightsError,

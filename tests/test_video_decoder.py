@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
@@ -13,7 +12,6 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from decoders.video import (
     TINY_VAE_STATE_BYTES_PER_PIXEL_FP32,
-    StreamingDecodeState,
     WanStreamingDecoder,
     causal_conv3d_as_conv2d,
     measure_bytes_per_pixel,
