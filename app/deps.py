@@ -14,34 +14,21 @@ from app.service import Service
 from app.settings import Settings
 
 
-async def get_server(connection: HTTPConnection) -> Server:
-    """The process answering: a single server's service, or a front end (``app/backend.py``)."""
-    return connection.app.state.service
+def _state(name: str):
+    """A dependency reading ``app.state.<name>`` (set by the app factory or its lifespan)."""
+
+    async def read(connection: HTTPConnection):
+        return getattr(connection.app.state, name)
+
+    return Depends(read)
 
 
-ServerDep = Annotated[Server, Depends(get_server)]
-
-
-async def get_service(connection: HTTPConnection) -> Service:
-    """A single server's service (routes only a single server has: ``internal``)."""
-    return connection.app.state.service
-
-
-ServiceDep = Annotated[Service, Depends(get_service)]
-
-
-async def get_sessions(connection: HTTPConnection) -> SessionsApi:
-    return connection.app.state.sessions
-
-
-SessionsDep = Annotated[SessionsApi, Depends(get_sessions)]
-
-
-async def get_settings(connection: HTTPConnection) -> Settings:
-    return connection.app.state.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
+# The process answering: a single server's service, or a front end (``app/backend.py``).
+ServerDep = Annotated[Server, _state("service")]
+# The same object where only a single server has the route (``internal``).
+ServiceDep = Annotated[Service, _state("service")]
+SessionsDep = Annotated[SessionsApi, _state("sessions")]
+SettingsDep = Annotated[Settings, _state("settings")]
 
 
 async def rest_caller(request: Request, settings: SettingsDep) -> Caller:
