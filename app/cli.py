@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import re
+import socket
 import sys
 import time
 import warnings
@@ -382,6 +383,11 @@ def serve(args: argparse.Namespace) -> int:
         check_before_build(settings.engine)  # on the CPU: the memory of one worker
     except ValueError as error:
         return fail("serve", error)
+    try:
+        listening = bind_listening_socket(settings.host, settings.port)  # before anything is built
+    except OSError as error:
+        return fail("serve", f"--port {settings.port} (ARSTREAM_PORT): cannot listen on {settings.host}:"
+                             f"{settings.port}: {error.strerror or error}")
     configure_logging(settings.log_format)
     if devices is not None and len(devices) > 1:
         app = _front_end_app(args, settings, devices)
@@ -389,7 +395,21 @@ def serve(args: argparse.Namespace) -> int:
         from app.main import create_app  # the service and the model code: only once the checks passed
 
         app = create_app(settings)
-    return _run_server(app, settings)
+    return _run_server(app, settings, listening)
+
+
+def bind_listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound as uvicorn binds its own: a port in use (or an address this host does not
+    have) is then a usage mistake answered in one line, not a failure after the engine was built."""
+    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
@@ -411,12 +431,12 @@ def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
     return create_frontend_app(settings, pool, secret)
 
 
-def _run_server(app, settings) -> int:
+def _run_server(app, settings, listening: socket.socket) -> int:
     server = build_server(app, settings)
     app.state.on_engine_dead = server.request_exit
-    server.run()
+    server.run(sockets=[listening])
     if not server.started:
-        return 3  # start-up failed (engine build, port in use); the reason is in the log
+        return 3  # start-up failed (the engine's build); the reason is in the log
     return app.state.service.exit_code if hasattr(app.state, "service") else 0
 
 

@@ -1,4 +1,4 @@
-"""Dependencies of the routes, as ``Annotated`` aliases: ``def route(service: ServiceDep, caller: CallerDep)``."""
+"""Dependencies of the routes, as ``Annotated`` aliases: ``def route(server: ServerDep, caller: CallerDep)``."""
 
 from __future__ import annotations
 
@@ -7,32 +7,28 @@ from typing import Annotated
 from fastapi import Depends
 from starlette.requests import HTTPConnection, Request
 
-from app.registry import SessionRegistry
+from app.backend import Server, SessionsApi
 from app.routes import ApiError
 from app.security import Caller, Unauthorized, authenticate, bearer_from_header, client_address, origin_allowed
 from app.service import Service
 from app.settings import Settings
 
 
-async def get_service(connection: HTTPConnection) -> Service:
-    return connection.app.state.service
+def _state(name: str):
+    """A dependency reading ``app.state.<name>`` (set by the app factory or its lifespan)."""
+
+    async def read(connection: HTTPConnection):
+        return getattr(connection.app.state, name)
+
+    return Depends(read)
 
 
-ServiceDep = Annotated[Service, Depends(get_service)]
-
-
-async def get_settings(service: ServiceDep) -> Settings:
-    return service.settings
-
-
-SettingsDep = Annotated[Settings, Depends(get_settings)]
-
-
-async def get_registry(service: ServiceDep) -> SessionRegistry:
-    return service.registry
-
-
-RegistryDep = Annotated[SessionRegistry, Depends(get_registry)]
+# The process answering: a single server's service, or a front end (``app/backend.py``).
+ServerDep = Annotated[Server, _state("service")]
+# The same object where only a single server has the route (``internal``).
+ServiceDep = Annotated[Service, _state("service")]
+SessionsDep = Annotated[SessionsApi, _state("sessions")]
+SettingsDep = Annotated[Settings, _state("settings")]
 
 
 async def rest_caller(request: Request, settings: SettingsDep) -> Caller:

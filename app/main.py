@@ -20,6 +20,7 @@ from fastapi_offline import FastAPIOffline
 from app.routes import ApiError, health, install_error_handlers, internal, metrics, sessions, stream
 from app.log_redaction import install_log_redaction, quiet_polls
 from app.security import BodySizeLimit, InternalCallerOnly, StrictRequestTarget
+from app.local_sessions import LocalSessions
 from app.service import Service
 from app.settings import Settings
 
@@ -35,6 +36,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     service = Service(app.state.settings)
     service.on_engine_dead = lambda: app.state.on_engine_dead and app.state.on_engine_dead()
     app.state.service = service
+    app.state.sessions = LocalSessions(service)
     service.begin_start()
     try:
         yield

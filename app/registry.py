@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -20,6 +21,8 @@ from app.schemas import SessionOptions
 from app.security import Caller, TokenBucket
 from app.settings import Settings
 from engine.api import Engine, SessionStatus
+from engine.session import Chunk
+from engine.status import AdmissionOutlook
 from engine.errors import CapacityFull, EngineError, InvalidRequest, SessionClosed, UnknownSession
 
 log = logging.getLogger("arstream.sessions")
@@ -40,7 +43,9 @@ class AttachedSocket(Protocol):
 
 
 @dataclass(eq=False)
-class SessionRecord:
+class RegisteredSession:
+    """A session as the service knows it: whose it is, its REST rate bucket, the socket attached to it."""
+
     session_id: str
     owner: str | None
     address: str
@@ -67,7 +72,7 @@ class SessionRecord:
 
 @dataclass(frozen=True, eq=False)
 class Attachment:
-    record: SessionRecord
+    record: RegisteredSession
     start_pts: int  # the next chunk's first frame: where this socket's media timeline begins
     audio_start: int = 0  # the next chunk's first audio sample on the session timeline
 
@@ -80,19 +85,19 @@ class Attachment:
 class SessionRegistry:
     engine: Engine
     settings: Settings
-    records: dict[str, SessionRecord] = field(default_factory=dict)
+    registered: dict[str, RegisteredSession] = field(default_factory=dict)
 
     # --- lifetime ---------------------------------------------------------------------------------
     def create(
         self, caller: Caller, *, prompt: str | None = None, seed: int | None = None,
         options: SessionOptions | None = None, via: str,
-    ) -> SessionRecord | CapacityFull:
+    ) -> RegisteredSession | CapacityFull:
         """A new session in ``created``; with a prompt, it starts when a socket attaches."""
         options = options or SessionOptions()
         self._check_options(options)
         limit = self.settings.max_sessions_per_client
         if limit is not None:
-            held = sum(1 for r in self.records.values() if r.address == caller.address and r.session.is_open)
+            held = sum(1 for r in self.registered.values() if r.address == caller.address and r.session.is_open)
             if held >= limit:
                 raise TooManySessions(f"this client already holds {held} open sessions (limit {limit})")
         status = self.engine.create_session(
@@ -109,29 +114,40 @@ class SessionRegistry:
                        "retry_after_s": status.retry_after_s},
             )
             return status
-        record = SessionRecord(
+        record = RegisteredSession(
             session_id=status.session_id,
             owner=caller.principal,
             address=caller.address,
             rest_bucket=TokenBucket(self.settings.control_rate_per_s, self.settings.control_burst),
             engine=self.engine,
         )
-        self.records[status.session_id] = record
+        self.registered[status.session_id] = record
         log.info("session created", extra={"session_id": status.session_id, "via": via, "pace": options.pace})
         return record
 
-    def get(self, session_id: str) -> SessionRecord:
-        record = self.records.get(session_id)
+    def get(self, session_id: str) -> RegisteredSession:
+        record = self.registered.get(session_id)
         if record is None:
             raise UnknownSession("unknown session")
         return record
 
+    def knows(self, session_id: str) -> bool:
+        return session_id in self.registered
+
     def status(self, session_id: str) -> SessionStatus:
         return self.get(session_id).session
 
-    def visible(self, caller: Caller) -> list[SessionRecord]:
+    def chunks(self, session_id: str) -> AsyncIterator[Chunk]:
+        """The session's chunks as the engine makes them, for the one socket attached to it."""
+        return self.engine.chunks(session_id)
+
+    def outlook(self) -> AdmissionOutlook | None:
+        """Whether a live newcomer would be admitted now, and the room left (None until the engine is built)."""
+        return self.engine.outlook()
+
+    def visible(self, caller: Caller) -> list[RegisteredSession]:
         """With auth on, only the caller's sessions; without it, all of them."""
-        return [r for r in self.records.values() if caller.principal is None or r.owner == caller.principal]
+        return [r for r in self.registered.values() if caller.principal is None or r.owner == caller.principal]
 
     async def attach(self, session_id: str, connection: AttachedSocket) -> Attachment:
         """Attach ``connection``; a socket already attached is replaced (it is told ``replaced``) first."""
@@ -147,11 +163,11 @@ class SessionRegistry:
         # From here to the return nothing awaits: the engine's attach and the timeline start agree.
         status = self.engine.attach(session_id)
         record.connection = connection
-        return Attachment(record=record, start_pts=status.frames, audio_start=status.audio_samples)
+        return Attachment(record=record, start_pts=status.counters.frames, audio_start=status.counters.audio_samples)
 
     def detach(self, session_id: str, connection: AttachedSocket) -> None:
         """The socket went away: the session waits the engine's grace period for a reconnect."""
-        record = self.records.get(session_id)
+        record = self.registered.get(session_id)
         if record is None or record.connection is not connection:
             return
         record.connection = None
@@ -168,21 +184,21 @@ class SessionRegistry:
         """Forget sessions that ended at least ``closed_retention_s`` ago, however they ended."""
         now = time.monotonic() if now is None else now
         retention = self.settings.closed_retention_s
-        for record in list(self.records.values()):
+        for record in list(self.registered.values()):
             try:
                 status = record.session
             except UnknownSession:  # the engine forgot it on its own: so do we
-                del self.records[record.session_id]
+                del self.registered[record.session_id]
                 continue
             if not status.is_open and status.ended_at is not None and now - status.ended_at >= retention:
                 self._forget(record)
 
-    def _forget(self, record: SessionRecord) -> None:
+    def _forget(self, record: RegisteredSession) -> None:
         # The socket, if one is still finishing, keeps its record and reads the last snapshot from it.
         record.remember()
         record.connection = None
         self.engine.forget(record.session_id)
-        self.records.pop(record.session_id, None)
+        self.registered.pop(record.session_id, None)
 
     # --- controls: each returns the new state when it changed, for the caller to announce ------------
     def start(self, session_id: str, prompt: str, seed: int | None, options: SessionOptions | None) -> str:
@@ -228,7 +244,7 @@ class SessionRegistry:
 
     def announce(self, session_id: str, state: str | None, reason: str | None = None) -> None:
         """Tell the attached socket (if any) about a state change made elsewhere (REST)."""
-        record = self.records.get(session_id)
+        record = self.registered.get(session_id)
         if state is not None and record is not None and record.connection is not None:
             record.connection.post_state(state, reason)
 

@@ -324,7 +324,13 @@ class SessionCreated(BaseModel):
     stream_url: str
 
 
-class SessionSummary(BaseModel):
+class Snapshot(BaseModel):
+    """A response read from the engine's snapshot by attribute (``SessionStatus``), never copied field by field."""
+
+    model_config = ConfigDict(from_attributes=True)
+
+
+class SessionSummary(Snapshot):
     session_id: str
     state: SessionState
 
@@ -333,7 +339,7 @@ class SessionList(BaseModel):
     sessions: list[SessionSummary]
 
 
-class SessionCounters(BaseModel):
+class SessionCounters(Snapshot):
     chunks: int
     frames: int
     blocks_since_reset: int
@@ -341,18 +347,20 @@ class SessionCounters(BaseModel):
     decoder_state_bytes: int = Field(description="the session's streaming decoder caches on the device")
 
 
-class SessionRealtime(BaseModel):
+class SessionRealtime(Snapshot):
     """How the session keeps up with its playback clock (docs/ENGINE.md: realtime admission)."""
 
     live: bool = Field(description="pacing on: the session has a playback clock and deadlines")
-    frames_per_second: float = Field(description="frames emitted per second over the last few chunks")
+    frames_per_second: Annotated[float, AfterValidator(lambda rate: round(rate, 3))] = Field(
+        description="frames emitted per second over the last few chunks"
+    )
     deadline_misses: int = Field(description="chunks emitted later than their playback time")
     block_cost_ms: float | None = Field(description="running estimate of device time per block")
     below_realtime: bool = Field(description="the live sessions together need more device time than there is")
     live_capacity: int | None = Field(description="live sessions this engine keeps in real time, at the measured cost")
 
 
-class SessionTimings(BaseModel):
+class SessionTimings(Snapshot):
     """The last delivered block's engine timings (ms; ``started_at`` is server epoch ms)."""
 
     started_at: float
@@ -361,7 +369,7 @@ class SessionTimings(BaseModel):
     decode_ms: float
 
 
-class SessionDetail(BaseModel):
+class SessionDetail(Snapshot):
     """Everything about a session except its prompt text, which never leaves the server."""
 
     session_id: str
@@ -383,7 +391,7 @@ class PromptRequest(Strict):
     policy: PromptPolicy = "soft"
 
 
-class SessionStateResponse(BaseModel):
+class SessionStateResponse(Snapshot):
     session_id: str
     state: SessionState
 
@@ -412,7 +420,7 @@ class WorkerCapacity(BaseModel):
     ready: bool = Field(description="warm, alive and not draining")
     admitting: bool = Field(description="a new live (paced) session would be admitted now")
     live_sessions: int = Field(description="open sessions with pacing on")
-    live_capacity: int | None = Field(description="more live sessions it keeps in real time (null: not measured)")
+    live_headroom: int | None = Field(description="more live sessions it keeps in real time (null: not measured)")
     slots_free: int = Field(description="memory (KV) slots no open session holds")
     utilisation: float = Field(description="device time the running live sessions need per second")
     device: str

@@ -18,7 +18,7 @@ from app.memory import FreedMemoryReleaser
 from app.registry import SessionRegistry
 from app.settings import Settings
 from app.telemetry import ServiceMetrics
-from engine.api import Engine
+from engine.api import Engine, Geometry, NotReady
 
 
 class OpenSocket(Protocol):
@@ -42,29 +42,33 @@ class Service:
         self.encoder_pool = ThreadPoolExecutor(settings.encode_threads, thread_name_prefix="arstream-encode")
         self.connections: set[OpenSocket] = set()
         self.freed_memory = FreedMemoryReleaser()  # ended sockets ask it to return freed memory to the OS
-        self.draining = False
         self.exit_code = 0
         self.on_engine_dead: Callable[[], None] | None = None  # the CLI stops the server with it
         self._supervisor: asyncio.Task | None = None
         self._drain: asyncio.Task | None = None
         self._warmup: asyncio.Task | None = None
-        self.start_error: BaseException | None = None
+
+    # Readiness is the engine's (Engine.not_ready): the service adds nothing of its own to it.
+    def not_ready(self) -> NotReady | None:
+        return self.engine.not_ready()
+
+    def not_ready_reason(self) -> str | None:
+        """What ``/readyz`` says (None: ready)."""
+        reason = self.engine.not_ready()
+        return reason.value if reason is not None else None
 
     @property
     def ready(self) -> bool:
-        engine = self.engine
-        return engine.ready and engine.alive and not engine.draining and not self.draining
+        return self.engine.ready
 
-    def not_ready_reason(self) -> str | None:
-        if self.draining or self.engine.draining:
-            return "draining"
-        if self.start_error is not None:
-            return "engine failed to start"
-        if not self.engine.alive:
-            return "engine dead"
-        if not self.engine.ready:
-            return "engine warming up"
-        return None
+    @property
+    def geometry(self) -> Geometry:
+        """The media every session's chunks have (final once the engine is built)."""
+        return self.engine.geometry
+
+    def render_metrics(self) -> bytes:
+        """``/metrics``: what the service counted and the engine's counters now."""
+        return self.metrics.render(self.engine.counters())
 
     def begin_start(self) -> None:
         """Build and warm the engine in the background: the server answers ``/healthz`` (and ``/readyz`` 503)
@@ -78,8 +82,7 @@ class Service:
     async def _start_or_exit(self) -> None:
         try:
             await self.start()
-        except Exception as error:
-            self.start_error = error
+        except Exception as error:  # the engine keeps it as its start error: not ready, for good
             self.exit_code = 3
             log.error("engine start failed; the server exits", extra={"error": repr(error)})
             if self.on_engine_dead is not None:
@@ -110,7 +113,7 @@ class Service:
         await asyncio.shield(self._drain)
 
     async def _drain_once(self) -> None:
-        self.draining = True
+        self.engine.begin_drain()
         if self._warmup is not None and not self._warmup.done():
             with contextlib.suppress(Exception):
                 await self._warmup  # the device thread cannot be interrupted mid-build

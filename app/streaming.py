@@ -2,7 +2,7 @@
 
 Two tasks share the socket:
 
-    pump      engine.chunks(id) ──▶ encode (worker thread) ──▶ `chunk` JSON + ONE binary segment
+    pump      registry.chunks(id) ──▶ encode (worker thread) ──▶ `chunk` JSON + ONE binary segment
     receiver  client JSON ──▶ validate ──▶ registry control ──▶ `ack` (+ `state`) or `error`
 
 The pump asks the engine for chunk N+1 only after chunk N's segment was handed to the socket; the
@@ -171,7 +171,7 @@ class StreamConnection:
         self._attachment: Attachment | None = None
         self._background: set[asyncio.Task] = set()
         self._chunks_sent = 0
-        geometry = service.engine.geometry
+        geometry = service.geometry
         self._stall_after_s = settings.stall_chunks * geometry.pixel_frames_per_block / geometry.fps
 
     # --- called by others ----------------------------------------------------------------------
@@ -281,7 +281,8 @@ class StreamConnection:
         """Say goodbye as the protocol asks, close the socket, release the encoder."""
         session = self._attachment.session if self._attachment is not None else None
         if outcome == "failed" and session is not None and session.is_open:
-            self.service.engine.close(self.session_id, "failed")  # our media broke: end it cleanly
+            with contextlib.suppress(EngineError):  # our media broke: end it cleanly
+                self.service.registry.close(self.session_id, "failed")
         if session is not None and session.error is not None:
             log.warning("session failed", extra={"session_id": self.session_id, "error": session.error})
         if outcome in ("ended", "failed") and session is not None:
@@ -313,8 +314,10 @@ class StreamConnection:
 
     async def _tell_already_closed(self, error: SessionClosed) -> None:
         """Attaching to a session that has ended (still listed for a while): say so, and why it ended."""
-        record = self.service.registry.records.get(self.session_id)
-        reason = (record.session.close_reason if record is not None else None) or "client"
+        try:
+            reason = self.service.registry.status(self.session_id).close_reason or "client"
+        except UnknownSession:  # forgotten meanwhile
+            reason = "client"
         self.service.metrics.count(self.service.metrics.errors, "session_closed")
         # The caller holds the send lock.
         await self._send_text(to_text(ErrorMessage(code="session_closed", message=error.message)))
@@ -323,8 +326,7 @@ class StreamConnection:
 
     async def _hello(self) -> None:
         """The `session` message and the init segment (the caller holds the send lock)."""
-        engine = self.service.engine
-        geometry = engine.geometry
+        geometry = self.service.geometry
         audio = None
         if geometry.audio_sample_rate:
             audio = AudioSpec(sample_rate=geometry.audio_sample_rate, channels=geometry.audio_channels or 2)
@@ -338,7 +340,7 @@ class StreamConnection:
             audio_info = AudioInfo(codec=stream.audio_codec, sample_rate=audio.sample_rate, channels=audio.channels)
         message = SessionMessage(
             session_id=self.session_id,
-            state=engine.status(self.session_id).state,
+            state=self._attachment.session.state,
             mime=stream.mime,
             video=VideoInfo(codec=stream.video_codec, width=geometry.width, height=geometry.height, fps=geometry.fps),
             audio=audio_info,
@@ -349,9 +351,8 @@ class StreamConnection:
     # --- media ---------------------------------------------------------------------------------
     async def _pump(self) -> None:
         """Chunks until the session ends; returns normally then (the caller reads the close reason)."""
-        engine = self.service.engine
         try:
-            async for chunk in engine.chunks(self.session_id):
+            async for chunk in self.service.registry.chunks(self.session_id):
                 if self._replace_requested.is_set():
                     return  # replaced while this chunk was coming: it belongs to the newcomer now
                 await self._send_chunk(chunk)

@@ -57,7 +57,6 @@ class ServiceMetrics:
         self.rejected_messages: dict[tuple[str, str], int] = {}
         self._recent_frames: deque[tuple[float, int]] = deque()
         self._engine: EngineCounters | None = None
-        self._draining = False
         self.registry.register(_Snapshot(self))
 
     def chunk_sent(self, frames: int, segment_bytes: int, latency_s: float, encode_s: float) -> None:
@@ -86,9 +85,9 @@ class ServiceMetrics:
         while self._recent_frames and now - self._recent_frames[0][0] > FPS_WINDOW_S:
             self._recent_frames.popleft()
 
-    def render(self, engine: EngineCounters, *, draining: bool) -> bytes:
+    def render(self, engine: EngineCounters) -> bytes:
         """The exposition text (format 0.0.4) of everything, with ``engine`` as the engine's state."""
-        self._engine, self._draining = engine, draining
+        self._engine = engine
         try:
             return generate_latest(self.registry)
         finally:
@@ -105,11 +104,9 @@ class _Snapshot:
         m, engine = self.metrics, self.metrics._engine
         if engine is None:
             return
-        draining = m._draining or engine.draining
-        yield _gauge("arstream_ready", "1 when the engine is warm, alive and not draining.",
-                     int(engine.ready and engine.alive and not draining))
+        yield _gauge("arstream_ready", "1 when the engine is warm, alive and not draining.", int(engine.ready))
         yield _gauge("arstream_engine_alive", "0 once the engine's device failed.", int(engine.alive))
-        yield _gauge("arstream_draining", "1 while shutting down.", int(draining))
+        yield _gauge("arstream_draining", "1 while shutting down.", int(engine.draining))
         yield _gauge("arstream_session_capacity", "Sessions the memory holds at once.", engine.capacity)
         by_state = GaugeMetricFamily("arstream_sessions", "Sessions by protocol state.", labels=["state"])
         for state, count in sorted(engine.sessions_by_state.items()):

@@ -1,7 +1,7 @@
 """uvicorn's WebSocket protocol with bounded buffers and a hard stop for peers that stopped reading.
 
 Why: a client that stops reading is otherwise invisible for a long time. Linux autotunes a socket's
-send buffer up to megabytes (about 2.8 MB queued in the kernel was seen on loopback), so the app's
+send buffer up to megabytes (docs/BENCHMARKS.md), so the app's
 sends keep "succeeding" for hundreds of chunks; and once the peer's window is zero, uvicorn's own
 ``transport.close()`` waits for a buffer that never drains, so neither a keepalive timeout nor a
 close ever reaches the app. This protocol:

@@ -16,14 +16,29 @@ import platform
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.attention import SelfAttentionContext
 from engine.bundle import build_models
 from engine.models.pipeline import draw_noise
+
+
+@dataclass
+class ConcatenatedContext:
+    """The naive path's attention context: every layer's history K/V as one concatenated tensor, read in each
+    forward (``engine.models.attention.PerForwardContext``; the engine has no such path)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    history_kv: torch.Tensor | None  # [layers, 2, S_h, heads, head_dim], unrotated
+    stage: torch.Tensor | None = None
+    attn_mask = None
+
+    def history(self, layer: int) -> torch.Tensor | None:
+        return None if self.history_kv is None else self.history_kv[layer]
 
 
 class Clock:
@@ -46,7 +61,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
     progress = pipeline.new_progress(seed=0, prompt="a bench")
     state = decoder.new_state("bench")
     forward_ms = defaultdict(list)
-    original = pipeline._forward
+    original = pipeline.forward_branch
 
     def timed_forward(kv_, progress_, branch, latents, timestep, *, stage):
         history = kv_.history(branch)[1]
@@ -55,7 +70,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
         forward_ms[history].append((clock.now() - start) * 1000)
         return out
 
-    pipeline._forward = timed_forward
+    pipeline.forward_branch = timed_forward
     decode_ms, block_ms, frames, outputs = [], [], 0, []
     try:
         for _ in range(blocks):
@@ -69,7 +84,7 @@ def paged_run(bundle, blocks: int, clock: Clock):
             frames += pixels.shape[2]
             outputs.append(clean)
     finally:
-        pipeline._forward = original
+        pipeline.forward_branch = original
     state_bytes = state.nbytes()
     kv.close()
     decoder.release(state)
@@ -98,7 +113,7 @@ def naive_run(bundle, blocks: int, clock: Clock):
     def forward(latents, timestep, write):
         history_frames = 0 if history is None else history.shape[2] // tokens
         cos, sin = transformer.rotary(history_frames + latents.frames)
-        context = SelfAttentionContext(cos=cos, sin=sin, history_kv=history, stage=stage if write else None)
+        context = ConcatenatedContext(cos=cos, sin=sin, history_kv=history, stage=stage if write else None)
         timesteps = torch.full((1, latents.frames), timestep, device=device)
         start = clock.now()
         out = transformer(latents, timesteps, context, text)

@@ -85,7 +85,7 @@ def timed_blocks(pipeline: CausalWanPipeline, blocks: int, per_forward: bool, se
     progress = pipeline.new_progress(seed=seed, prompt="a bench")
     forward_ms = defaultdict(list)
     block_ms, enqueue_ms, outputs = [], [], []
-    original = pipeline._forward
+    original = pipeline.forward_branch
     if per_forward:
         def timed(kv_, progress_, branch, latents, timestep, *, stage):
             history = kv_.num_resident_blocks(branch)
@@ -93,7 +93,7 @@ def timed_blocks(pipeline: CausalWanPipeline, blocks: int, per_forward: bool, se
             out = original(kv_, progress_, branch, latents, timestep, stage=stage)
             forward_ms[history].append((sync() - start) * 1000)
             return out
-        pipeline._forward = timed
+        pipeline.forward_branch = timed
     try:
         for _ in range(blocks):
             start = sync()
@@ -104,7 +104,7 @@ def timed_blocks(pipeline: CausalWanPipeline, blocks: int, per_forward: bool, se
             enqueue_ms.append((enqueued - start) * 1000)
             outputs.append(clean)
     finally:
-        pipeline._forward = original
+        pipeline.forward_branch = original
         kv.close()
     return forward_ms, block_ms, enqueue_ms, outputs
 

@@ -597,9 +597,9 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     if args.smoke:
-        from tests.test_fp8_attention import _patch_interpreter
+        from tests.triton_interpreted import patch_interpreter
 
-        _patch_interpreter()  # the interpreter's fp8 / bf16 casts and NumPy 2.4 (see the test's docstring)
+        patch_interpreter()  # the interpreter's fp8 / bf16 casts and NumPy 2.4 (see the test's docstring)
         shape, sweep, device = SMOKE, SMOKE_SWEEP, torch.device("cpu")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": "cpu (Triton interpreter)"}
     else:

@@ -127,9 +127,9 @@ def main() -> int:
     if args.blocks < 2:
         parser.error("--blocks must be at least 2")
     if os.environ.get("TRITON_INTERPRET") == "1":  # FP8 attention on the CPU: the interpreter's casts (see there)
-        from tests.test_fp8_attention import _patch_interpreter
+        from tests.triton_interpreted import patch_interpreter
 
-        _patch_interpreter()
+        patch_interpreter()
     started = time.perf_counter()
     try:
         configs = {

@@ -94,7 +94,7 @@ def check_pool_retirement() -> dict:
     for frames in (10, 11):
         graphs.decode(latents_for(vae, frames, seed=frames))
     old_pool = graphs.plain_pool
-    old_buffers = [weakref.ref(entry.static_samples) for entry in graphs._plain.values()]
+    old_buffers = [weakref.ref(entry.static_samples) for entry in graphs.plain_graphs]
     latents = latents_for(vae, 12, seed=12)
     out = graphs.decode(latents)
     result = {

@@ -51,7 +51,9 @@ class ChunkSeen:
 
 
 @dataclass
-class SessionRecord:
+class ObservedSession:
+    """What one benchmark client saw of its session."""
+
     label: str
     pace: bool
     video: dict | None = None  # the `session` message's video info (codec, width, height, fps)
@@ -77,10 +79,10 @@ async def run_session(
     stop_at: float,
     actions: list[tuple[float, dict]] = (),
     keep_media: bool = False,
-) -> SessionRecord:
+) -> ObservedSession:
     """One session from connect to `closed`. ``stop_at`` is monotonic seconds; ``actions`` are (seconds after
     `start`, message) controls sent while streaming; ``keep_media`` keeps the bytes for :func:`media_check`."""
-    record = SessionRecord(label=label, pace=pace, media=[] if keep_media else None)
+    record = ObservedSession(label=label, pace=pace, media=[] if keep_media else None)
     try:
         async with connect(f"{base_url}/v1/stream", compression=None, max_size=2**26, open_timeout=HELLO_TIMEOUT_S,
                            close_timeout=5) as ws:
@@ -96,7 +98,7 @@ async def run_session(
     return record
 
 
-async def _stream(ws, record: SessionRecord, *, pace, seed, prompt, stop_at, actions) -> None:
+async def _stream(ws, record: ObservedSession, *, pace, seed, prompt, stop_at, actions) -> None:
     hello = json.loads(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S))
     if hello.get("type") != "session":
         await _read_refusal(ws, record, hello)
@@ -148,7 +150,7 @@ async def _stream(ws, record: SessionRecord, *, pace, seed, prompt, stop_at, act
             return
 
 
-async def _read_refusal(ws, record: SessionRecord, first: dict) -> None:
+async def _read_refusal(ws, record: ObservedSession, first: dict) -> None:
     refusal = {"reason": None, "retry_after_s": None, "error": None}
     message = first
     while True:
@@ -169,7 +171,7 @@ async def _read_refusal(ws, record: SessionRecord, first: dict) -> None:
     record.refusal = refusal
 
 
-async def _send_controls(ws, record: SessionRecord, actions) -> None:
+async def _send_controls(ws, record: ObservedSession, actions) -> None:
     for after_s, message in sorted(actions, key=lambda action: action[0]):
         await asyncio.sleep(max(0.0, record.start_sent + after_s - time.monotonic()))
         record.events.append((message.get("policy", message["type"]), time.monotonic()))
@@ -196,7 +198,7 @@ def _max(values) -> float | None:
     return round(max(values), 2) if values else None
 
 
-def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
+def session_stats(record: ObservedSession, default_fps: int = 16) -> dict:
     out: dict = {"label": record.label, "pace": record.pace}
     fps = (record.video or {}).get("fps") or default_fps
     if record.refusal is not None:
@@ -252,7 +254,7 @@ def session_stats(record: SessionRecord, default_fps: int = 16) -> dict:
     return out
 
 
-def event_windows(record: SessionRecord, chunk_ms: float) -> list[dict]:
+def event_windows(record: ObservedSession, chunk_ms: float) -> list[dict]:
     """Per control sent: the chunk gaps that ended between it and the next control (or the end)."""
     chunks, events = record.chunks, record.events
     windows = []
@@ -269,7 +271,7 @@ def event_windows(record: SessionRecord, chunk_ms: float) -> list[dict]:
     return windows
 
 
-def media_check(record: SessionRecord) -> dict | None:
+def media_check(record: ObservedSession) -> dict | None:
     """Decode the kept stream (init + every segment, concatenated, is an MP4 file): the frames the `chunk`
     messages announced must all be there, so the figures above describe real, playable video."""
     if not record.media or not record.chunks:

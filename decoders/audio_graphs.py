@@ -33,7 +33,6 @@ stitched waveform equals the whole-clip decode and memory stays bounded.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import torch
 from diffusers import AutoencoderOobleck
 
 from decoders.audio import check_latents, decoded_samples, hop_length, plan_tiles, receptive_field
+from engine.models.graph_capture import GraphCache, capture
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,6 @@ class AudioDecodeGraphs:
         tile_frames: int | None = None,
         enabled: bool = True,
     ) -> None:
-        if int(max_graphs) < 1:
-            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         shapes = sorted({int(size) for size in compile_shapes})
         if shapes and shapes[0] < 1:
             raise ValueError(f"compile_shapes must be positive frame counts, got {list(compile_shapes)}")
@@ -101,10 +99,8 @@ class AudioDecodeGraphs:
             raise ValueError(f"tile_frames={tile_frames} must exceed the decoder halo {self.left_frames} + {self.right_frames}")
         self.tile_frames = max(0, int(tile_frames))
 
-        self._plain: OrderedDict[int, _GraphEntry] = OrderedDict()
-        self._plain_pool = None
-        self._plain_failed = False
-        self.retired_generations = 0
+        # One exact-length graph per window length, retired together at max_graphs (see the module docstring).
+        self._plain: GraphCache[_GraphEntry] = GraphCache("audio decode", int(max_graphs), on_full="retire")
         self._compiled: dict[int, _GraphEntry] = {}
         self.compile_errors: dict[int, str] = {}
         self.last_mode: str | None = None
@@ -223,59 +219,42 @@ class AudioDecodeGraphs:
 
     @property
     def plain_graph_lengths(self) -> tuple[int, ...]:
-        return tuple(self._plain)
+        return self._plain.keys()
+
+    @property
+    def plain_graphs(self) -> tuple[_GraphEntry, ...]:
+        return self._plain.entries()
 
     @property
     def plain_pool(self):
         """The current generation's graph pool handle (None before the first capture or after retirement)."""
-        return self._plain_pool
+        return self._plain.pool
+
+    @property
+    def retired_generations(self) -> int:
+        return self._plain.retired_generations
 
     def retire_plain_graphs(self) -> None:
         """Drop every plain graph and their shared pool together; the next capture starts a new pool."""
-        if self._plain:
-            logger.info("audio decode: retiring %d plain CUDA graphs", len(self._plain))
-        self._plain.clear()
-        self._plain_pool = None
-        self.retired_generations += 1
+        self._plain.retire()
 
     def _plain_graph(self, frames: int, device: torch.device) -> _GraphEntry | None:
+        """The exact-length graph (captured now if new); None: eager (a capture failed, from then on)."""
         entry = self._plain.get(frames)
-        if entry is not None or self._plain_failed:
-            return entry
-        if len(self._plain) >= self.max_graphs:
-            self.retire_plain_graphs()
-        if self._plain_pool is None:
-            self._plain_pool = torch.cuda.graph_pool_handle()
-        try:
-            entry = self._capture(frames, device, self.vae.decoder, warm_iters=2, pool=self._plain_pool)
-        except Exception as error:  # noqa: BLE001 - a failed capture must not fail the stream
-            logger.warning("audio decode: plain CUDA graph capture failed, serving eager from now on: %r", error)
-            self._plain_failed = True
-            return None
-        self._plain[frames] = entry
+        if entry is None:
+            entry = self._plain.capture(frames, lambda pool: self._capture(frames, device, self.vae.decoder,
+                                                                           warm_iters=2, pool=pool))
         return entry
 
     def _capture(
         self, frames: int, device: torch.device, decode: Callable[[torch.Tensor], torch.Tensor], *, warm_iters: int, pool
     ) -> _GraphEntry:
-        """Capture ``decode`` on zero latents of ``frames`` frames.
-
-        The warm iterations run on a side stream, as capture requires, and let
-        cuDNN choose its algorithms and Inductor finish compiling before
-        anything is recorded.
-        """
+        """Capture ``decode`` on zero latents of ``frames`` frames (the warm iterations let cuDNN choose its
+        algorithms and Inductor finish compiling before anything is recorded)."""
         static_latents = torch.zeros(1, self.latent_dim, frames, device=device, dtype=self.dtype)
         with torch.inference_mode():
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                for _ in range(warm_iters):
-                    decode(static_latents)
-            torch.cuda.current_stream(device).wait_stream(side)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                static_samples = decode(static_latents)
+            graph, static_samples = capture(lambda: decode(static_latents), warm_runs=warm_iters, pool=pool,
+                                            device=device)
         return _GraphEntry(graph=graph, static_latents=static_latents, static_samples=static_samples)
 
 

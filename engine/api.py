@@ -36,14 +36,14 @@ from engine.prompts import MAX_PROMPT_CHARS, check_prompt
 from engine.runner import Runner
 from engine.session import Chunk
 from engine.startup import build_engine, geometry_for
-from engine.status import AdmissionOutlook, EngineCounters, Geometry, SessionStatus
+from engine.status import AdmissionOutlook, EngineCounters, Geometry, NotReady, SessionStatus
 
 log = logging.getLogger("arstream.engine")
 
 PROMPT_POLICIES = ("soft", "recache", "reset")
 MAX_SEED = 2**63 - 1
 
-__all__ = ["Engine", "EngineCounters", "Geometry", "SessionStatus", "MAX_PROMPT_CHARS", "MAX_SEED"]
+__all__ = ["Engine", "EngineCounters", "Geometry", "NotReady", "SessionStatus", "MAX_PROMPT_CHARS", "MAX_SEED"]
 
 
 class Engine:
@@ -56,27 +56,36 @@ class Engine:
         self._core: EngineCore | None = None
         self._loop: EngineLoop | None = None
         self._started = False
-        self._draining = False
+        self.draining = False  # the one draining flag: set once, by begin_drain (the service, a signal, shutdown)
+        self.start_error: BaseException | None = None
         # Final once built; until then what the config says.
         self.geometry: Geometry = geometry_for(config, config.resolved_width, config.resolved_height)
 
     # --- lifetime -------------------------------------------------------------------------------
     async def start(self) -> None:
         """Build the models and pools on the device thread, warm up, start ticking."""
-        built = await asyncio.get_running_loop().run_in_executor(
-            self._executor, build_engine, self.config, self._bundle
-        )
-        self._bundle = None  # the core owns it now
-        self.geometry = built.geometry
-        self._core = EngineCore(self.config, built, self._executor)
-        self._loop = EngineLoop(self._core)
-        self._loop.start()
+        try:
+            built = await asyncio.get_running_loop().run_in_executor(
+                self._executor, build_engine, self.config, self._bundle
+            )
+            self._bundle = None  # the core owns it now
+            self.geometry = built.geometry
+            self._core = EngineCore(self.config, built, self._executor, draining=lambda: self.draining)
+            self._loop = EngineLoop(self._core)
+            self._loop.start()
+        except BaseException as error:  # not ready for good: readiness says so
+            self.start_error = error
+            raise
         self._started = True
         log.info("engine ready", extra={"capacity": built.capacity, "preset": self.config.preset})
 
+    def begin_drain(self) -> None:
+        """Refuse new sessions from now on (readiness turns false); :meth:`shutdown` ends the open ones."""
+        self.draining = True
+
     async def shutdown(self, reason: str = "draining") -> None:
         """Drain: refuse new work, end every session with ``reason``, release, stop the device thread."""
-        self._draining = True
+        self.begin_drain()
         core = self._core
         if core is not None:
             core.finish_all(reason)
@@ -88,18 +97,25 @@ class Engine:
             await loop.run_in_executor(self._executor, core.runner.close_all, reason)
         self._executor.shutdown(wait=True)
 
+    def not_ready(self) -> NotReady | None:
+        """Why new sessions are refused now; None when warm, alive and not draining (the one readiness rule)."""
+        if self.draining:
+            return NotReady.DRAINING
+        if self.start_error is not None:
+            return NotReady.FAILED_TO_START
+        if not self.alive:
+            return NotReady.DEAD
+        if not self._started:
+            return NotReady.WARMING_UP
+        return None
+
     @property
     def ready(self) -> bool:
-        """Warm, alive and not draining: new sessions are admitted."""
-        return self._started and self.alive and not self._draining
+        return self.not_ready() is None
 
     @property
     def alive(self) -> bool:
         return self._core is None or self._core.alive
-
-    @property
-    def draining(self) -> bool:
-        return self._draining
 
     @property
     def dead_reason(self) -> str | None:
@@ -156,11 +172,13 @@ class Engine:
 
         The snapshot returned says where the consumer's timeline starts (``frames``, ``audio_samples``).
         """
-        return self._known().attach(session_id)
+        core = self._known()
+        core.attach(session_id)
+        return core.status(session_id)
 
     def detach(self, session_id: str) -> None:
         core = self._core
-        if core is not None and session_id in core.sessions:
+        if core is not None and session_id in core.records:
             core.submit(session_id, Detach())
 
     def start_session(
@@ -225,8 +243,7 @@ class Engine:
         return self._known().status(session_id)
 
     def list_sessions(self) -> list[SessionStatus]:
-        core = self._core
-        return [core.status(session_id) for session_id in core.sessions] if core is not None else []
+        return self._core.statuses() if self._core is not None else []
 
     def open_sessions(self) -> list[SessionStatus]:
         return [status for status in self.list_sessions() if status.is_open]
@@ -238,7 +255,7 @@ class Engine:
     def counters(self) -> EngineCounters:
         if self._core is None:
             return EngineCounters(
-                ready=False, alive=True, draining=self._draining, ticks=0, blocks=0, capacity=0, live_capacity=None,
+                ready=False, alive=True, draining=self.draining, ticks=0, blocks=0, capacity=0, live_capacity=None,
                 realtime_admission=self.config.realtime_admission, block_cost_ms=None, realtime_utilisation=0.0,
                 sessions_by_state={}, live_sessions=0, live_sessions_below_realtime=0, deadline_misses=0,
                 refused_realtime=0, kv_blocks_total=0, kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(),
@@ -253,14 +270,19 @@ class Engine:
         return self._core
 
     def _serving(self) -> EngineCore:
-        if self._draining:
-            raise EngineUnavailable("the engine is draining")
-        if self._core is None or not self.ready:
-            if self._core is not None and not self._core.alive:
-                raise EngineUnavailable(f"the engine is dead: {self._core.dead_reason}")
-            raise EngineUnavailable("the engine is warming up; try again later")
-        self._core.require_serving()
+        reason = self.not_ready()
+        if reason is NotReady.DEAD:
+            raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
+        if reason is not None:
+            raise EngineUnavailable(_UNAVAILABLE[reason])
         return self._core
+
+
+_UNAVAILABLE = {
+    NotReady.WARMING_UP: "the engine is warming up; try again later",
+    NotReady.DRAINING: "the engine is draining",
+    NotReady.FAILED_TO_START: "the engine failed to start",
+}
 
 
 def _check_seed(seed: int | None) -> int:

@@ -18,7 +18,7 @@ an open session without a socket, or while the engine drains.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from engine.errors import AlreadyStarted, NotStarted, SessionClosed
@@ -77,6 +77,44 @@ class Detach:
 
 
 Control = Start | SetPrompt | Pause | Resume | Reset | Close | Attach | Detach
+
+
+@dataclass(frozen=True)
+class SessionView:
+    """What controls read and change of a session: its state, its consumer, its conditioning."""
+
+    state: SessionState
+    attached: bool
+    detached: bool  # open without a consumer, waiting for one to (re)attach
+    prompt: str | None
+    negative_prompt: str
+    seed: int
+    pace: bool
+
+
+def applied(view: SessionView, control: Control, *, starts_on_attach: bool = False) -> SessionView:
+    """The session as ``control`` leaves it, or the protocol's error for a control its state refuses.
+
+    The one statement of what a control changes: checking a control against the queued ones, the
+    snapshots (both fold the queue over the session) and the core's apply at the tick all read it here.
+    """
+    view = replace(view, state=next_state(view.state, control, starts_on_attach=starts_on_attach))
+    if isinstance(control, Start):
+        return replace(
+            view,
+            prompt=control.prompt,
+            seed=view.seed if control.seed is None else control.seed,
+            pace=view.pace if control.pace is None else control.pace,
+            negative_prompt=view.negative_prompt if control.negative_prompt is None else control.negative_prompt,
+        )
+    if isinstance(control, SetPrompt):
+        negative = view.negative_prompt if control.negative_prompt is None else control.negative_prompt
+        return replace(view, prompt=control.prompt, negative_prompt=negative)
+    if isinstance(control, Attach):
+        return replace(view, attached=True, detached=False)
+    if isinstance(control, Detach):
+        return replace(view, attached=False, detached=True)
+    return view
 
 
 def next_state(state: SessionState, control: Control, *, starts_on_attach: bool = False) -> SessionState:

@@ -16,9 +16,9 @@ session ends goes through :meth:`_finish`, the one finish path: it marks the
 record closed, ends its queue, returns its KV reservation, and hands its id to
 the next plan so the runner releases its device state.
 
-Admission asks two budgets: memory (the KV manager's reservation, ``None``
-when full) and time (realtime admission, ``engine/realtime.py``). Either
-refusal is a :class:`CapacityFull` value with the expected wait.
+Admission asks two budgets, memory and time, through one planning function
+(``engine/admission.py``) that :meth:`admit` carries out and :meth:`outlook`
+only reads. Either refusal is a :class:`CapacityFull` value with the expected wait.
 """
 
 from __future__ import annotations
@@ -26,59 +26,58 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from engine.admission import Admission, plan_admission
 from engine.config import EngineConfig
 from engine.controls import (
     Attach,
     Close,
     Control,
     Detach,
-    Pause,
     Reset,
     Resume,
     SessionState,
     SetPrompt,
     Start,
-    next_state,
+    applied,
 )
 from engine.errors import (
     CapacityFull,
-    EngineUnavailable,
     NoRealtimeCapacity,
     SessionClosed,
     TooManyControls,
     UnknownSession,
 )
-from engine.plan import FinishedSession, SessionWork, StepPlan
+from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, PromptUpdate, SessionWork, StepPlan
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
-from engine.session import Chunk, ChunkQueue, ChunkTimings, new_session_id, now_ms
-from engine.session_record import MAX_PENDING_CONTROLS, PromptChange, SessionRecord
+from engine.session import Chunk, ChunkQueue, new_session_id, now_ms
+from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
 from engine.startup import BuiltEngine
-from engine.snapshots import session_status
+from engine.snapshots import session_status, shown_state
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
 
-# A control kind's cost is learned from the runner's measurements; until then a recache or a reset
-# is assumed to cost about one block (both re-run forwards), the others nothing.
-COSTLY_CONTROLS = ("recache", "reset")
-CONTROL_ORDER = ("recache", "reset", "open", "soft")  # a work item's control time goes to its costliest
-
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor) -> None:
+    def __init__(
+        self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor,
+        draining: Callable[[], bool] = lambda: False,
+    ) -> None:
+        """``draining``: whether the engine drains (its owner's flag; snapshots and the outlook show it)."""
         self.config = config
+        self._draining = draining
         self.runner = built.runner
         self.kv = built.runner.kv_manager
         self.capacity = built.capacity
         self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
         self._executor = executor
-        self.sessions: dict[str, SessionRecord] = {}
+        self.records: dict[str, SessionRecord] = {}
         self._finished: list[FinishedSession] = []
         # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile.
         self._completions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
@@ -97,7 +96,7 @@ class EngineCore:
             enabled=config.realtime_admission,
         )
         self.block_cost = RunningCost(built.seed_block_cost_s)  # engine-wide, every session's blocks
-        self.control_costs = {kind: RunningCost() for kind in CONTROL_ORDER}
+        self.control_costs = {kind: RunningCost() for kind in CONTROL_KINDS}
         self.wake = asyncio.Event()
         self.ticks = 0
         self.blocks = 0
@@ -105,28 +104,20 @@ class EngineCore:
         self.refused_realtime = 0
         self.alive = True
         self.dead_reason: str | None = None
-        self.draining = False
 
     # --- admission ----------------------------------------------------------------------------
     def admit(
         self, *, seed: int, pace: bool, negative_prompt: str, prompt: str | None, start_on_attach: bool
     ) -> SessionRecord | CapacityFull:
         """A new session in ``created`` (``active`` with a prompt, unless it starts on attach), or a refusal."""
-        self.require_serving()
         self._apply_controls()  # eviction and the budgets must see every accepted control
+        plan = self._admission(live=pace)
+        if plan.refused is not None:
+            return self._refusal(plan)
+        self._evict(plan)
         session_id = new_session_id()
-        while self.kv.reserve(session_id) is None:
-            if not self._evict_one(self._open_records()):
-                return CapacityFull(retry_after_s=self._expected_wait(self._open_records()))
-        if pace and not self._realtime_admits():
-            self.kv.unreserve(session_id)
-            self.refused_realtime += 1
-            live = [r for r in self._open_records() if r.pace]
-            return CapacityFull(
-                retry_after_s=self._expected_wait(live),
-                message="no device time left for another live session; try again later, or stream with pace off",
-                live_capacity=self.live_capacity(),
-            )
+        if self.kv.reserve(session_id) is None:
+            raise RuntimeError("the admission plan left no memory slot free")
         record = SessionRecord(
             session_id=session_id,
             seed=seed,
@@ -135,7 +126,7 @@ class EngineCore:
             cost=RunningCost(),
             negative_prompt=negative_prompt,
         )
-        self.sessions[session_id] = record
+        self.records[session_id] = record
         if prompt is not None:
             start = Start(prompt=prompt)
             if start_on_attach:
@@ -145,22 +136,30 @@ class EngineCore:
                 self._apply(record, start)
         return record
 
-    def _realtime_admits(self) -> bool:
-        """One more live session keeps every live session in real time (evicting an idle live one if that helps)."""
-        while True:
-            live = [r for r in self._open_records() if r.pace]
-            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
-                return True
-            if not self._evict_one(live):
-                return False
+    def _admission(self, *, live: bool, needs_slot: bool = True) -> Admission:
+        """What admitting a newcomer takes now (``engine/admission.py``); ``needs_slot=False``: it holds one."""
+        return plan_admission(
+            self._open_records(),
+            slots_free=self.capacity - self.kv.num_reserved if needs_slot else None,
+            live=live,
+            policy=self.policy,
+            cost_of=self.cost_of,
+            newcomer_cost_s=self.block_cost.seconds,
+        )
 
-    def _evict_one(self, records: Iterable[SessionRecord]) -> bool:
-        """End the least recently active session without a live client that is detached or paused."""
-        candidates = [r for r in records if _evictable(r)]
-        if not candidates:
-            return False
-        self._finish(min(candidates, key=lambda r: r.last_active), "evicted")
-        return True
+    def _evict(self, plan: Admission) -> None:
+        for record in plan.evict:
+            self._finish(record, "evicted")
+
+    def _refusal(self, plan: Admission) -> CapacityFull:
+        if plan.refused == "memory":
+            return CapacityFull(retry_after_s=self._expected_wait(plan.remaining))
+        self.refused_realtime += 1
+        return CapacityFull(
+            retry_after_s=self._expected_wait([r for r in plan.remaining if r.pace]),
+            message="no device time left for another live session; try again later, or stream with pace off",
+            live_capacity=self.live_capacity(),
+        )
 
     def outlook(self) -> AdmissionOutlook:
         """What :meth:`admit` would decide now for a live (paced) newcomer, without admitting it or evicting
@@ -168,37 +167,16 @@ class EngineCore:
         are not applied first, so it may trail :meth:`admit` by up to one tick."""
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
-        slots_free = max(0, self.capacity - self.kv.num_reserved)
         live_capacity = self.live_capacity()
         return AdmissionOutlook(
-            admitting=self.alive and not self.draining and self._would_admit(open_records, slots_free),
-            slots_free=slots_free,
+            admitting=self.alive and not self._draining() and self._admission(live=True).refused is None,
+            slots_free=max(0, self.capacity - self.kv.num_reserved),
             open_sessions=len(open_records),
             live_sessions=len(live),
             live_headroom=max(0, live_capacity - len(live)) if live_capacity is not None else None,
             utilisation=self._utilisation(),
             retry_after_s=self._expected_wait(open_records),
         )
-
-    def _would_admit(self, open_records: list[SessionRecord], slots_free: int) -> bool:
-        """:meth:`admit`'s two budgets over a copy: evictions are only pretended."""
-        remaining = list(open_records)
-
-        def pretend_evict(among: list[SessionRecord]) -> bool:
-            candidates = [r for r in among if _evictable(r)]
-            if not candidates:
-                return False
-            remaining.remove(min(candidates, key=lambda r: r.last_active))
-            return True
-
-        if slots_free <= 0 and not pretend_evict(remaining):
-            return False
-        while True:
-            live = [r for r in remaining if r.pace]
-            if self.policy.admits([self.cost_of(r) for r in live], self.block_cost.seconds):
-                return True
-            if not pretend_evict(live):
-                return False
 
     def _expected_wait(self, blocking: list[SessionRecord]) -> float:
         """Seconds until the soonest of ``blocking`` must end on its own (grace, idle timeout, maximum duration)."""
@@ -220,81 +198,67 @@ class EngineCore:
         ``Close`` and ``Detach`` of an ended session are accepted and do nothing.
         """
         record = self.record(session_id)
-        state = record.projected_state()
-        new_state = _checked(state, control, record)
-        if not record.is_open or state is SessionState.CLOSED:
+        projected = record.projected()
+        new_state = applied(projected, control, starts_on_attach=record.start_on_attach is not None).state
+        if not record.is_open or projected.state is SessionState.CLOSED:
             return new_state
-        if isinstance(control, Start) and control.pace and not record.pace and not self._realtime_admits():
-            self.refused_realtime += 1
-            raise NoRealtimeCapacity("no device time left for another live session; start with pace off or try later")
+        if isinstance(control, Start) and control.pace and not record.pace:
+            plan = self._admission(live=True, needs_slot=False)  # it holds its slot: only time is asked
+            if plan.refused is not None:
+                self.refused_realtime += 1
+                raise NoRealtimeCapacity("no device time left for another live session; start with pace off or try later")
+            self._evict(plan)
         if len(record.controls) >= MAX_PENDING_CONTROLS:
             raise TooManyControls("too many controls waiting for this session; slow down")
         record.controls.append(control)
         self.wake.set()
         return new_state
 
-    def attach(self, session_id: str) -> SessionStatus:
+    def attach(self, session_id: str) -> None:
         """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
         record = self.record(session_id)
-        if record.projected_state() is SessionState.CLOSED:
+        if record.projected().state is SessionState.CLOSED:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
         self.submit(session_id, Attach())
         record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
         record.held = None
-        return self.status(session_id)
 
     def _apply_controls(self) -> None:
-        for record in list(self.sessions.values()):
+        for record in list(self.records.values()):
             while record.controls:
                 self._apply(record, record.controls.popleft())
 
     def _apply(self, record: SessionRecord, control: Control) -> None:
-        """The one place a session's state moves (the transitions are checked in ``engine/controls.py``)."""
+        """The one place a session's state moves: what the control changes is ``applied``'s (``engine/controls.py``);
+        here are its effects on the device work to come and on the clocks."""
         if not record.is_open:
             return
         now = time.monotonic()
         record.touch()
         if isinstance(control, Close):
             self._finish(record, control.reason)
-        elif isinstance(control, Start):
-            if control.seed is not None:
-                record.seed = control.seed
-            if control.negative_prompt is not None:
-                record.negative_prompt = control.negative_prompt
-            if control.pace is not None:
-                record.pace = control.pace
-            record.prompt = control.prompt
+            self.wake.set()
+            return
+        was = record.state
+        record.take(applied(record.view(), control, starts_on_attach=record.start_on_attach is not None))
+        if was is SessionState.CREATED and record.state is SessionState.ACTIVE:  # `start`, or the attach it waited for
             record.start_on_attach = None
-            record.state = SessionState.ACTIVE
             record.started_at = now
-        elif isinstance(control, SetPrompt):
-            if control.negative_prompt is not None:
-                record.negative_prompt = control.negative_prompt
-            record.prompt = control.prompt
-            policy = control.policy
+        if isinstance(control, SetPrompt):
             pending = record.pending_prompt
             # A reset still waiting to be applied must survive a later soft change.
-            if pending is not None and pending.policy == "reset":
-                policy = "reset"
-            record.pending_prompt = PromptChange(control.prompt, record.negative_prompt, policy)
-        elif isinstance(control, Pause):
-            record.state = SessionState.PAUSED
-        elif isinstance(control, Resume):
-            if record.state is SessionState.PAUSED:
-                record.state = SessionState.ACTIVE
-                record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
+            policy = "reset" if pending is not None and pending.policy == "reset" else control.policy
+            record.pending_prompt = PromptUpdate(control.prompt, record.negative_prompt, policy)
+        elif isinstance(control, Resume) and was is SessionState.PAUSED:
+            record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
         elif isinstance(control, Reset):
             record.pending_reset = True
             record.pending_prompt = None  # the reset restarts with the current prompt
             record.blocks_since_reset = 0
         elif isinstance(control, Attach):
-            record.attached = True
             record.detached_at = None
             record.reanchor = record.playback_anchor is not None  # a new viewer's playback starts at its first chunk
-            if record.start_on_attach is not None and record.state is SessionState.CREATED:
-                self._apply(record, record.start_on_attach)
         elif isinstance(control, Detach):
-            record.attached = False
             record.detached_at = now
         self.wake.set()
 
@@ -329,7 +293,7 @@ class EngineCore:
 
     def _dispatched(self, dispatch: Dispatch, planned_at: float) -> None:
         for failure in dispatch.failures:
-            record = self.sessions.get(failure.session_id)
+            record = self.records.get(failure.session_id)
             if record is not None:
                 self._finish(record, "failed", error=failure.message)
         if dispatch.fatal is not None:
@@ -338,7 +302,7 @@ class EngineCore:
             return
         expected = 0.0
         for pending in dispatch.pending:
-            record = self.sessions.get(pending.session_id)
+            record = self.records.get(pending.session_id)
             if record is not None and pending.ran:
                 record.works_in_flight += 1
                 record.frames_in_flight += pending.frames
@@ -361,7 +325,7 @@ class EngineCore:
                 error = None
             except Exception as failure:  # an asynchronous device error surfaces here
                 output, cost, error = None, None, failure
-            record = self.sessions.get(work.session_id)
+            record = self.records.get(work.session_id)
             if record is not None and work.ran:
                 record.works_in_flight -= 1
                 record.frames_in_flight -= work.frames
@@ -382,10 +346,14 @@ class EngineCore:
             self._device_free_at = time.monotonic()  # nothing else in flight: the device is free now
         self.wake.set()  # room for the next block
 
-    async def drain(self) -> None:
-        """Wait for every dispatched work to complete (before a shutdown releases the sessions)."""
+    async def delivered(self) -> None:
+        """Wait until every dispatched work has completed and its chunk was delivered."""
         while self._completing:
             await asyncio.gather(*self._completing, return_exceptions=True)
+
+    async def drain(self) -> None:
+        """Wait for every dispatched work to complete (before a shutdown releases the sessions); no more come."""
+        await self.delivered()
         self._completions.shutdown(wait=True)
 
     def next_wakeup(self) -> float:
@@ -394,7 +362,7 @@ class EngineCore:
     def _mark_planned(self, plan: StepPlan) -> None:
         """What the plan carries is no longer pending (the one place ``opened_on_device`` is set)."""
         for work in plan.work:
-            record = self.sessions[work.session_id]
+            record = self.records[work.session_id]
             if work.open is not None:
                 record.opened_on_device = True
                 record.pending_prompt = None
@@ -405,12 +373,11 @@ class EngineCore:
                 record.pending_prompt = None
 
     def _account(self, cost: WorkCost) -> None:
-        record = self.sessions.get(cost.session_id)
+        record = self.records.get(cost.session_id)
         if record is not None:
             record.device_seconds_pending += cost.control_s + cost.block_s
-        kinds = [kind for kind in CONTROL_ORDER if kind in cost.controls]
-        if kinds and cost.control_s > 0:
-            self.control_costs[kinds[0]].observe(cost.control_s)
+        if cost.controls and cost.control_s > 0:  # costliest first: the time is learned for that kind
+            self.control_costs[cost.controls[0]].observe(cost.control_s)
 
     def _die(self, reason: str) -> None:
         if not self.alive:
@@ -436,12 +403,7 @@ class EngineCore:
             if block_s > 0:
                 record.cost.observe(block_s)
                 self.block_cost.observe(block_s)
-        timings = ChunkTimings(
-            started_at=output.started_at,
-            queued_ms=output.queued_ms,
-            denoise_ms=output.denoise_ms,
-            decode_ms=output.decode_ms,
-        )
+        timings = output.timings
         chunk = Chunk(
             session_id=record.session_id,
             index=record.chunks_emitted,
@@ -453,7 +415,8 @@ class EngineCore:
             timings=timings,
             ready_at=now_ms(),
         )
-        self._keep_time(record, chunk.pts, now)
+        if record.keep_time(chunk.pts, now, fps=self.config.fps, tolerance_s=self.config.deadline_tolerance_s):
+            self.deadline_misses += 1
         if output.opening_frame:
             # A preview ahead of its block: playback (and deadlines) start with the block's other frames.
             record.reanchor = True
@@ -475,24 +438,6 @@ class EngineCore:
             record.held = chunk
         else:
             raise RuntimeError("a chunk is already held back; the scheduler must not run this session")
-
-    def _keep_time(self, record: SessionRecord, pts: int, now: float) -> None:
-        """The playback clock: started by the first chunk, re-anchored after resume/attach, deadlines counted."""
-        fps = self.config.fps
-        if record.playback_anchor is None:
-            if record.started_at is not None:
-                record.time_to_first_chunk_ms = (now - record.started_at) * 1000.0
-            record.playback_anchor = now - pts / fps
-            return
-        if record.reanchor:
-            record.playback_anchor = now - pts / fps
-            record.reanchor = False
-            return
-        late = record.pace and now > record.playback_anchor + pts / fps + self.config.deadline_tolerance_s
-        record.recent_misses.append(late)
-        if late:
-            record.deadline_misses += 1
-            self.deadline_misses += 1
 
     def _enforce_limits(self, now: float) -> None:
         """End sessions past their grace period, idle timeout or maximum duration."""
@@ -536,7 +481,6 @@ class EngineCore:
         self._finish(record, reason)
 
     def finish_all(self, reason: str) -> None:
-        self.draining = True
         for record in self._open_records():
             self._finish(record, reason)
 
@@ -546,19 +490,19 @@ class EngineCore:
 
     def forget(self, session_id: str) -> None:
         """Drop an ended session's record (whoever shows it to clients calls this after its retention)."""
-        record = self.sessions.get(session_id)
+        record = self.records.get(session_id)
         if record is not None and not record.is_open:
-            del self.sessions[session_id]
+            del self.records[session_id]
 
     # --- reading --------------------------------------------------------------------------------
     def record(self, session_id: str) -> SessionRecord:
-        record = self.sessions.get(session_id)
+        record = self.records.get(session_id)
         if record is None:
             raise UnknownSession("unknown session")
         return record
 
     def _open_records(self) -> list[SessionRecord]:
-        return [r for r in self.sessions.values() if r.is_open]
+        return [r for r in self.records.values() if r.is_open]
 
     def cost_of(self, record: SessionRecord) -> float:
         """Expected device seconds of the session's next block: its own estimate, else the engine's."""
@@ -567,15 +511,12 @@ class EngineCore:
         return self.block_cost.seconds or 0.0
 
     def _control_cost(self, work: SessionWork) -> float:
-        kinds = []
-        if work.reset or (work.prompt is not None and work.prompt.policy == "reset"):
-            kinds.append("reset")
-        if work.prompt is not None and work.prompt.policy == "recache":
-            kinds.append("recache")
+        """Expected device seconds of the work's controls that re-run forwards (a block each until learned)."""
         total = 0.0
-        for kind in kinds:
-            learned = self.control_costs[kind]
-            total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
+        for kind in work.control_kinds:
+            if kind in FORWARD_CONTROL_KINDS:
+                learned = self.control_costs[kind]
+                total += learned.seconds if learned.samples else (self.block_cost.seconds or 0.0)
         return total
 
     def live_capacity(self) -> int | None:
@@ -586,28 +527,39 @@ class EngineCore:
         running = [r for r in self._open_records() if r.pace and r.state is SessionState.ACTIVE]
         return self.policy.utilisation([self.cost_of(r) for r in running])
 
-    def _below_realtime(self, record: SessionRecord) -> bool:
+    @staticmethod
+    def _below_realtime(record: SessionRecord, utilisation: float) -> bool:
         """The live sessions' measured demand exceeds the device, and this one is missing deadlines because of it."""
-        return self._utilisation() > 1.0 and any(record.recent_misses)
+        return utilisation > 1.0 and any(record.recent_misses)
 
     def status(self, session_id: str) -> SessionStatus:
-        record = self.record(session_id)
-        return session_status(record, draining=self.draining, below_realtime=self._below_realtime(record))
+        return self.statuses([self.record(session_id)])[0]
+
+    def statuses(self, records: list[SessionRecord] | None = None) -> list[SessionStatus]:
+        """Snapshots of ``records`` (default: every session the core knows, ended ones still kept included);
+        the engine-wide figures they show are taken once."""
+        utilisation, live_capacity, draining = self._utilisation(), self.live_capacity(), self._draining()
+        return [
+            session_status(record, draining=draining, below_realtime=self._below_realtime(record, utilisation),
+                           live_capacity=live_capacity)
+            for record in (self.records.values() if records is None else records)
+        ]
 
     def counters(self, *, ready: bool) -> EngineCounters:
         by_state: dict[str, int] = {}
-        for session_id in self.sessions:
-            state = self.status(session_id).state
+        draining = self._draining()
+        for record in self.records.values():
+            state = shown_state(record.projected(), draining=draining)
             by_state[state] = by_state.get(state, 0) + 1
         open_records = self._open_records()
         live = [r for r in open_records if r.pace]
         utilisation = self._utilisation()
-        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r))
+        below = sum(1 for r in live if r.state is SessionState.ACTIVE and self._below_realtime(r, utilisation))
         cost = self.block_cost.seconds
         return EngineCounters(
             ready=ready,
             alive=self.alive,
-            draining=self.draining,
+            draining=draining,
             ticks=self.ticks,
             blocks=self.blocks,
             capacity=self.capacity,
@@ -629,19 +581,3 @@ class EngineCore:
             ),
             session_deadline_misses=tuple(r.deadline_misses for r in live),
         )
-
-    def require_serving(self) -> None:
-        if not self.alive:
-            raise EngineUnavailable(f"the engine is dead: {self.dead_reason}")
-        if self.draining:
-            raise EngineUnavailable("the engine is draining")
-
-
-def _evictable(record: SessionRecord) -> bool:
-    """Detached, or paused, and without a live client: a session with a live client is never evicted
-    (the newcomer is refused instead)."""
-    return not record.attached and (record.detached_at is not None or record.state is SessionState.PAUSED)
-
-
-def _checked(state: SessionState, control: Control, record: SessionRecord) -> SessionState:
-    return next_state(state, control, starts_on_attach=record.start_on_attach is not None)

@@ -1,8 +1,14 @@
-"""The one object that crosses from the scheduler to the runner."""
+"""The one object that crosses from the scheduler to the runner, and the kinds of control it carries."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# The controls a work item may run besides its block, costliest first. A work's control time is learned for
+# its costliest kind; the kinds that re-run forwards are counted by the scheduler (about a block each until
+# their cost is learned), opening a session and a soft prompt change are not.
+CONTROL_KINDS = ("recache", "reset", "open", "soft")
+FORWARD_CONTROL_KINDS = ("recache", "reset")
 
 
 @dataclass(frozen=True)
@@ -16,6 +22,8 @@ class OpenSession:
 
 @dataclass(frozen=True)
 class PromptUpdate:
+    """A prompt change waiting for the device (the session record holds it until a plan carries it)."""
+
     prompt: str
     negative_prompt: str
     policy: str  # soft | recache | reset
@@ -30,6 +38,16 @@ class SessionWork:
     reset: bool = False
     prompt: PromptUpdate | None = None
     run: bool = False
+
+    @property
+    def control_kinds(self) -> tuple[str, ...]:
+        """The controls this work runs, costliest first (a prompt change with policy ``reset`` is a reset)."""
+        ran = {self.prompt.policy} if self.prompt is not None else set()
+        if self.open is not None:
+            ran.add("open")
+        if self.reset:
+            ran.add("reset")
+        return tuple(kind for kind in CONTROL_KINDS if kind in ran)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ another, so the live sessions keep real time together only while
     headroom × Σ cost_i  ≤  block_seconds          (cost_i: device seconds per block of live session i)
 
 A newcomer is admitted only if that still holds with it (its cost is the
-engine-wide estimate until it has run). ``headroom`` (default 1.25) is the
+engine-wide estimate until it has run). ``headroom`` (``realtime_headroom``, default 1.1) is the
 margin for what the sum does not see: a tick delivers its blocks together, so
 a block can wait for the others of its tick; the encoder threads and the event
 loop share the CPU with the device thread; and the estimate trails a change of

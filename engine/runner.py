@@ -30,7 +30,7 @@ from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
 from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
-from engine.session import now_ms
+from engine.session import ChunkTimings, now_ms
 
 log = logging.getLogger("arstream.runner")
 
@@ -66,10 +66,7 @@ class BlockOutput:
     block_index: int
     frames: np.ndarray  # uint8 [F, H, W, 3]
     audio: np.ndarray | None  # float32 [channels, samples]: what became decodable with this block
-    started_at: float  # epoch ms
-    queued_ms: float
-    denoise_ms: float
-    decode_ms: float
+    timings: ChunkTimings
     decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
     opening_frame: bool = False  # the opening frame of a session's first block; the block's other frames follow
 
@@ -81,7 +78,7 @@ class WorkCost:
     session_id: str
     control_s: float
     block_s: float
-    controls: tuple[str, ...]  # which controls ran: open, reset, soft, recache
+    controls: tuple[str, ...]  # which controls ran, costliest first (engine.plan.CONTROL_KINDS)
 
 
 @dataclass(frozen=True)
@@ -140,10 +137,12 @@ class PendingWork:
             block_index=queued.block_index,
             frames=queued.frames.numpy(),
             audio=queued.audio.numpy() if queued.audio is not None else None,
-            started_at=queued.started_at,
-            queued_ms=queued.queued_ms,
-            denoise_ms=sum(part.denoise_seconds() for part in queued.denoise_parts) * 1000.0,
-            decode_ms=decode_s * 1000.0,
+            timings=ChunkTimings(
+                started_at=queued.started_at,
+                queued_ms=queued.queued_ms,
+                denoise_ms=sum(part.denoise_seconds() for part in queued.denoise_parts) * 1000.0,
+                decode_ms=decode_s * 1000.0,
+            ),
             decoder_state_bytes=queued.decoder_state_bytes,
             opening_frame=queued.opening_frame,
         )
@@ -193,7 +192,7 @@ class Runner:
         self.kv_manager = kv_manager
         self.stepwise = stepwise
         self.split_first_block = split_first_block
-        self.sessions: dict[str, DeviceSession] = {}
+        self.device_sessions: dict[str, DeviceSession] = {}
 
     # --- lifetime ---------------------------------------------------------
     def open(self, session_id: str, request: OpenSession) -> DeviceSession:
@@ -213,12 +212,12 @@ class Runner:
         except Exception:
             kv.close()
             raise
-        self.sessions[session_id] = device_session
+        self.device_sessions[session_id] = device_session
         return device_session
 
     def release(self, session_id: str, reason: str) -> None:
         """The one release path: KV blocks, cross caches, decoder state and model state, together."""
-        device_session = self.sessions.pop(session_id, None)
+        device_session = self.device_sessions.pop(session_id, None)
         if device_session is None:
             return
         errors = []
@@ -239,7 +238,7 @@ class Runner:
 
     def reset(self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None) -> None:
         """Restart content as a new session with the same seed (and the given or current prompt)."""
-        old = self.sessions[session_id].open_request
+        old = self.device_sessions[session_id].open_request
         request = OpenSession(
             seed=old.seed,
             prompt=old.prompt if prompt is None else prompt,
@@ -247,7 +246,7 @@ class Runner:
         )
         # The old content's held-back audio ends where its video ends: flush it into the next chunk so
         # the session's audio timeline stays continuous (no gap, no drift) across the reset.
-        old = self.sessions[session_id]
+        old = self.device_sessions[session_id]
         tail = None
         if old.audio_state is not None and old.audio_state.frames_received:
             expected = old.audio_state.pending_frames * self.audio_decoder.hop
@@ -259,7 +258,7 @@ class Runner:
         self.open(session_id, request).audio_carry = tail
 
     def close_all(self, reason: str) -> None:
-        for session_id in list(self.sessions):
+        for session_id in list(self.device_sessions):
             try:
                 self.release(session_id, reason)
             except Exception:
@@ -268,7 +267,7 @@ class Runner:
     @contextmanager
     def bound(self, session_id: str) -> Iterator[DeviceSession]:
         """Bind one session for a model call and fail closed: on any error it is released first."""
-        device_session = self.sessions[session_id]
+        device_session = self.device_sessions[session_id]
         try:
             yield device_session
         except Exception:
@@ -297,7 +296,7 @@ class Runner:
                     return dispatch
                 continue
             timer.end()
-            dispatch.pending.append(PendingWork(work.session_id, _controls_of(work), work.run, timer, output))
+            dispatch.pending.append(PendingWork(work.session_id, work.control_kinds, work.run, timer, output))
         return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -333,7 +332,7 @@ class Runner:
     def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
         if work.open is not None:
             self.open(work.session_id, work.open)
-        if work.session_id not in self.sessions:
+        if work.session_id not in self.device_sessions:
             return None
         if work.reset:
             self.reset(work.session_id)
@@ -401,11 +400,6 @@ class Runner:
         )
         device_session.block_started_at = None
         return output
-
-    def decoder_state_bytes(self, session_id: str) -> int:
-        """Bytes the session's streaming decoder caches (video and audio) hold on the device now."""
-        device_session = self.sessions.get(session_id)
-        return 0 if device_session is None else device_session.decoder_state_bytes()
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
         """The samples this block made decodable (float32, on the device), minus the part of the opening
@@ -479,17 +473,6 @@ def runner_for(
         audio_trim_samples=timing.samples_before_start if timing is not None else 0,
         split_first_block=split_first_block,
     )
-
-
-def _controls_of(work: SessionWork) -> tuple[str, ...]:
-    kinds = []
-    if work.open is not None:
-        kinds.append("open")
-    if work.reset:
-        kinds.append("reset")
-    if work.prompt is not None:
-        kinds.append(work.prompt.policy)
-    return tuple(kinds)
 
 
 class _WorkTimer:

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.controls import SessionState
-from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
+from engine.plan import FinishedSession, OpenSession, SessionWork, StepPlan
 from engine.session import now_ms
 from engine.session_record import SessionRecord
 
@@ -165,10 +165,7 @@ class Scheduler:
             open_request = OpenSession(session.seed, session.prompt, session.negative_prompt)
         # The open already carries the current prompt and a fresh start.
         reset = session.pending_reset and open_request is None
-        prompt = None
-        if session.pending_prompt is not None and open_request is None:
-            change = session.pending_prompt
-            prompt = PromptUpdate(change.prompt, change.negative_prompt, change.policy)
+        prompt = session.pending_prompt if open_request is None else None
         run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now)
         if open_request is None and not reset and prompt is None and not run:
             return None

@@ -48,13 +48,6 @@ class Chunk:
     ready_at: float  # epoch ms when the chunk entered the session queue
 
 
-@dataclass
-class PromptChange:
-    prompt: str
-    negative_prompt: str
-    policy: str  # soft | recache | reset
-
-
 class ChunkQueue:
     """The hand-over of one session's chunks from the engine to its consumer.
 

@@ -12,31 +12,13 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.controls import Attach, Control, Detach, SessionState, SetPrompt, Start, next_state
+from engine.controls import Control, SessionState, SessionView, Start, applied
+from engine.plan import PromptUpdate
 from engine.realtime import FrameRate, RunningCost
 from engine.session import Chunk, ChunkQueue, ChunkTimings
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
 RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
-
-
-@dataclass
-class PromptChange:
-    prompt: str
-    negative_prompt: str
-    policy: str  # soft | recache | reset
-
-
-@dataclass(frozen=True)
-class Projection:
-    """A session as it will be once its queued controls apply: what snapshots show and controls are checked on."""
-
-    state: SessionState
-    attached: bool
-    detached: bool
-    prompt: str | None
-    seed: int
-    pace: bool
 
 
 @dataclass
@@ -62,7 +44,7 @@ class SessionRecord:
     error: str | None = None
     # device-side work the next plan must carry
     opened_on_device: bool = False  # set once, when a plan first carries the open; never unset
-    pending_prompt: PromptChange | None = None
+    pending_prompt: PromptUpdate | None = None
     pending_reset: bool = False
     # counters and clocks
     chunks_emitted: int = 0
@@ -87,26 +69,22 @@ class SessionRecord:
     def is_open(self) -> bool:
         return self.state is not SessionState.CLOSED
 
-    def projected_state(self) -> SessionState:
-        """The state once every queued control has applied (what a new control is checked against)."""
-        return self.projected().state
+    def view(self) -> SessionView:
+        """The session as its applied controls left it."""
+        return SessionView(self.state, self.attached, self.detached_at is not None, self.prompt, self.negative_prompt,
+                           self.seed, self.pace)
 
-    def projected(self) -> Projection:
-        state, starts = self.state, self.start_on_attach is not None
-        attached, detached = self.attached, self.detached_at is not None
-        prompt, seed, pace = self.prompt, self.seed, self.pace
+    def projected(self) -> SessionView:
+        """The session once every queued control has applied: what snapshots show and new controls are checked on."""
+        view = self.view()
         for control in self.controls:
-            state = next_state(state, control, starts_on_attach=starts)
-            if isinstance(control, Attach):
-                attached, detached = True, False
-            elif isinstance(control, Detach):
-                attached, detached = False, True
-            elif isinstance(control, (Start, SetPrompt)):
-                prompt = control.prompt
-                if isinstance(control, Start):
-                    seed = control.seed if control.seed is not None else seed
-                    pace = control.pace if control.pace is not None else pace
-        return Projection(state, attached, detached, prompt, seed, pace)
+            view = applied(view, control, starts_on_attach=self.start_on_attach is not None)
+        return view
+
+    def take(self, view: SessionView) -> None:
+        """Hold what a control left (the consumer's timestamps are the core's to set)."""
+        self.state, self.attached = view.state, view.attached
+        self.prompt, self.negative_prompt, self.seed, self.pace = view.prompt, view.negative_prompt, view.seed, view.pace
 
     def touch(self) -> None:
         self.last_active = time.monotonic()
@@ -116,6 +94,25 @@ class SessionRecord:
         if self.playback_anchor is None or self.reanchor:
             return 0.0
         return (self.frames_emitted + self.frames_in_flight) / fps - (now - self.playback_anchor)
+
+    def keep_time(self, pts: int, now: float, *, fps: int, tolerance_s: float) -> bool:
+        """The playback clock at a chunk emitted at ``now``: the first chunk starts it, the first after a resume
+        or an attach re-anchors it; any other is a deadline miss (returned) when it comes more than
+        ``tolerance_s`` after its playback time. Best-effort sessions have no deadlines."""
+        if self.playback_anchor is None:
+            if self.started_at is not None:
+                self.time_to_first_chunk_ms = (now - self.started_at) * 1000.0
+            self.playback_anchor = now - pts / fps
+            return False
+        if self.reanchor:
+            self.playback_anchor = now - pts / fps
+            self.reanchor = False
+            return False
+        late = self.pace and now > self.playback_anchor + pts / fps + tolerance_s
+        self.recent_misses.append(late)
+        if late:
+            self.deadline_misses += 1
+        return late
 
     def next_deadline(self, fps: int) -> float | None:
         """Monotonic time by which the next block to be dispatched must be emitted to play on time (None: no

@@ -2,34 +2,43 @@
 
 from __future__ import annotations
 
-from engine.controls import SessionState
+from engine.controls import SessionState, SessionView
 from engine.session_record import SessionRecord
-from engine.status import RealtimeStatus, SessionStatus
+from engine.status import RealtimeStatus, SessionCounters, SessionStatus
 
 
-def session_status(record: SessionRecord, *, draining: bool, below_realtime: bool) -> SessionStatus:
-    """``below_realtime``: the core's judgement for this session (shown only while it runs live)."""
+def shown_state(projected: SessionView, *, draining: bool) -> str:
+    """The protocol's state of a session: an open one shows ``detached`` without a consumer, and ``draining``
+    while the engine drains."""
+    if projected.state is SessionState.CLOSED:
+        return projected.state.value
+    if draining:
+        return "draining"
+    return "detached" if projected.detached else projected.state.value
+
+
+def session_status(
+    record: SessionRecord, *, draining: bool, below_realtime: bool, live_capacity: int | None
+) -> SessionStatus:
+    """``below_realtime``: the core's judgement for this session (shown only while it runs live);
+    ``live_capacity``: the engine's."""
     projected = record.projected()
-    state = projected.state
-    shown = state.value
-    if state is not SessionState.CLOSED:
-        if projected.detached:
-            shown = "detached"
-        if draining:
-            shown = "draining"
-    live_running = projected.pace and state is SessionState.ACTIVE
+    live_running = projected.pace and projected.state is SessionState.ACTIVE
     return SessionStatus(
         session_id=record.session_id,
-        state=shown,
+        state=shown_state(projected, draining=draining),
         attached=projected.attached,
         seed=projected.seed,
         pace=projected.pace,
         prompt_length=len(projected.prompt or ""),
-        chunks=record.chunks_emitted,
-        frames=record.frames_emitted,
-        audio_samples=record.audio_samples_emitted,
-        blocks_since_reset=record.blocks_since_reset,
-        queue_depth=len(record.queue),
+        counters=SessionCounters(
+            chunks=record.chunks_emitted,
+            frames=record.frames_emitted,
+            audio_samples=record.audio_samples_emitted,
+            blocks_since_reset=record.blocks_since_reset,
+            queue_depth=len(record.queue),
+            decoder_state_bytes=record.decoder_state_bytes,
+        ),
         created_at=record.created_at_epoch,
         started_at=record.started_at,
         ended_at=record.ended_at,
@@ -37,12 +46,12 @@ def session_status(record: SessionRecord, *, draining: bool, below_realtime: boo
         last_timings=record.last_timings,
         close_reason=record.close_reason,
         error=record.error,
-        decoder_state_bytes=record.decoder_state_bytes,
         realtime=RealtimeStatus(
             live=projected.pace,
             block_cost_ms=record.cost.seconds * 1000.0 if record.cost.samples else None,
             frames_per_second=record.frame_rate.per_second() if record.is_open else 0.0,
             deadline_misses=record.deadline_misses,
             below_realtime=live_running and below_realtime,
+            live_capacity=live_capacity,
         ),
     )

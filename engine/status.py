@@ -9,8 +9,36 @@ it was.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from engine.session import ChunkTimings
+
+
+class NotReady(Enum):
+    """Why an engine admits no new session now. The one readiness rule is ``Engine.not_ready()``; every
+    surface (``/readyz``, the stream sockets, REST, metrics, a cluster worker's health) asks it."""
+
+    WARMING_UP = "engine warming up"
+    DRAINING = "draining"
+    DEAD = "engine dead"
+    FAILED_TO_START = "engine failed to start"
+
+    @property
+    def final(self) -> bool:
+        """The engine will never serve again (a process running it should exit, a worker be replaced)."""
+        return self in (NotReady.DEAD, NotReady.FAILED_TO_START)
+
+
+@dataclass(frozen=True)
+class SessionCounters:
+    """What a session has made so far."""
+
+    chunks: int
+    frames: int
+    audio_samples: int  # the next chunk's audio starts here on the session timeline
+    blocks_since_reset: int
+    queue_depth: int
+    decoder_state_bytes: int  # the session's streaming decoder caches (video + audio) on the device
 
 
 @dataclass(frozen=True)
@@ -22,6 +50,7 @@ class RealtimeStatus:
     frames_per_second: float  # frames emitted per second over the last few chunks
     deadline_misses: int  # chunks emitted later than their playback time (+ tolerance); live sessions only
     below_realtime: bool  # the live sessions' measured demand exceeds the device and this one missed lately
+    live_capacity: int | None  # the engine's: live sessions it keeps in real time (None before a block was measured)
 
 
 @dataclass(frozen=True)
@@ -32,11 +61,7 @@ class SessionStatus:
     seed: int
     pace: bool
     prompt_length: int
-    chunks: int
-    frames: int
-    audio_samples: int  # the next chunk's audio starts here on the session timeline
-    blocks_since_reset: int
-    queue_depth: int
+    counters: SessionCounters
     created_at: float  # epoch seconds
     started_at: float | None  # monotonic seconds when `start` was applied
     ended_at: float | None  # monotonic seconds when the session ended
@@ -44,7 +69,6 @@ class SessionStatus:
     last_timings: ChunkTimings | None
     close_reason: str | None
     error: str | None
-    decoder_state_bytes: int  # the session's streaming decoder caches (video + audio) on the device
     realtime: RealtimeStatus
 
     @property

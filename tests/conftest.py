@@ -157,6 +157,20 @@ def start_server(*extra_args: str, env: dict | None = None) -> RunningServer:
     return server
 
 
+@pytest.fixture(scope="session")
+def shared_server() -> Iterator[RunningServer]:
+    """One default `arstream serve` (the small engine, 4 slots) for every test that needs nothing else of it.
+
+    Each test's sessions are its own and end with the test (a closed session holds no slot), so tests that
+    share it do not see each other; one that needs other settings, its log, or to stop it starts its own.
+    """
+    server = start_server()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @dataclass
 class _Status:
     status_code: int

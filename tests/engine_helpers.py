@@ -10,7 +10,7 @@ from engine.bundle import ModelBundle, build_models
 from engine.runner import Runner, runner_for
 
 # Toy models on a 2-core machine shared with servers the tests start: one intra-op thread is
-# several times faster than two that spin against each other (measured: 11 vs 66 ms per block).
+# several times faster than two that spin against each other (docs/BENCHMARKS.md).
 torch.set_num_threads(1)
 
 # 64x48 pixels -> 8x6 latent -> 4x3 patches: non-square, so a row/column mix-up shows.

@@ -9,20 +9,11 @@ from urllib.parse import urlsplit
 import pytest
 from playwright.sync_api import sync_playwright
 
-from tests.conftest import start_server
-from tests.test_demo_page import CHROMIUM, CHROMIUM_ARGS
+from tests.browser import CHROMIUM, CHROMIUM_ARGS
 
 
-@pytest.fixture()
-def server():
-    running = start_server()
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-def test_docs_page_renders_the_operations_with_other_hosts_blocked(server):
+def test_docs_page_renders_the_operations_with_other_hosts_blocked(shared_server):
+    server = shared_server
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (this test never skips)")
     own_host = urlsplit(server.base_url).netloc

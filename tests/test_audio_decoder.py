@@ -371,7 +371,7 @@ def test_plain_graphs_retire_together_at_max_graphs(cuda_vae):
     for frames in (10, 11):
         graphs.decode(random_latents(frames).cuda())
     old_pool = graphs.plain_pool
-    old_buffers = [weakref.ref(entry.static_samples) for entry in graphs._plain.values()]
+    old_buffers = [weakref.ref(entry.static_samples) for entry in graphs.plain_graphs]
     latents = random_latents(12).cuda()
     out = graphs.decode(latents)
     assert graphs.plain_graph_lengths == (12,) and graphs.retired_generations == 1

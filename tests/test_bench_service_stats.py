@@ -7,13 +7,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from service_session import ChunkSeen, SessionRecord, case_summary, session_stats  # noqa: E402
+from service_session import ChunkSeen, ObservedSession, case_summary, session_stats  # noqa: E402
 
 FPS = 16
 
 
-def record_with(arrivals_s: list[float], frames: list[int], start_sent: float = 0.0) -> SessionRecord:
-    record = SessionRecord(label="s", pace=True, video={"fps": FPS}, start_sent=start_sent)
+def record_with(arrivals_s: list[float], frames: list[int], start_sent: float = 0.0) -> ObservedSession:
+    record = ObservedSession(label="s", pace=True, video={"fps": FPS}, start_sent=start_sent)
     pts = 0
     for index, (at, count) in enumerate(zip(arrivals_s, frames)):
         timings = {"queued_ms": 1.0, "denoise_ms": 100.0 + index, "decode_ms": 50.0, "encode_ms": 5.0,
@@ -73,7 +73,7 @@ def test_the_rest_of_a_split_block_arriving_within_a_frame_makes_nothing_late():
 
 def test_a_refused_session_reports_its_refusal_and_the_case_counts_it():
     served = session_stats(record_with([0.1, 0.8], [12, 12]))
-    refused = session_stats(SessionRecord(label="r", pace=True, refusal={"reason": "capacity", "close_code": 1013}))
+    refused = session_stats(ObservedSession(label="r", pace=True, refusal={"reason": "capacity", "close_code": 1013}))
     assert refused["refused"]["close_code"] == 1013
     summary = case_summary([served, refused])
     assert summary["refused"] == 1 and summary["served"] == 1

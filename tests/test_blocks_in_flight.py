@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import torch
 
 from engine.api import Engine
+from engine.core import EngineCore
+from engine.plan import StepPlan
+from engine.startup import build_engine
 from tests.engine_helpers import small_config
 
 
@@ -50,33 +53,50 @@ def test_two_in_flight_streams_the_same_chunks_as_one():
 
 
 @contextlib.asynccontextmanager
-async def streaming_with_two_in_flight(seed: int, prompt: str):
-    """A started engine with two blocks in flight, one best-effort session of it, its chunk stream and the
-    session's first chunk (taken): ``(engine, record, stream, first)``."""
-    engine = Engine(small_config(window_frames=3, blocks_in_flight=2))
-    await engine.start()
+async def core_with_two_in_flight():
+    """An engine core with two blocks in flight, stepped by the test itself (no engine loop): a tick's works
+    stay in flight until the test waits for their delivery, so what is on the device is the test's choice."""
+    config = small_config(window_frames=3, blocks_in_flight=2)
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-device")
+    built = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
+    core = EngineCore(config, built, executor)
     try:
-        sid = engine.create_session(seed=seed, prompt=prompt, pace=False).session_id
-        stream = engine.chunks(sid)
-        first = await anext(stream)
-        yield engine, engine._core.sessions[sid], stream, first
+        yield core
     finally:
-        await engine.shutdown()
+        core.finish_all("test")
+        await core.drain()
+        await asyncio.get_running_loop().run_in_executor(
+            executor, core.runner.execute, StepPlan(finished=core.take_finished()))
+        executor.shutdown(wait=True)
+
+
+def best_effort(core: EngineCore, seed: int, prompt: str):
+    return core.admit(seed=seed, pace=False, negative_prompt="", prompt=prompt, start_on_attach=False)
+
+
+async def run_while_it_may(core: EngineCore) -> None:
+    """Tick back to back while a tick runs work (each plans before the previous tick's blocks are delivered,
+    as the engine loop does when busy), then wait for the delivery of everything dispatched."""
+    while await core.step():
+        pass
+    await core.delivered()
 
 
 def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_order():
     async def scenario():
-        async with streaming_with_two_in_flight(3, "a stall") as (engine, record, stream, first):
-            # The consumer stops reading: the session runs until a chunk waits in the queue and one is held.
-            deadline = time.monotonic() + 30
-            while not (record.held is not None and record.works_in_flight == 0):
-                assert time.monotonic() < deadline, "the session never filled its queue"
-                await asyncio.sleep(0.02)
-            emitted = record.chunks_emitted
-            await asyncio.sleep(0.5)  # several blocks' time: nothing more runs
-            assert record.chunks_emitted == emitted == 3
-            assert len(record.queue) == 1 and record.works_in_flight == 0
-            rest = [await anext(stream) for _ in range(3)]
+        async with core_with_two_in_flight() as core:
+            record = best_effort(core, 3, "a stall")
+            assert await core.step()
+            await core.delivered()
+            first = await record.queue.get()  # the consumer takes chunk 0, then stops reading
+            await run_while_it_may(core)
+            # The session ran until one chunk waits in the queue and one is held back behind it.
+            assert record.chunks_emitted == 3 and len(record.queue) == 1 and record.held is not None
+            assert record.works_in_flight == 0 and not await core.step()  # and nothing more runs
+            rest = []
+            while len(rest) < 3:  # the consumer reads again: the held chunk follows, and the session runs on
+                rest.append(await record.queue.get())
+                await run_while_it_may(core)
             assert [c.index for c in [first, *rest]] == [0, 1, 2, 3]
             pts = [c.pts for c in [first, *rest]]
             assert all(b - a == c.frames.shape[0] for a, b, c in zip(pts, pts[1:], [first, *rest]))
@@ -86,23 +106,20 @@ def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_ord
 
 def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
     async def scenario():
-        async with streaming_with_two_in_flight(4, "a close") as (engine, record, stream, _):
-            core, sid = engine._core, record.session_id
-            deadline = time.monotonic() + 30
-            while record.works_in_flight == 0:  # catch it with work dispatched
-                assert time.monotonic() < deadline
-                if len(record.queue) or record.held is not None:  # it filled up before we looked: make room
-                    await anext(stream)
-                await asyncio.sleep(0)
-            engine.close(sid)
-            while core._completing or core.kv.blocks_in_use:
-                assert time.monotonic() < deadline, "the pool did not come back"
-                await asyncio.sleep(0.02)
-            assert sid not in core.runner.sessions
+        async with core_with_two_in_flight() as core:
+            record = best_effort(core, 4, "a close")
+            sid = record.session_id
+            assert await core.step() and await core.step()
+            assert record.works_in_flight >= 1  # the second tick's block is on the device, not delivered
+            core.end_now(sid, "client")
+            assert await core.step()  # the plan releases it; what it dispatched is still in flight
+            await core.delivered()
+            assert core.kv.blocks_in_use == 0 and sid not in core.runner.device_sessions
             assert record.held is None and record.works_in_flight == 0 and record.frames_in_flight == 0
             # The engine goes on: a new session streams.
-            other = engine.create_session(seed=5, prompt="next", pace=False).session_id
-            assert (await anext(engine.chunks(other))).index == 0
+            other = best_effort(core, 5, "next")
+            await run_while_it_may(core)
+            assert (await other.queue.get()).index == 0
 
     run(scenario())
 

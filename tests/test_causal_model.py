@@ -11,7 +11,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
 from engine.kv_cache import KVCacheManager
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import DenseContext, GatheredContext, PagedContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.latents import BlockLatents
 from engine.models.presets import TINY_TRANSFORMER_CONFIG
@@ -42,7 +42,7 @@ def test_causal_forward_matches_diffusers_forward_with_per_token_timesteps():
         expected = plain(latents, timestep=per_token, encoder_hidden_states=text).sample
         cos, sin = causal.rotary(3)
         # diffusers attends bidirectionally within the clip: no mask, no history.
-        context = SelfAttentionContext(cos=cos, sin=sin)
+        context = DenseContext(cos=cos, sin=sin)
         ours = causal(BlockLatents(latents), frame_timesteps, context, causal.project_text(text)[0]).video
     assert (ours - expected).abs().max() < 1e-5
 
@@ -113,15 +113,13 @@ def test_attention_after_eviction_equals_dense_attention_over_expected_frames():
     workspace = pipeline.context_kv["cond"]
     workspace.invalidate()
     history_tokens = workspace.load(("test",), storage, resident, cos, sin, transformer.kernels.rotate_pairs)
-    gathered_context = SelfAttentionContext(
-        cos=cos, sin=sin, context_kv=workspace.buffer, history_tokens=history_tokens
-    )
+    gathered_context = GatheredContext(cos=cos, sin=sin, context_kv=workspace.buffer, history_tokens=history_tokens)
     torch.manual_seed(5)
     hidden = torch.randn(1, 3 * tokens, transformer.inner_dim)
     for layer in (0, transformer.num_layers - 1):
         attn = transformer.transformer.blocks[layer].attn1
         with torch.no_grad():
-            paged = attn(hidden, context=SelfAttentionContext(cos=cos, sin=sin, pool=storage, history_ids=history_ids))
+            paged = attn(hidden, context=PagedContext(cos=cos, sin=sin, pool=storage, history_ids=history_ids))
             gathered = attn(hidden, context=gathered_context)
             query = attn.norm_q(attn.to_q(hidden)).unflatten(2, (attn.heads, -1))
             key = attn.norm_k(attn.to_k(hidden)).unflatten(2, (attn.heads, -1))
@@ -199,7 +197,7 @@ def test_audio_tokens_share_the_blocks_context_and_match_the_reference():
     assert streamed[0].audio.std() > 0.1
     with torch.no_grad():
         cos, sin = causal.rotary(3)
-        context = SelfAttentionContext(cos=cos, sin=sin)
+        context = DenseContext(cos=cos, sin=sin)
         text = causal.project_text(pipeline.embed("thunder"))[0]
         base = causal(streamed[0], torch.full((1, 3), 500.0), context, text)
         nudged = BlockLatents(streamed[0].video, streamed[0].audio + 1.0)

@@ -20,10 +20,10 @@ from app.settings import Settings
 from tests.conftest import small_engine, wait_ready
 
 
-def load(name: str, *, ready=True, admitting=True, slots_free=2, live_capacity=None, open_sessions=0,
+def load(name: str, *, ready=True, admitting=True, slots_free=2, live_headroom=None, open_sessions=0,
          utilisation=0.0, generation=1) -> WorkerLoad:
     return WorkerLoad(name, generation, ready=ready, admitting=admitting, live_sessions=open_sessions,
-                      live_capacity=live_capacity, slots_free=slots_free, utilisation=utilisation,
+                      live_headroom=live_headroom, slots_free=slots_free, utilisation=utilisation,
                       open_sessions=open_sessions)
 
 
@@ -42,11 +42,11 @@ def test_placement_prefers_the_most_headroom_then_the_fewest_sessions():
 
 def test_realtime_room_bounds_headroom_once_measured():
     # 4 free slots but time for only 1 more live session, against 2 slots with time for 2.
-    slots_rich = load("cuda:0", slots_free=4, live_capacity=1)
-    time_rich = load("cuda:1", slots_free=2, live_capacity=2)
+    slots_rich = load("cuda:0", slots_free=4, live_headroom=1)
+    time_rich = load("cuda:1", slots_free=2, live_headroom=2)
     assert slots_rich.headroom == 1 and time_rich.headroom == 2
     assert [w.name for w in placement_order([slots_rich, time_rich])] == ["cuda:1", "cuda:0"]
-    assert load("cuda:2", slots_free=3, live_capacity=None).headroom == 3  # nothing measured: slots decide
+    assert load("cuda:2", slots_free=3, live_headroom=None).headroom == 3  # nothing measured: slots decide
 
 
 def test_workers_that_would_refuse_come_last_and_unready_ones_never():
@@ -68,13 +68,13 @@ def test_a_placement_counts_against_its_worker_until_the_next_answer():
     assert placement_order([after, b])[0].name == "cpu-1"  # the next one goes to the other worker
     full = after.after_placement()
     assert (full.slots_free, full.headroom, full.admitting) == (0, 0, False)
-    timed = load("cpu-0", slots_free=3, live_capacity=1).after_placement()
-    assert (timed.live_capacity, timed.admitting) == (0, False)
+    timed = load("cpu-0", slots_free=3, live_headroom=1).after_placement()
+    assert (timed.live_headroom, timed.admitting) == (0, False)
 
 
 def test_capacity_answers_are_read_defensively():
     parsed = WorkerLoad.from_answer("ray-gpu-0", 7, {
-        "ready": True, "admitting": True, "live_sessions": 2, "live_capacity": None, "slots_free": 1,
+        "ready": True, "admitting": True, "live_sessions": 2, "live_headroom": None, "slots_free": 1,
         "utilisation": 0.5, "device": "cuda:0", "generation": 7,
     })  # the shared interface's fields only: no open_sessions, no retry_after_s
     assert (parsed.open_sessions, parsed.retry_after_s, parsed.headroom) == (2, None, 1)
@@ -182,7 +182,7 @@ def test_a_worker_answers_only_its_front_end_and_reports_its_admission():
 
         capacity = client.get("/internal/capacity", headers=ours).json()
         assert capacity == {
-            "ready": True, "admitting": True, "live_sessions": 0, "live_capacity": None, "slots_free": 1,
+            "ready": True, "admitting": True, "live_sessions": 0, "live_headroom": None, "slots_free": 1,
             "utilisation": 0.0, "device": "cpu", "generation": 3, "name": "cpu-1", "open_sessions": 0,
             "retry_after_s": capacity["retry_after_s"],
         }

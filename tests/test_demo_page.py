@@ -20,17 +20,8 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--autoplay-policy=no-user-gesture-required",
-]
+from tests.browser import CHROMIUM, CHROMIUM_ARGS
+
 READY_TIMEOUT_S = 45
 HEIGHT, WIDTH = 96, 160
 H264_BASELINE = 'video/mp4; codecs="avc1.42c00b"'
@@ -87,9 +78,10 @@ def _serve(tmp_path: Path, *extra_args: str):
             proc.wait()
 
 
-@pytest.fixture()
-def server(tmp_path):
-    with _serve(tmp_path) as base:
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """One slot: the tests take turns (each closes its session or leaves it to the next to find the server full)."""
+    with _serve(tmp_path_factory.mktemp("demo-server"), "--max-sessions", "1") as base:
         yield base
 
 
@@ -210,36 +202,36 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         page.close()
 
 
-def test_first_start_with_the_untouched_prompt_streams_and_a_full_server_says_when_to_retry(tmp_path, browser):
-    with _serve(tmp_path, "--max-sessions", "1") as base:
-        first = browser.new_page()
-        second = browser.new_page()
-        try:
-            # A visitor who clicks Start without typing gets the example the box shows, not an error.
-            first.goto(f"{base}/", wait_until="load")
-            assert first.input_value("#prompt") == ""
-            example = first.get_attribute("#prompt", "placeholder")
-            first.click("#start")
-            first.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 1",
-                                    timeout=30_000)
-            assert first.inner_text("#state") == "active"
-            assert example.endswith(first.input_value("#prompt")), (example, first.input_value("#prompt"))
-            assert first.inner_text("#errors") == "0", first.inner_text("#log")
-            assert first.inner_text("#pause") == "Pause"
-            first.click("#pause")
-            first.wait_for_function("() => document.getElementById('pause').textContent === 'Resume'", timeout=10_000)
-            first.click("#pause")
-            first.wait_for_function("() => document.getElementById('pause').textContent === 'Pause'", timeout=10_000)
+def test_first_start_with_the_untouched_prompt_streams_and_a_full_server_says_when_to_retry(server, browser):
+    base = server  # its one slot is free: the test before closed its session
+    first = browser.new_page()
+    second = browser.new_page()
+    try:
+        # A visitor who clicks Start without typing gets the example the box shows, not an error.
+        first.goto(f"{base}/", wait_until="load")
+        assert first.input_value("#prompt") == ""
+        example = first.get_attribute("#prompt", "placeholder")
+        first.click("#start")
+        first.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 1",
+                                timeout=30_000)
+        assert first.inner_text("#state") == "active"
+        assert example.endswith(first.input_value("#prompt")), (example, first.input_value("#prompt"))
+        assert first.inner_text("#errors") == "0", first.inner_text("#log")
+        assert first.inner_text("#pause") == "Pause"
+        first.click("#pause")
+        first.wait_for_function("() => document.getElementById('pause').textContent === 'Resume'", timeout=10_000)
+        first.click("#pause")
+        first.wait_for_function("() => document.getElementById('pause').textContent === 'Pause'", timeout=10_000)
 
-            # The only slot is taken by a live client: a second visitor is told the server is full and when to retry.
-            second.goto(f"{base}/", wait_until="load")
-            second.click("#start")
-            _wait_for_log(second, "state", "closed (capacity)", 20)
-            second.wait_for_selector("#notice:not([hidden])", timeout=5_000)
-            hint = second.inner_text("#notice")
-            assert "busy" in hint and "Try again" in hint, hint
-            assert second.inner_text("#state") == "closed"
-            assert first.inner_text("#state") == "active"  # the refusal cost the first session nothing
-        finally:
-            second.close()
-            first.close()
+        # The only slot is taken by a live client: a second visitor is told the server is full and when to retry.
+        second.goto(f"{base}/", wait_until="load")
+        second.click("#start")
+        _wait_for_log(second, "state", "closed (capacity)", 20)
+        second.wait_for_selector("#notice:not([hidden])", timeout=5_000)
+        hint = second.inner_text("#notice")
+        assert "busy" in hint and "Try again" in hint, hint
+        assert second.inner_text("#state") == "closed"
+        assert first.inner_text("#state") == "active"  # the refusal cost the first session nothing
+    finally:
+        second.close()
+        first.close()

@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from engine.api import Engine
+from engine.api import Engine, NotReady
 from engine.errors import (
     AlreadyStarted,
     CapacityFull,
@@ -46,7 +46,7 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 def _measured_session_bytes(runner: Runner, session_id: str) -> int:
     """Bytes one session holds, summed over the tensors it actually owns (not the admission formula)."""
-    device_session = runner.sessions[session_id]
+    device_session = runner.device_sessions[session_id]
     kv, progress = device_session.kv, device_session.progress
     storage = runner.kv_manager.block_pool.storage
     kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
@@ -113,9 +113,9 @@ def test_chunks_flow_pause_resume_reset_close():
 
             engine.pause(sid)
             await asyncio.sleep(0.3)
-            produced = engine.status(sid).chunks
+            produced = engine.status(sid).counters.chunks
             await asyncio.sleep(0.5)
-            assert engine.status(sid).chunks == produced  # nothing generated while paused
+            assert engine.status(sid).counters.chunks == produced  # nothing generated while paused
             assert engine.status(sid).state == "paused"
 
             engine.resume(sid)
@@ -145,21 +145,39 @@ def test_a_failing_session_costs_no_other_session_anything():
             good = engine.create_session(seed=1, prompt="good", pace=False).session_id
             bad = engine.create_session(seed=2, prompt="bad", pace=False).session_id
             pipeline = engine.runner.pipeline
-            original = pipeline._forward
+            original = pipeline.forward_branch
 
             def failing(kv, progress, branch, latents, timestep, *, stage):
                 if kv.session_id == bad:
                     raise ValueError("injected forward failure")
                 return original(kv, progress, branch, latents, timestep, stage=stage)
 
-            pipeline._forward = failing
+            pipeline.forward_branch = failing
             good_chunks, bad_chunks = await asyncio.gather(take(engine, good, 3), take(engine, bad, 1))
             assert len(good_chunks) == 3 and bad_chunks == []
             status = engine.status(bad)
             assert status.close_reason == "failed"
             assert "injected forward failure" in status.error
             assert engine.alive
-            assert bad not in engine.runner.sessions
+            assert bad not in engine.runner.device_sessions
+        finally:
+            await engine.shutdown()
+
+    run(scenario())
+
+
+def test_readiness_says_why_new_sessions_are_refused_and_a_failed_start_is_final():
+    async def scenario():
+        engine = Engine(small_config(kv_memory_budget_bytes=1))  # a budget that holds no session: the build fails
+        assert engine.not_ready() is NotReady.WARMING_UP and not engine.ready
+        with pytest.raises(ValueError, match="holds no session"):
+            await engine.start()
+        try:
+            assert engine.not_ready() is NotReady.FAILED_TO_START and engine.not_ready().final
+            with pytest.raises(EngineUnavailable, match="failed to start"):
+                engine.create_session()
+            engine.begin_drain()
+            assert engine.not_ready() is NotReady.DRAINING  # draining is said first, whatever else holds
         finally:
             await engine.shutdown()
 
@@ -177,13 +195,13 @@ def test_device_fatal_error_marks_the_engine_dead():
         def fatal(*args, **kwargs):
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
-        pipeline._forward = fatal
+        pipeline.forward_branch = fatal
         await asyncio.gather(take(engine, a, 1), take(engine, b, 1))
         assert not engine.alive and not engine.ready
         assert {engine.status(a).close_reason, engine.status(b).close_reason} == {"failed"}
         with pytest.raises(EngineUnavailable):
             engine.create_session()
-        assert engine.runner.sessions == {}
+        assert engine.runner.device_sessions == {}
         await engine.shutdown()
 
     run(scenario())
@@ -285,7 +303,7 @@ def test_split_first_block_counts_time_to_first_media_at_the_opening_frame():
             # First media is the opening frame; the block's rest re-anchors playback, so it is no miss.
             assert status.time_to_first_chunk_ms is not None
             assert status.realtime.deadline_misses == 0
-            assert status.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
+            assert status.counters.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
         finally:
             await engine.shutdown()
 

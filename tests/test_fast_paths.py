@@ -125,12 +125,12 @@ def test_graphs_captured_with_one_kernel_set_are_not_replayed_after_the_set_is_s
     manager = KVCacheManager(pipeline.kv_spec(), 1, "cuda")
     kv, progress = manager.open_session("s"), pipeline.new_progress(seed=2, prompt="a reef")
     pipeline.run_block(kv, progress)
-    fused_graphs = list(pipeline.forwards._graphs.values())
+    fused_graphs = list(pipeline.forwards.graphs.entries())
     assert fused_graphs
     pipeline.transformer.kernels = EAGER_KERNELS
     pipeline.run_block(kv, progress)
-    eager_graphs = list(pipeline.forwards._graphs.values())
-    assert eager_graphs and pipeline.forwards._kernels is EAGER_KERNELS  # captured again, with the eager set
+    eager_graphs = list(pipeline.forwards.graphs.entries())
+    assert eager_graphs and pipeline.forwards.kernels is EAGER_KERNELS  # captured again, with the eager set
     assert not any(graph is old for graph in eager_graphs for old in fused_graphs)
 
 

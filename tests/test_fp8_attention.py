@@ -45,34 +45,10 @@ import torch
 
 from engine.models import fp8_attention as fa
 
-from tests.triton_interpreted import ROOT, interpreter_checks  # noqa: E402
+from tests.triton_interpreted import ROOT, interpreter_checks, patch_interpreter  # noqa: E402
 
 
 # --- run in the interpreter subprocess ------------------------------------------------------------------
-
-
-def _patch_interpreter() -> None:
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    convert, patch_tensor = interpreter._convert_float, interpreter._patch_lang_tensor  # fail loudly if renamed
-
-    torch_types = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
-
-    def convert_rne(data, input_dtype, output_dtype, rounding_mode):
-        if input_dtype in (tl.float32, tl.float16) and output_dtype in torch_types:
-            dtype, bits = torch_types[output_dtype]
-            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # float16 -> float32 is exact
-            return values.to(dtype).view(bits).numpy()
-        return convert(data, input_dtype, output_dtype, rounding_mode)
-
-    def patch_tensor_index(tensor, scope):
-        patch_tensor(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._convert_float = convert_rne
-    interpreter._patch_lang_tensor = patch_tensor_index
 
 
 def _float32_attention(q, k, v):
@@ -277,7 +253,7 @@ def _reciprocal_rounding_case() -> dict:
 
 
 def _interpreter_checks() -> dict:
-    _patch_interpreter()
+    patch_interpreter()
     assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
     C = fa.Fp8AttentionConfig
     tails = C(64, 32, 4, 2)

@@ -69,11 +69,11 @@ def _mirror_matches_quantized_history(workspace) -> dict:
 
 
 def _interpreter_checks() -> dict:
-    from tests.test_fp8_attention import _patch_interpreter
+    from tests.triton_interpreted import patch_interpreter
 
-    _patch_interpreter()
+    patch_interpreter()
     assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
-    from engine.models.attention import SelfAttentionContext
+    from engine.models.attention import GatheredContext, PagedContext
 
     _, reference = _run("off")
     bundle, fp8 = _run("attention")
@@ -104,12 +104,12 @@ def _interpreter_checks() -> dict:
     tokens = transformer.tokens_per_frame
     hidden = torch.randn(1, tokens, transformer.inner_dim, dtype=torch.bfloat16)
     try:  # a per-forward context (no gathered buffer): refused, never silently run in bf16
-        attn(hidden, context=SelfAttentionContext(cos=cos, sin=sin, pool=torch.zeros(1), history_kv=None))
+        attn(hidden, context=PagedContext(cos=cos, sin=sin, pool=torch.zeros(1), history_ids=None))
         results["per_forward_processor"] = "accepted"
     except ValueError as error:
         results["per_forward_processor"] = str(error)
     try:  # a gathered context without its mirror
-        attn(hidden, context=SelfAttentionContext(cos=cos, sin=sin, context_kv=workspace.buffer, history_tokens=tokens))
+        attn(hidden, context=GatheredContext(cos=cos, sin=sin, context_kv=workspace.buffer, history_tokens=tokens))
         results["no_mirror"] = "accepted"
     except ValueError as error:
         results["no_mirror"] = str(error)

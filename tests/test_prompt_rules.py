@@ -7,7 +7,7 @@ import pytest
 
 from engine.errors import InvalidRequest, PromptTooLong
 from engine.prompts import MAX_PROMPT_CHARS, check_prompt
-from tests.test_protocol import next_control
+from tests.testclient_ws import next_control
 
 WHITESPACE_ONLY = [" ", "\t\n", "\u00a0\u2003", "\u3000 \r\n"]  # ASCII and Unicode white space
 

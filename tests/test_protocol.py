@@ -14,73 +14,9 @@ from starlette.websockets import WebSocketDisconnect
 from app.settings import Settings
 from app.streaming import CLOSE_CODE_BY_REASON
 from tests.conftest import decode_mp4
+from tests.testclient_ws import hello, hello_and_init, next_chunk, next_control, start, until_closed
 
 TOKEN = "test-token-0123456789abcdef"
-
-
-# --- helpers ------------------------------------------------------------------------------------
-
-
-def receive(ws) -> dict | bytes:
-    """The next message: a parsed JSON object, or bytes; a close raises WebSocketDisconnect."""
-    message = ws.receive()
-    if message["type"] == "websocket.close":
-        raise WebSocketDisconnect(message.get("code", 1000), message.get("reason", ""))
-    return json.loads(message["text"]) if message.get("text") is not None else message["bytes"]
-
-
-def hello(ws) -> dict:
-    """The `session` message (the init segment that must follow it is checked and dropped)."""
-    return hello_and_init(ws)[0]
-
-
-def hello_and_init(ws) -> tuple[dict, bytes]:
-    session = receive(ws)
-    assert session["type"] == "session", session
-    init = receive(ws)
-    assert isinstance(init, bytes) and init[4:8] == b"ftyp"
-    return session, init
-
-
-def next_control(ws) -> dict:
-    """The next message that is not a chunk (a chunk's JSON and its segment are skipped together)."""
-    while True:
-        message = receive(ws)
-        if isinstance(message, bytes):
-            raise AssertionError("a media segment without its chunk message")
-        if message["type"] != "chunk":
-            return message
-        assert isinstance(receive(ws), bytes)
-
-
-def next_chunk(ws, others: list | None = None) -> tuple[dict, bytes]:
-    while True:
-        message = receive(ws)
-        assert not isinstance(message, bytes), "a media segment without its chunk message"
-        if message["type"] == "chunk":
-            segment = receive(ws)
-            assert isinstance(segment, bytes)
-            return message, segment
-        if others is not None:
-            others.append(message)
-
-
-def until_closed(ws) -> tuple[list[dict], int]:
-    """Every text message up to the close, and the close code."""
-    texts = []
-    while True:
-        try:
-            message = receive(ws)
-        except WebSocketDisconnect as closed:
-            return texts, closed.code
-        if not isinstance(message, bytes):
-            texts.append(message)
-
-
-def start(ws, prompt="a red fox in snow", message_id="start-1", **fields) -> None:
-    ws.send_json({"type": "start", "prompt": prompt, "id": message_id, **fields})
-    assert next_control(ws) == {"type": "ack", "id": message_id, "of": "start"}
-    assert next_control(ws) == {"type": "state", "state": "active"}
 
 
 # --- lifecycle and controls --------------------------------------------------------------------
@@ -505,7 +441,7 @@ def test_dead_engine_fails_sessions_and_asks_the_process_to_exit(make_client):
             raise RuntimeError("CUDA error: simulated")
 
         # The engine's own path for a device-fatal error in a step.
-        service.engine.runner.pipeline._forward = device_fatal
+        service.engine.runner.pipeline.forward_branch = device_fatal
         with client.websocket_connect("/v1/stream") as ws:
             hello(ws)
             start(ws)
@@ -535,7 +471,7 @@ def test_histogram_exposition_is_cumulative_with_inclusive_bounds():
         kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(), session_frames_per_second=(),
         session_deadline_misses=(),
     )
-    lines = metrics.render(counters, draining=False).decode().splitlines()
+    lines = metrics.render(counters).decode().splitlines()
     assert "# TYPE arstream_encode_seconds histogram" in lines
     assert ENCODE_BUCKETS_S[:2] == (0.001, 0.0025)
     assert 'arstream_encode_seconds_bucket{le="0.001"} 2.0' in lines

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from engine.api import Engine
-from engine.controls import SessionState
+from engine.controls import Detach, SessionState
+from engine.core import EngineCore
 from engine.errors import CapacityFull
+from engine.plan import PromptUpdate
 from engine.realtime import RealtimePolicy, RunningCost
 from engine.scheduler import Scheduler
 from engine.session import ChunkQueue
-from engine.session_record import PromptChange, SessionRecord
+from engine.session_record import SessionRecord
+from engine.startup import build_engine
 from tests.engine_helpers import small_config
 
 FPS = 16
@@ -95,11 +100,11 @@ def test_a_recache_waits_a_tick_when_it_would_make_another_live_session_miss():
     now = time.monotonic()
     urgent = _running("urgent", pace=True, now=now, deadline_in_s=0.15)
     recaching = _running("recaching", pace=True, now=now, deadline_in_s=1.0)
-    recaching.pending_prompt = PromptChange("new", "", "recache")
+    recaching.pending_prompt = PromptUpdate("new", "", "recache")
     assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent"]
     # Once its own deadline is near it runs anyway.
     recaching = _running("recaching", pace=True, now=now, deadline_in_s=0.35)
-    recaching.pending_prompt = PromptChange("new", "", "recache")
+    recaching.pending_prompt = PromptUpdate("new", "", "recache")
     assert _plan([urgent, recaching], now, control_s=0.2) == ["urgent", "recaching"]
 
 
@@ -111,6 +116,79 @@ def test_admission_sums_live_costs_against_one_block_of_playback():
     assert policy.live_capacity([0.125] * 4, 0.125) == 4 and policy.live_capacity([0.375, 0.375], 0.375) == 1
     assert policy.admits([0.125, 0.125], None)  # nothing measured yet: no evidence to refuse on
     assert RealtimePolicy(block_seconds=0.75, headroom=1.25, enabled=False).admits([9.0], 9.0)
+
+
+PLAYBACK_S = 12 / FPS  # one block of playback: the device time all live sessions share per block
+HEADROOM = 1.1
+DEADLINE_TOLERANCE_S = 0.05
+
+
+@pytest.mark.parametrize("block_cost_s", [0.2, 0.13])
+def test_admission_sums_the_measured_costs_and_its_outlook_agrees(block_cost_s):
+    """An engine core whose block cost is given (as its warm-up would have measured it) admits live sessions
+    while the sum of their costs fits one block of playback: exactly the policy's live capacity. Its outlook
+    says beforehand what admit decides; best effort is not counted; an idle live session makes room."""
+    config = small_config(fps=FPS, realtime_headroom=HEADROOM, max_sessions=16)
+    built = dataclasses.replace(build_engine(config), warmup_block_s=(block_cost_s, block_cost_s))
+    core = EngineCore(config, built, ThreadPoolExecutor(max_workers=1))
+
+    def admit(seed: int, pace: bool = True):
+        return core.admit(seed=seed, pace=pace, negative_prompt="", prompt="p", start_on_attach=False)
+
+    expected = RealtimePolicy(PLAYBACK_S, HEADROOM, enabled=True).live_capacity([], block_cost_s)
+    assert expected >= 2 and (expected + 1) * block_cost_s > PLAYBACK_S
+    live = []
+    while core.outlook().admitting:
+        admitted = admit(len(live))
+        assert not isinstance(admitted, CapacityFull)
+        live.append(admitted)
+        assert len(live) <= expected
+    assert len(live) == expected and core.live_capacity() == expected and core.outlook().live_headroom == 0
+    refused = admit(99)
+    assert isinstance(refused, CapacityFull) and refused.live_capacity == expected and core.refused_realtime == 1
+    assert refused.retry_after_s >= PLAYBACK_S
+    assert not isinstance(admit(100, pace=False), CapacityFull)  # best effort takes what is left
+    core.submit(live[0].session_id, Detach())  # an idle live session: the next newcomer evicts it
+    assert not isinstance(admit(101), CapacityFull) and live[0].close_reason == "evicted"
+
+
+def _simulated(live: int, block_cost_s: float, best_effort: int = 0, chunks: int = 40) -> list[SessionRecord]:
+    """Sessions on a virtual device whose blocks all cost ``block_cost_s``: the scheduler plans each tick, the
+    device runs the tick's blocks one after another and each chunk is emitted when its block is done (a
+    consumer that takes it at once); virtual time only, so the machine's speed plays no part."""
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
+    records = []
+    for index in range(live + best_effort):
+        record = SessionRecord(session_id=f"s{index}", seed=index, pace=index < live, queue=ChunkQueue(), cost=RunningCost())
+        record.prompt, record.state, record.opened_on_device = "p", SessionState.ACTIVE, True
+        records.append(record)
+    by_id = {record.session_id: record for record in records}
+    now = 0.0
+    while min(record.chunks_emitted for record in records) < chunks:
+        plan = scheduler.plan(records, [], now, block_cost=lambda record: block_cost_s, control_cost=lambda work: 0.0)
+        if plan.empty:
+            now += scheduler.next_wakeup(records, now)
+            continue
+        for work in plan.work:
+            now += block_cost_s
+            record = by_id[work.session_id]
+            record.keep_time(record.frames_emitted, now, fps=FPS, tolerance_s=DEADLINE_TOLERANCE_S)
+            record.frames_emitted += 12
+            record.chunks_emitted += 1
+    return records
+
+
+@pytest.mark.parametrize("block_cost_s", [0.2, 0.13])
+def test_the_live_sessions_admission_takes_keep_real_time_and_one_more_does_not(block_cost_s):
+    """What admission promises, on a virtual device: the live sessions it admits miss no deadline, with a
+    best-effort session streaming in what is left; one more live session than it takes (demand over the
+    device) falls behind."""
+    admitted = RealtimePolicy(PLAYBACK_S, HEADROOM, enabled=True).live_capacity([], block_cost_s)
+    together = _simulated(admitted, block_cost_s, best_effort=1)
+    assert [record.deadline_misses for record in together[:admitted]] == [0] * admitted
+    assert together[-1].chunks_emitted >= 40 and together[-1].deadline_misses == 0  # best effort has none
+    overloaded = _simulated(admitted + 1, block_cost_s)
+    assert sum(record.deadline_misses for record in overloaded) > 0
 
 
 def test_a_second_live_session_is_refused_when_the_device_has_no_time_for_it():

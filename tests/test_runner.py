@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engine.kv_cache import KVCacheManager
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import DenseContext
 from engine.models.latents import BlockLatents
 from engine.models.reference import block_causal_mask
 from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork, StepPlan
@@ -101,37 +101,37 @@ def test_every_release_path_returns_pool_and_decoder_state_to_baseline(runner, e
     open_session(runner, "victim", seed=5)
     open_session(runner, "bystander", seed=9, prompt="a river")
     first = run_blocks(runner, ["victim", "bystander"], 3)  # past the window: eviction happened
-    victim = runner.sessions["victim"]
+    victim = runner.device_sessions["victim"]
     assert victim.decode_state.nbytes() > 0 and victim.audio_state.nbytes() > 0
     if ending == "close":
         close(runner, "victim", "client")
     elif ending == "evicted":
         close(runner, "victim", "evicted")
     elif ending == "failed":
-        original = runner.pipeline._forward
+        original = runner.pipeline.forward_branch
 
         def failing_forward(kv, progress, branch, latents, timestep, *, stage):
             if kv.session_id == "victim" and stage:
                 raise RuntimeError("injected failure in the commit pass")
             return original(kv, progress, branch, latents, timestep, stage=stage)
 
-        runner.pipeline._forward = failing_forward
+        runner.pipeline.forward_branch = failing_forward
         try:
             result = runner.execute(StepPlan(work=[SessionWork("victim", run=True), SessionWork("bystander", run=True)]))
         finally:
-            runner.pipeline._forward = original
+            runner.pipeline.forward_branch = original
         assert [f.session_id for f in result.failures] == ["victim"]
         assert "injected failure" in result.failures[0].message
         assert [o.session_id for o in result.outputs] == ["bystander"]
         first["bystander"] += [result.outputs[0].frames]
     else:
         runner.execute(StepPlan(work=[SessionWork("victim", reset=True)]))
-        assert runner.sessions["victim"].decode_state.nbytes() == 0
+        assert runner.device_sessions["victim"].decode_state.nbytes() == 0
         after_reset = run_blocks(runner, ["victim"], 2)["victim"]
         for ours, original in zip(after_reset, first["victim"]):
             np.testing.assert_array_equal(ours, original)  # reset = a new session, same seed and prompt
         close(runner, "victim")
-    assert "victim" not in runner.sessions
+    assert "victim" not in runner.device_sessions
     assert victim.decode_state.nbytes() == 0 and victim.audio_state.nbytes() == 0
     assert victim.kv.closed
     assert not victim.progress.window_latents and victim.progress.latents is None
@@ -152,7 +152,7 @@ def test_failed_commit_pass_commits_nothing_in_any_branch():
     pipeline.run_block(kv, progress)
     before = {b: (kv.committed_frames(b), kv.resident_block_ids(b)) for b in ("cond", "uncond")}
     pool_before = manager.block_pool.storage.clone()
-    original = pipeline._forward
+    original = pipeline.forward_branch
 
     def failing_forward(kv, progress, branch, latents, timestep, *, stage):
         out = original(kv, progress, branch, latents, timestep, stage=stage)
@@ -160,10 +160,10 @@ def test_failed_commit_pass_commits_nothing_in_any_branch():
             raise RuntimeError("injected")
         return out
 
-    pipeline._forward = failing_forward
+    pipeline.forward_branch = failing_forward
     with pytest.raises(RuntimeError, match="injected"):
         pipeline.run_block(kv, progress)
-    pipeline._forward = original
+    pipeline.forward_branch = original
     assert {b: (kv.committed_frames(b), kv.resident_block_ids(b)) for b in ("cond", "uncond")} == before
     assert torch.equal(manager.block_pool.storage, pool_before)
 
@@ -175,7 +175,7 @@ def test_cfg_branches_hold_their_own_blocks_and_free_together():
     free = manager.block_pool.num_free_blocks
     open_session(runner, "cfg", seed=3, negative="blurry")
     guided = run_blocks(runner, ["cfg"], 3)["cfg"]
-    kv = runner.sessions["cfg"].kv
+    kv = runner.device_sessions["cfg"].kv
     cond, uncond = kv.resident_block_ids("cond"), kv.resident_block_ids("uncond")
     assert len(cond) == len(uncond) == 6 and not set(cond) & set(uncond)
     assert not torch.equal(manager.block_pool.storage[:, :, cond], manager.block_pool.storage[:, :, uncond])
@@ -200,7 +200,7 @@ def test_soft_prompt_change_keeps_self_kv_and_changes_the_next_block(runner):
     for session_id in ("soft", "twin"):
         open_session(runner, session_id, seed=6, prompt="a desert")
     run_blocks(runner, ["soft", "twin"], 2)
-    kv = runner.sessions["soft"].kv
+    kv = runner.device_sessions["soft"].kv
     ids = kv.resident_block_ids("cond")
     kept = runner.kv_manager.block_pool.storage[:, :, ids].clone()
     _change_prompt(runner, "soft", "a snowy forest", "soft")
@@ -217,7 +217,7 @@ def test_soft_prompt_change_keeps_self_kv_and_changes_the_next_block(runner):
 def test_recache_recomputes_resident_kv_under_the_new_prompt(runner):
     open_session(runner, "re", seed=8, prompt="a city")
     run_blocks(runner, ["re"], 3)  # 9 frames committed; 6 resident (sink 3 + window 3)
-    device_session = runner.sessions["re"]
+    device_session = runner.device_sessions["re"]
     kv, progress = device_session.kv, device_session.progress
     ids = kv.resident_block_ids("cond")
     storage = runner.kv_manager.block_pool.storage
@@ -236,7 +236,7 @@ def test_recache_recomputes_resident_kv_under_the_new_prompt(runner):
     stage = torch.empty(spec.num_layers, 2, count * tokens, spec.num_kv_heads, spec.head_dim)
     cos, sin = transformer.rotary(count)
     mask = block_causal_mask(count, pipeline.frames_per_block, tokens, "cpu")
-    context = SelfAttentionContext(cos=cos, sin=sin, stage=stage, attn_mask=mask)
+    context = DenseContext(cos=cos, sin=sin, stage=stage, attn_mask=mask)
     cross = transformer.project_text(pipeline.embed("a harbour at dawn"))[0]
     transformer(frames, torch.zeros(1, count), context, cross)
     expected = stage.unflatten(2, (count, tokens))
@@ -261,7 +261,7 @@ def test_warmup_restores_the_pool(runner):
     baseline = _baseline(runner)
     runner.warmup(blocks=2)
     assert _baseline(runner) == baseline
-    assert "__warmup__" not in runner.sessions
+    assert "__warmup__" not in runner.device_sessions
 
 
 def test_warmup_meets_every_attention_shape_and_transition(runner):
@@ -292,7 +292,7 @@ def test_warmup_meets_every_attention_shape_and_transition(runner):
     # The first session opened twice: once at the start, once more by its reset; the second joined.
     assert opened.count("__warmup__") == 2 and opened.count("__warmup_2__") == 1
     assert runner.pipeline.context_kv["cond"].loads > recaches_before
-    assert not runner.sessions
+    assert not runner.device_sessions
 
 
 @pytest.mark.parametrize("stepwise", [False, True])

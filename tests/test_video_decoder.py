@@ -1,10 +1,10 @@
-"""Streaming video decode over a tiny real diffusers AutoencoderKLWan (CPU, float32)."""
+"""Streaming video decode over a tiny real diffusers AutoencoderKLWan (CPU, float32): what only the Wan decoder
+does (the contract every decoder keeps is tests/test_decoder_contract.py)."""
 
 from __future__ import annotations
 
 import copy
 
-import numpy as np
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
@@ -12,7 +12,6 @@ from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
 
 from decoders.video import (
     TINY_VAE_STATE_BYTES_PER_PIXEL_FP32,
-    StreamingDecodeState,
     WanStreamingDecoder,
     causal_conv3d_as_conv2d,
     measure_bytes_per_pixel,
@@ -60,15 +59,6 @@ def seven_frames() -> torch.Tensor:
 
 
 # -- exactness ---------------------------------------------------------------
-
-
-@pytest.mark.parametrize("path", ["eager", "fast"])
-def test_chunked_decode_matches_single_call(request, path, seven_frames):
-    decoder = request.getfixturevalue(path)
-    whole = decode_in_chunks(decoder, seven_frames, [7])
-    assert whole.shape == (1, 3, 25, 64, 64)
-    for split in ([1, 3, 3], [3, 2, 2]):
-        assert torch.equal(decode_in_chunks(decoder, seven_frames, split), whole), split
 
 
 # The fast path reorders float32 sums, and this random-weight decoder amplifies
@@ -132,22 +122,11 @@ def test_conv2d_form_matches_causal_conv3d(kernel, padding, stride, frames, cach
 # -- sessions ------------------------------------------------------------------
 
 
-def test_interleaved_sessions_match_sessions_alone(vae, fast):
-    latents_a, latents_b = random_latents(7, seed=10), random_latents(7, seed=11)
-    alone_a = decode_in_chunks(fast, latents_a, [1, 3, 3])
-    alone_b = decode_in_chunks(fast, latents_b, [1, 3, 3])
-
-    # diffusers' own cache on the module must stay exactly as we leave it.
+def test_the_modules_own_decode_cache_is_never_touched(vae, fast, seven_frames):
+    """diffusers' cache on the module (``_feat_map``) stays exactly as we leave it: the session owns its own."""
     module_cache = ["untouched"] * vae._cached_conv_counts["decoder"]
     vae._feat_map = module_cache
-    state_a, state_b = fast.new_state("a"), fast.new_state("b")
-    parts_a, parts_b = [], []
-    for chunk_a, chunk_b in zip(latents_a.split([1, 3, 3], dim=2), latents_b.split([1, 3, 3], dim=2)):
-        parts_a.append(fast.decode_chunk(chunk_a, state_a))
-        parts_b.append(fast.decode_chunk(chunk_b, state_b))
-
-    assert torch.equal(torch.cat(parts_a, dim=2), alone_a)
-    assert torch.equal(torch.cat(parts_b, dim=2), alone_b)
+    decode_in_chunks(fast, seven_frames, [1, 3, 3])
     assert vae._feat_map is module_cache and module_cache == ["untouched"] * len(module_cache)
 
 
@@ -169,18 +148,6 @@ def test_deep_copied_vae_runs_its_own_weights_on_the_fast_path(vae, fast, seven_
     assert torch.equal(decode_in_chunks(fast, seven_frames, [7]), original)
 
 
-def test_first_block_gives_9_frames_and_later_blocks_12(fast):
-    state = fast.new_state("counts")
-    assert not state.started
-    counts = [fast.decode_chunk(random_latents(3, seed=seed), state).shape[2] for seed in range(3)]
-    assert counts == [9, 12, 12]
-    assert state.started and state.frames_decoded == 9 and state.chunks_decoded == 3
-
-    opening = fast.new_state("one-frame-opening")
-    assert fast.decode_chunk(random_latents(1), opening).shape[2] == 1
-    assert fast.decode_chunk(random_latents(2), opening).shape[2] == 8
-
-
 def test_state_bytes_constant_after_second_latent_frame(fast):
     state = fast.new_state("bounded")
     sizes = []
@@ -191,28 +158,7 @@ def test_state_bytes_constant_after_second_latent_frame(fast):
     assert sizes[1:] == [sizes[1]] * 9
 
 
-def test_release_empties_state_and_restarts_the_stream(fast, seven_frames):
-    state = fast.new_state("released")
-    first = fast.decode_chunk(seven_frames[:, :, :3], state)
-    fast.decode_chunk(seven_frames[:, :, 3:], state)
-    assert state.nbytes() > 0
-
-    fast.release(state)
-    assert state.nbytes() == 0 and not state.started and state.chunks_decoded == 0
-    # After release the session starts over: its opening block decodes as if new.
-    assert torch.equal(fast.decode_chunk(seven_frames[:, :, :3], state), first)
-
-
 # -- admission accounting ----------------------------------------------------------
-
-
-@pytest.mark.parametrize("latent_hw", [(8, 8), (6, 10)])
-def test_declared_state_bytes_exact_at_two_resolutions(fast, latent_hw):
-    height, width = latent_hw[0] * 8, latent_hw[1] * 8
-    state = fast.new_state("declared")
-    fast.decode_chunk(random_latents(2, *latent_hw), state)
-    assert fast.declared_state_bytes(height, width, torch.float32) == state.nbytes()
-    assert fast.declared_state_bytes(height, width, torch.bfloat16) == state.nbytes() // 2
 
 
 def test_tiny_constant_is_the_measured_value(vae):
@@ -234,20 +180,10 @@ def test_declared_state_bytes_measures_an_unknown_architecture():
 # -- pixels ------------------------------------------------------------------------
 
 
-def test_decoded_frames_are_finite_and_not_constant(fast):
+def test_decoded_frames_are_not_saturated_and_move(fast):
     frames = decode_in_chunks(fast, random_latents(2, 18, 32, seed=7), [1, 1])  # 256x144, the preset's size
-    assert frames.shape == (1, 3, 5, 144, 256)
-    assert torch.isfinite(frames).all()
-    assert frames.std().item() > 0.01
     assert (frames.abs() < 1).float().mean().item() > 0.9  # not saturated at the clamp
     assert frames[:, :, 1:].sub(frames[:, :, :-1]).abs().mean().item() > 0.01  # and it moves
-
-
-def test_to_uint8_maps_minus_one_to_zero_and_one_to_255():
-    frames = torch.tensor([-1.0, -0.5, 0.0, 0.5, 1.0, 2.0]).view(1, 1, 6, 1, 1).expand(1, 3, 6, 1, 1)
-    pixels = WanStreamingDecoder.to_uint8(frames)
-    assert pixels.shape == (6, 1, 1, 3) and pixels.dtype == np.uint8
-    assert pixels[:, 0, 0, 0].tolist() == [0, 64, 128, 191, 255, 255]
 
 
 def test_denormalize_follows_wan_pipeline(vae, fast):
@@ -256,29 +192,3 @@ def test_denormalize_follows_wan_pipeline(vae, fast):
     std = torch.tensor(vae.config.latents_std).view(1, Z_DIM, 1, 1, 1)
     assert torch.allclose(fast.denormalize(latents), latents * std + mean, atol=1e-6)
     assert torch.equal(fast.denormalize(latents), latents / (1.0 / std) + mean)
-
-
-# -- refusals ----------------------------------------------------------------------
-
-
-def test_bad_inputs_are_refused(vae, fast):
-    state = fast.new_state("errors")
-    with pytest.raises(ValueError, match="batch"):
-        fast.decode_chunk(torch.randn(2, Z_DIM, 1, LATENT_H, LATENT_W), state)
-    with pytest.raises(ValueError, match="shape"):
-        fast.decode_chunk(torch.randn(Z_DIM, 1, LATENT_H, LATENT_W), state)
-    with pytest.raises(ValueError, match="no frames"):
-        fast.decode_chunk(torch.randn(1, Z_DIM, 0, LATENT_H, LATENT_W), state)
-    with pytest.raises(ValueError, match="channels"):
-        fast.decode_chunk(torch.randn(1, 4, 1, LATENT_H, LATENT_W), state)
-    foreign = WanStreamingDecoder(vae).new_state("foreign")
-    with pytest.raises(ValueError, match="another decoder"):
-        fast.decode_chunk(random_latents(1), foreign)
-    with pytest.raises(ValueError, match="another decoder"):
-        fast.release(foreign)
-    with pytest.raises(ValueError, match="session_id"):
-        fast.new_state("")
-    with pytest.raises(ValueError, match="multiples of 8"):
-        fast.declared_state_bytes(100, 64, torch.float32)
-    assert state.frames_decoded == 0 and state.nbytes() == 0  # refusals leave the state alone
-    assert isinstance(state, StreamingDecodeState)

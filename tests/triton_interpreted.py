@@ -22,3 +22,30 @@ def interpreter_checks(module_file: str, timeout_s: float = 240) -> dict:
                           capture_output=True, text=True, timeout=timeout_s, check=False)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def patch_interpreter() -> None:
+    """Make Triton's interpreter round float32 to e4m3 / bf16 to nearest-even, as the GPU does, and let a
+    lone tensor element serve as an index (the FP8 kernel does both)."""
+    import numpy as np
+    import torch
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    convert, patch_tensor = interpreter._convert_float, interpreter._patch_lang_tensor  # fail loudly if renamed
+
+    torch_types = {tl.float8e4nv: (torch.float8_e4m3fn, torch.uint8), tl.bfloat16: (torch.bfloat16, torch.int16)}
+
+    def convert_rne(data, input_dtype, output_dtype, rounding_mode):
+        if input_dtype in (tl.float32, tl.float16) and output_dtype in torch_types:
+            dtype, bits = torch_types[output_dtype]
+            values = torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32))  # float16 -> float32 is exact
+            return values.to(dtype).view(bits).numpy()
+        return convert(data, input_dtype, output_dtype, rounding_mode)
+
+    def patch_tensor_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._convert_float = convert_rne
+    interpreter._patch_lang_tensor = patch_tensor_index

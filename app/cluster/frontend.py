@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
-from collections.abc import Coroutine
-from dataclasses import replace
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from fastapi import Request, Response, WebSocket
 
@@ -38,15 +40,15 @@ from app.cluster.relay import (
     open_upstream,
 )
 from app.cluster.table import SessionTable
-from app.routes import UNAVAILABLE_RETRY_AFTER_S, ApiError
+from app.routes import PER_CLIENT_RETRY_AFTER_S, UNAVAILABLE_RETRY_AFTER_S, ApiError
 from app.routes.stream import admit_socket, refuse_socket
+from app.schemas import CreateSessionRequest, PromptRequest, SessionList
 from app.security import Caller
 from app.settings import Settings
 from app.streaming import CLOSE_UNKNOWN_SESSION
 
 log = logging.getLogger("arstream.cluster")
 
-PER_CLIENT_RETRY_AFTER_S = 1.0
 CAPACITY_TIMEOUT_S = 2.0
 UNANSWERED_POLLS = 3
 
@@ -83,6 +85,7 @@ class FrontEnd:
     async def start(self) -> None:
         self.pool.on_worker_lost(self._worker_lost)
         await self.pool.start()
+        self._note_generations(self.endpoints())
         self._spawn(self._poll_capacity(), "arstream-capacity")
         self._spawn(self._reconcile_sessions(), "arstream-reconcile")
         log.info("front end started")
@@ -118,11 +121,14 @@ class FrontEnd:
 
     # --- workers --------------------------------------------------------------------------------------
     def endpoints(self) -> dict[str, WorkerEndpoint]:
-        current = {endpoint.name: endpoint for endpoint in self.pool.endpoints()}
-        for name, endpoint in current.items():
+        """The workers running now, by name."""
+        return {endpoint.name: endpoint for endpoint in self.pool.endpoints()}
+
+    def _note_generations(self, endpoints: dict[str, WorkerEndpoint]) -> None:
+        """Remember each worker's first and latest generation (its restarts, for /metrics)."""
+        for name, endpoint in endpoints.items():
             first, _ = self._seen.get(name, (endpoint.generation, endpoint.generation))
             self._seen[name] = (first, endpoint.generation)
-        return current
 
     def endpoint_of(self, worker: str, generation: int) -> WorkerEndpoint | None:
         endpoint = self.endpoints().get(worker)
@@ -165,14 +171,15 @@ class FrontEnd:
             if previous is not None and previous.generation == endpoint.generation and unanswered < UNANSWERED_POLLS:
                 return  # keep the last answer a little longer
             load = WorkerLoad(endpoint.name, endpoint.generation, ready=False, admitting=False, live_sessions=0,
-                              live_capacity=None, slots_free=0, utilisation=0.0, open_sessions=0)
+                              live_headroom=None, slots_free=0, utilisation=0.0, open_sessions=0)
         if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
             self.loads[endpoint.name] = load
 
     async def _poll_capacity(self) -> None:
         while True:
-            endpoints = list(self.endpoints().values())
-            await asyncio.gather(*(self.refresh(e) for e in endpoints), return_exceptions=True)
+            endpoints = self.endpoints()
+            self._note_generations(endpoints)
+            await asyncio.gather(*(self.refresh(e) for e in endpoints.values()), return_exceptions=True)
             await asyncio.sleep(self.cluster.capacity_poll_s)
 
     async def _reconcile_sessions(self) -> None:
@@ -237,56 +244,95 @@ class FrontEnd:
         held = self.table.open_sessions_of(caller.address)
         return f"this client already holds {held} open sessions (limit {limit})" if held >= limit else None
 
-    # --- REST -----------------------------------------------------------------------------------------
-    async def create_session(self, request: Request, caller: Caller, body: bytes) -> Response:
-        """Ask the workers in placement order until one admits; refused exactly when every ready one refuses."""
-        if self.draining:
-            raise ApiError.from_code("unavailable", "the server is draining", UNAVAILABLE_RETRY_AFTER_S)
+    # --- placing a new session: one flow for REST and the socket -----------------------------------------
+    async def _place(self, caller: Caller, via: str,
+                     ask: Callable[[WorkerEndpoint], Awaitable[Attempt | None]]) -> Placement:
+        """Reserve a table entry, ask the ready workers in placement order until one admits (``ask``: one
+        worker's answer, None when it did not answer), and give the reservation back unless one did. The
+        session is refused exactly when every ready worker refuses it."""
         too_many = self._check_client_limit(caller)
         if too_many is not None:
-            raise ApiError.from_code("rate_limited", too_many, PER_CLIENT_RETRY_AFTER_S)
+            return Placement(refused="too_many", message=too_many)
         if not self.table.reserve():
-            raise ApiError.from_code("capacity", "the front end routes as many sessions as it may; try again later",
-                                     PER_CLIENT_RETRY_AFTER_S)
+            return Placement(refused="table_full",
+                             message="the front end routes as many sessions as it may; try again later")
         placed = False
         try:
-            refusals: list[Proxied] = []
+            refusals: list[Attempt] = []
             for endpoint in self._placement():
-                try:
-                    answer = await self.http.call(endpoint, "POST", "/v1/sessions", headers=forwarded_headers(request),
-                                                  body=body)
-                except WorkerUnreachable:
+                attempt = await ask(endpoint)
+                if attempt is None:
                     continue
-                session_id = answer.json().get("session_id") if answer.status == 201 else None
-                if isinstance(session_id, str):
-                    self._placed_on(endpoint, session_id, caller.address, "rest")
+                if attempt.session_id is not None:
+                    self._placed_on(endpoint, attempt.session_id, caller.address, via)
                     placed = True
-                    return proxied_response(answer)
-                if answer.status != 503:  # refused for what it asked (400, 409, 413, ...): the same on any worker
-                    return proxied_response(answer)
-                refusals.append(answer)
+                    return Placement(endpoint=endpoint, attempt=attempt)
+                if attempt.final:
+                    return Placement(endpoint=endpoint, attempt=attempt)
+                refusals.append(attempt)
                 self._spawn(self.refresh(endpoint))
             if not refusals:
-                raise ApiError.from_code("unavailable", "no engine worker is ready; try again later",
-                                         UNAVAILABLE_RETRY_AFTER_S)
+                return Placement(refused="none_ready", message="no engine worker is ready; try again later")
             self.metrics.placement_refusals += 1
-            soonest = min(refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else float("inf"))
-            return proxied_response(soonest)  # the same 503 `capacity` + Retry-After a single full engine answers
+            return Placement(refused="capacity", refusals=refusals)
         finally:
             if not placed:
                 self.table.cancel()
 
-    async def list_sessions(self, request: Request) -> list[dict]:
+    # --- REST -----------------------------------------------------------------------------------------
+    async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> Response:
+        """On the first worker in placement order that admits it; the worker's own answer comes back."""
+        if self.draining:
+            raise ApiError.from_code("unavailable", "the server is draining", UNAVAILABLE_RETRY_AFTER_S)
+        raw = await request.body()  # validated as ``body`` already; passed on byte for byte
+
+        async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
+            try:
+                answer = await self.http.call(endpoint, "POST", "/v1/sessions", headers=forwarded_headers(request),
+                                              body=raw)
+            except WorkerUnreachable:
+                return None
+            session_id = answer.json().get("session_id") if answer.status == 201 else None
+            admitted = session_id if isinstance(session_id, str) else None
+            # Refused for what it asked (400, 409, 413, ...): the same on any worker.
+            return Attempt(session_id=admitted, retry_after_s=answer.retry_after_s,
+                           final=admitted is None and answer.status != 503, answer=answer)
+
+        placement = await self._place(caller, "rest", ask)
+        if placement.attempt is not None:
+            return proxied_response(placement.attempt.answer)
+        if placement.refused == "too_many":
+            raise ApiError.from_code("rate_limited", placement.message, PER_CLIENT_RETRY_AFTER_S)
+        if placement.refused == "table_full":
+            raise ApiError.from_code("capacity", placement.message, PER_CLIENT_RETRY_AFTER_S)
+        if placement.refused == "none_ready":
+            raise ApiError.from_code("unavailable", placement.message, UNAVAILABLE_RETRY_AFTER_S)
+        soonest = min(placement.refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else math.inf)
+        return proxied_response(soonest.answer)  # the same 503 `capacity` + Retry-After a single full engine answers
+
+    async def list_sessions(self, request: Request, caller: Caller) -> SessionList:
+        """Every worker's list (each shows only the caller's sessions when a token is configured)."""
         headers = forwarded_headers(request)
         calls = [self.http.call(e, "GET", "/v1/sessions", headers=headers) for e in self.endpoints().values()]
         sessions: list[dict] = []
         for answer in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(answer, Proxied) and answer.status == 200:
                 sessions.extend(s for s in answer.json().get("sessions") or [] if isinstance(s, dict))
-        return sessions
+        return SessionList.model_validate({"sessions": sessions})
 
-    async def forward(self, request: Request, session_id: str, method: str, suffix: str = "",
-                      body: bytes | None = None) -> Response:
+    async def session_detail(self, request: Request, caller: Caller, session_id: str) -> Response:
+        return await self._forward(request, session_id, "GET")
+
+    async def control(self, request: Request, caller: Caller, session_id: str, control: str,
+                      body: PromptRequest | None = None) -> Response:
+        raw = await request.body() if body is not None else None
+        return await self._forward(request, session_id, "POST", f"/{control}", raw)
+
+    async def delete_session(self, request: Request, caller: Caller, session_id: str) -> Response:
+        return await self._forward(request, session_id, "DELETE")
+
+    async def _forward(self, request: Request, session_id: str, method: str, suffix: str = "",
+                       body: bytes | None = None) -> Response:
         """A REST call for one session, to the worker it lives on."""
         endpoint = self.owner_of(session_id)
         if endpoint is None:
@@ -317,46 +363,35 @@ class FrontEnd:
         caller = await self._admitted(websocket)
         if caller is None:
             return
-        too_many = self._check_client_limit(caller)
-        if too_many is not None:
-            await refuse_socket(websocket, self, "capacity", error=("rate_limited", too_many),
+
+        async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
+            try:
+                upstream = await open_upstream(endpoint, "/v1/stream", websocket, secret=self.secret,
+                                               limits=self.socket_limits)
+            except WorkerUnreachable:
+                return None
+            opening = await first_answer(upstream, self.cluster.proxy_timeout_s)
+            if opening.session_id is None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(upstream.close(), 2.0)
+                return Attempt(retry_after_s=opening.retry_after_s)
+            return Attempt(session_id=opening.session_id, answer=(upstream, opening.session_text))
+
+        placement = await self._place(caller, "websocket", ask)
+        if placement.attempt is not None:
+            upstream, first = placement.attempt.answer
+            await self._relay(websocket, upstream, placement.endpoint, placement.attempt.session_id, first)
+        elif placement.refused == "too_many":
+            await refuse_socket(websocket, self, "capacity", error=("rate_limited", placement.message),
                                 retry_after_s=PER_CLIENT_RETRY_AFTER_S)
-            return
-        if not self.table.reserve():
+        elif placement.refused == "table_full":
             await refuse_socket(websocket, self, "capacity", retry_after_s=PER_CLIENT_RETRY_AFTER_S)
-            return
-        placed = False
-        try:
-            refusals: list[float | None] = []
-            for endpoint in self._placement():
-                try:
-                    upstream = await open_upstream(endpoint, "/v1/stream", websocket, secret=self.secret,
-                                                   limits=self.socket_limits)
-                except WorkerUnreachable:
-                    continue
-                opening = await first_answer(upstream, self.cluster.proxy_timeout_s)
-                session_id = opening.session_id
-                if session_id is None:
-                    refusals.append(opening.retry_after_s)
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(upstream.close(), 2.0)
-                    self._spawn(self.refresh(endpoint))
-                    continue
-                self._placed_on(endpoint, session_id, caller.address, "websocket")
-                placed = True
-                await self._relay(websocket, upstream, endpoint, session_id, opening.session_text)
-                return
-            if not refusals:
-                await refuse_socket(websocket, self, "capacity",
-                                    error=("internal", "no engine worker is ready; try again later"),
-                                    retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
-                return
-            self.metrics.placement_refusals += 1
-            await refuse_socket(websocket, self, "capacity",
-                                retry_after_s=soonest_retry_s(refusals, UNAVAILABLE_RETRY_AFTER_S))
-        finally:
-            if not placed:
-                self.table.cancel()
+        elif placement.refused == "none_ready":
+            await refuse_socket(websocket, self, "capacity", error=("internal", placement.message),
+                                retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+        else:
+            retry_s = soonest_retry_s((r.retry_after_s for r in placement.refusals), UNAVAILABLE_RETRY_AFTER_S)
+            await refuse_socket(websocket, self, "capacity", retry_after_s=retry_s)
 
     async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
         """``WS /v1/sessions/{id}/stream``: to the worker the session lives on (4404 when none has it)."""
@@ -406,6 +441,10 @@ class FrontEnd:
         self.metrics.media_bytes_relayed += size
 
     # --- metrics --------------------------------------------------------------------------------------
+    def render_metrics(self) -> bytes:
+        """The front end's counts and each worker's capacity (``worker`` label); no session ids."""
+        return self.metrics.render(self.view())
+
     def view(self) -> FrontEndView:
         endpoints = self.endpoints()
         loads = {load.name: load for load in self.current_loads()}
@@ -423,13 +462,34 @@ class FrontEnd:
                 lost=self._lost.get(name, 0),
                 live_sessions=load.live_sessions if load else 0,
                 open_sessions=load.open_sessions if load else 0,
-                live_capacity=load.live_capacity if load else None,
+                live_headroom=load.live_headroom if load else None,
                 slots_free=load.slots_free if load else 0,
                 utilisation=load.utilisation if load else 0.0,
                 placed=self._placed.get(name, 0),
             ))
         return FrontEndView(ready=self.ready, draining=self.draining, tracked_sessions=len(self.table),
                             workers=workers)
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One worker's answer to placing a new session."""
+
+    session_id: str | None = None  # admitted: the id it created
+    retry_after_s: float | None = None  # refused for room: when it expects some
+    final: bool = False  # refused for what was asked: the same on any worker
+    answer: Any = None  # what the caller passes on (the worker's HTTP answer, the upstream socket)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a new session went: admitted (or finally refused) by ``endpoint``, or refused by the front end."""
+
+    endpoint: WorkerEndpoint | None = None
+    attempt: Attempt | None = None
+    refused: str | None = None  # too_many, table_full, none_ready, capacity (every ready worker refused)
+    message: str | None = None
+    refusals: list[Attempt] = field(default_factory=list)
 
 
 def proxied_response(answer: Proxied) -> Response:

@@ -30,7 +30,7 @@ class WorkerView:
     lost: int
     live_sessions: int
     open_sessions: int
-    live_capacity: int | None
+    live_headroom: int | None
     slots_free: int
     utilisation: float
     placed: int
@@ -101,9 +101,9 @@ class _Collector:
              GaugeMetricFamily),
             ("arstream_worker_open_sessions", "Open sessions on the worker.", lambda w: w.open_sessions,
              GaugeMetricFamily),
-            ("arstream_worker_live_capacity",
+            ("arstream_worker_live_headroom",
              "More live sessions the worker keeps in real time (NaN: nothing measured yet).",
-             lambda w: w.live_capacity if w.live_capacity is not None else math.nan, GaugeMetricFamily),
+             lambda w: w.live_headroom if w.live_headroom is not None else math.nan, GaugeMetricFamily),
             ("arstream_worker_slots_free", "Memory slots no open session holds.", lambda w: w.slots_free,
              GaugeMetricFamily),
             ("arstream_worker_utilisation", "Device time the worker's running live sessions need per second.",

@@ -27,7 +27,7 @@ class WorkerLoad:
     ready: bool
     admitting: bool
     live_sessions: int
-    live_capacity: int | None  # more live sessions it keeps in real time; None: nothing measured yet
+    live_headroom: int | None  # more live sessions it keeps in real time; None: nothing measured yet
     slots_free: int
     utilisation: float
     open_sessions: int
@@ -36,7 +36,7 @@ class WorkerLoad:
     @classmethod
     def from_answer(cls, name: str, generation: int, answer: dict) -> WorkerLoad:
         """From ``/internal/capacity`` JSON; fields beyond the shared interface are optional."""
-        live_capacity = answer.get("live_capacity")
+        live_headroom = answer.get("live_headroom")
         retry_after = answer.get("retry_after_s")
         return cls(
             name=name,
@@ -44,7 +44,7 @@ class WorkerLoad:
             ready=answer.get("ready") is True,
             admitting=answer.get("admitting") is True,
             live_sessions=_count(answer.get("live_sessions")),
-            live_capacity=_count(live_capacity) if live_capacity is not None else None,
+            live_headroom=_count(live_headroom) if live_headroom is not None else None,
             slots_free=_count(answer.get("slots_free")),
             utilisation=_finite(answer.get("utilisation")),
             open_sessions=_count(answer.get("open_sessions", answer.get("live_sessions"))),
@@ -54,17 +54,17 @@ class WorkerLoad:
     @property
     def headroom(self) -> int:
         """New sessions it could take now: memory slots, bounded by real-time room once that is known."""
-        if self.live_capacity is None:
+        if self.live_headroom is None:
             return self.slots_free
-        return min(self.slots_free, self.live_capacity)
+        return min(self.slots_free, self.live_headroom)
 
     def after_placement(self) -> WorkerLoad:
         """This load with one more session placed on it: what placement assumes until the worker's next answer,
         so that sessions arriving one after another spread before the numbers catch up."""
         slots_free = max(0, self.slots_free - 1)
-        live_capacity = max(0, self.live_capacity - 1) if self.live_capacity is not None else None
+        live_headroom = max(0, self.live_headroom - 1) if self.live_headroom is not None else None
         placed = replace(self, live_sessions=self.live_sessions + 1, open_sessions=self.open_sessions + 1,
-                         slots_free=slots_free, live_capacity=live_capacity)
+                         slots_free=slots_free, live_headroom=live_headroom)
         return replace(placed, admitting=self.admitting and placed.headroom > 0)
 
 

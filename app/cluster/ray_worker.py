@@ -98,8 +98,8 @@ class ArstreamWorker:
 
     async def info(self) -> WorkerInfo:
         service = self._service()
-        alive = (not self._engine_dead and not self._serving.done() and service is not None
-                 and service.start_error is None and service.engine.alive)
+        reason = service.not_ready() if service is not None else None
+        alive = not self._engine_dead and not self._serving.done() and service is not None and not (reason and reason.final)
         return WorkerInfo(
             name=self.name,
             base_url=self.base_url,
@@ -115,7 +115,8 @@ class ArstreamWorker:
         service = self._service()
         if self._serving.done():
             raise RuntimeError(f"worker {self.name}: its server stopped")
-        if self._engine_dead or (service is not None and (service.start_error is not None or not service.engine.alive)):
+        reason = service.not_ready() if service is not None else None
+        if self._engine_dead or (reason is not None and reason.final):
             raise RuntimeError(f"worker {self.name}: the engine is dead")
 
     async def __del__(self) -> None:

@@ -9,12 +9,11 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi_offline import FastAPIOffline
 
-from app.cluster import routes
 from app.cluster.frontend import FrontEnd
 from app.cluster.pool import WorkerPool
 from app.log_redaction import install_log_redaction
 from app.main import API_DESCRIPTION, add_demo_page
-from app.routes import install_error_handlers
+from app.routes import health, install_error_handlers, metrics, sessions, stream
 from app.security import BodySizeLimit, StrictRequestTarget
 from app.settings import Settings
 
@@ -32,11 +31,12 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_frontend_app(settings: Settings, pool: WorkerPool, secret: str) -> FastAPI:
     """The front end's app: the single server's routes and bounds, backed by ``pool``'s workers.
 
-    ``app.state.service`` is the :class:`FrontEnd` (the shared request checks read its ``settings`` and
-    count into its ``metrics``; ``arstream serve`` drains it before uvicorn closes the sockets)."""
+    The :class:`FrontEnd` is both ``app.state.service`` (the shared request checks read its ``settings`` and
+    count into its ``metrics``; ``arstream serve`` drains it before uvicorn closes the sockets) and
+    ``app.state.sessions``: the routes are the single server's own (``app/backend.py``)."""
     app: FastAPI = FastAPIOffline(title="arstream", version="1", description=API_DESCRIPTION, lifespan=_lifespan)
     app.state.settings = settings
-    app.state.service = FrontEnd(settings, pool, secret)
+    app.state.service = app.state.sessions = FrontEnd(settings, pool, secret)
     app.state.on_engine_dead = None
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_message_bytes)
     app.add_middleware(StrictRequestTarget)
@@ -44,8 +44,9 @@ def create_frontend_app(settings: Settings, pool: WorkerPool, secret: str) -> Fa
     install_log_redaction([s for s in (token, secret) if s])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per poll of every worker, otherwise
     install_error_handlers(app)
-    app.include_router(routes.health)
-    app.include_router(routes.sessions)
-    app.include_router(routes.stream)
+    app.include_router(health.router)
+    app.include_router(metrics.router)
+    app.include_router(sessions.router)
+    app.include_router(stream.router)
     add_demo_page(app)
     return app

@@ -37,7 +37,8 @@ STATUS_BY_CODE = {
     "capacity": 503,
     "unavailable": 503,
 }
-UNAVAILABLE_RETRY_AFTER_S = 5
+UNAVAILABLE_RETRY_AFTER_S = 5  # warming up, draining, no worker answering
+PER_CLIENT_RETRY_AFTER_S = 1.0  # too many sessions for one client (REST 429, socket `closed`), a full front-end table
 
 # For OpenAPI: what the session routes may answer besides success.
 ERROR_RESPONSES = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from app.deps import ServiceDep
+from app.deps import ServerDep
 from app.routes import UNAVAILABLE_RETRY_AFTER_S
 from app.schemas import Health
 
@@ -19,9 +19,10 @@ async def healthz() -> Health:
 
 
 @router.get("/readyz", response_model=Health, responses={503: {"model": Health}})
-async def readyz(service: ServiceDep):
-    """200 only while the engine is warm, alive and not draining: send traffic here."""
-    reason = service.not_ready_reason()
+async def readyz(server: ServerDep):
+    """200 only while new sessions are admitted — the engine warm, alive and not draining (a front end: at
+    least one such worker; a full one counts, it refuses sessions one by one): send traffic here."""
+    reason = server.not_ready_reason()
     if reason is None:
         return Health(status="ok")
     return JSONResponse(

@@ -18,13 +18,13 @@ router = APIRouter(prefix="/internal", tags=["internal"], include_in_schema=Fals
 @router.get("/capacity", response_model=WorkerCapacity)
 async def capacity(service: ServiceDep) -> WorkerCapacity:
     worker = service.settings.worker
-    outlook = service.engine.outlook()
+    outlook = service.registry.outlook()
     ready = service.ready
     return WorkerCapacity(
         ready=ready,
         admitting=ready and outlook is not None and outlook.admitting,
         live_sessions=outlook.live_sessions if outlook else 0,
-        live_capacity=outlook.live_headroom if outlook else None,
+        live_headroom=outlook.live_headroom if outlook else None,
         slots_free=outlook.slots_free if outlook else 0,
         utilisation=round(outlook.utilisation, 4) if outlook else 0.0,
         device=service.settings.engine.device,

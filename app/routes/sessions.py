@@ -1,4 +1,9 @@
-"""REST for sessions: the same controls as the socket, for controllers that do not hold the stream."""
+"""REST for sessions: the same controls as the socket, for controllers that do not hold the stream.
+
+Declared once for a single server and a front end alike: each route asks ``app.state.sessions``
+(``app/backend.py``). Bodies are validated here with the protocol's models, so a bad request is refused
+before anything else is asked, with the same code everywhere.
+"""
 
 from __future__ import annotations
 
@@ -6,155 +11,71 @@ from typing import Annotated
 
 from fastapi import APIRouter, Body, Path, Request, Response
 
-from app.deps import CallerDep, RegistryDep
-from app.registry import SessionRecord, SessionRegistry
-from app.routes import ERROR_RESPONSES, ApiError
+from app.deps import CallerDep, SessionsDep
+from app.routes import ERROR_RESPONSES
 from app.schemas import (
     MAX_ID_CHARS,
     CreateSessionRequest,
     PromptRequest,
-    SessionCounters,
     SessionCreated,
     SessionDetail,
     SessionList,
-    SessionRealtime,
     SessionStateResponse,
-    SessionSummary,
-    SessionTimings,
 )
-from engine.errors import CapacityFull, EngineError
 
 router = APIRouter(prefix="/v1/sessions", tags=["sessions"], responses=ERROR_RESPONSES)
 
 SessionId = Annotated[str, Path(max_length=MAX_ID_CHARS, description="the id POST /v1/sessions returned")]
 
 
-def _stream_url(request: Request, session_id: str) -> str:
-    url = request.url_for("attach_stream", session_id=session_id)
-    return str(url.replace(scheme="wss" if url.scheme == "https" else "ws"))
-
-
-def _controlled(registry: SessionRegistry, session_id: str) -> SessionRecord:
-    """The session, if this control may run now (REST controls share a per-session rate limit)."""
-    try:
-        record = registry.get(session_id)
-    except EngineError as error:
-        raise ApiError.from_engine(error) from None
-    if not record.rest_bucket.allow():
-        wait_s = record.rest_bucket.seconds_until_allowed()
-        raise ApiError.from_code("rate_limited", "too many control requests", wait_s)
-    return record
-
-
-def _state(registry: SessionRegistry, session_id: str) -> SessionStateResponse:
-    return SessionStateResponse(session_id=session_id, state=registry.status(session_id).state)
-
-
 @router.post("", status_code=201, response_model=SessionCreated)
 async def create_session(
     request: Request,
     caller: CallerDep,
-    registry: RegistryDep,
+    sessions: SessionsDep,
     body: Annotated[CreateSessionRequest | None, Body()] = None,
-) -> SessionCreated:
+):
     """Create a session in `created`. With a prompt it starts generating when a socket attaches to
     `stream_url`; without one, the socket sends `start`."""
-    body = body or CreateSessionRequest()
-    record = registry.create(caller, prompt=body.prompt, seed=body.seed, options=body.options, via="rest")
-    if isinstance(record, CapacityFull):
-        raise ApiError.capacity(record)
-    return SessionCreated(
-        session_id=record.session_id,
-        state=registry.status(record.session_id).state,
-        stream_url=_stream_url(request, record.session_id),
-    )
+    return await sessions.create_session(request, caller, body or CreateSessionRequest())
 
 
 @router.get("", response_model=SessionList)
-async def list_sessions(caller: CallerDep, registry: RegistryDep) -> SessionList:
+async def list_sessions(request: Request, caller: CallerDep, sessions: SessionsDep):
     """Session ids and states (with auth on, only the caller's)."""
-    return SessionList(
-        sessions=[
-            SessionSummary(session_id=r.session_id, state=registry.status(r.session_id).state)
-            for r in registry.visible(caller)
-        ]
-    )
+    return await sessions.list_sessions(request, caller)
 
 
 @router.get("/{session_id}", response_model=SessionDetail)
-async def get_session(session_id: SessionId, caller: CallerDep, registry: RegistryDep) -> SessionDetail:
+async def get_session(session_id: SessionId, request: Request, caller: CallerDep, sessions: SessionsDep):
     """State, counters, timings and how it keeps real time; of the prompt only its length."""
-    status = registry.status(session_id)
-    timings = status.last_timings
-    return SessionDetail(
-        session_id=status.session_id,
-        state=status.state,
-        attached=status.attached,
-        prompt_length=status.prompt_length,
-        seed=status.seed,
-        pace=status.pace,
-        created_at=status.created_at,
-        counters=SessionCounters(
-            chunks=status.chunks,
-            frames=status.frames,
-            blocks_since_reset=status.blocks_since_reset,
-            queue_depth=status.queue_depth,
-            decoder_state_bytes=status.decoder_state_bytes,
-        ),
-        realtime=SessionRealtime(
-            live=status.realtime.live,
-            frames_per_second=round(status.realtime.frames_per_second, 3),
-            deadline_misses=status.realtime.deadline_misses,
-            block_cost_ms=status.realtime.block_cost_ms,
-            below_realtime=status.realtime.below_realtime,
-            live_capacity=registry.engine.live_capacity,
-        ),
-        last_timings=SessionTimings(
-            started_at=timings.started_at,
-            queued_ms=timings.queued_ms,
-            denoise_ms=timings.denoise_ms,
-            decode_ms=timings.decode_ms,
-        )
-        if timings is not None
-        else None,
-        time_to_first_chunk_ms=status.time_to_first_chunk_ms,
-        close_reason=status.close_reason,
-    )
+    return await sessions.session_detail(request, caller, session_id)
 
 
 @router.post("/{session_id}/prompt", response_model=SessionStateResponse)
-async def change_prompt(session_id: SessionId, body: PromptRequest, caller: CallerDep, registry: RegistryDep):
+async def change_prompt(session_id: SessionId, body: PromptRequest, request: Request, caller: CallerDep,
+                        sessions: SessionsDep):
     """The next block uses the new prompt (`policy`: soft, recache or reset)."""
-    _controlled(registry, session_id)
-    registry.set_prompt(session_id, body.prompt, body.policy)
-    return _state(registry, session_id)
+    return await sessions.control(request, caller, session_id, "prompt", body)
 
 
 @router.post("/{session_id}/pause", response_model=SessionStateResponse)
-async def pause(session_id: SessionId, caller: CallerDep, registry: RegistryDep):
-    _controlled(registry, session_id)
-    registry.announce(session_id, registry.pause(session_id))
-    return _state(registry, session_id)
+async def pause(session_id: SessionId, request: Request, caller: CallerDep, sessions: SessionsDep):
+    return await sessions.control(request, caller, session_id, "pause")
 
 
 @router.post("/{session_id}/resume", response_model=SessionStateResponse)
-async def resume(session_id: SessionId, caller: CallerDep, registry: RegistryDep):
-    _controlled(registry, session_id)
-    registry.announce(session_id, registry.resume(session_id))
-    return _state(registry, session_id)
+async def resume(session_id: SessionId, request: Request, caller: CallerDep, sessions: SessionsDep):
+    return await sessions.control(request, caller, session_id, "resume")
 
 
 @router.post("/{session_id}/reset", response_model=SessionStateResponse)
-async def reset(session_id: SessionId, caller: CallerDep, registry: RegistryDep):
+async def reset(session_id: SessionId, request: Request, caller: CallerDep, sessions: SessionsDep):
     """Content restarts as if new (same seed, current prompt); the media timeline continues."""
-    _controlled(registry, session_id)
-    registry.reset(session_id)
-    return _state(registry, session_id)
+    return await sessions.control(request, caller, session_id, "reset")
 
 
 @router.delete("/{session_id}", status_code=204, response_class=Response)
-async def delete_session(session_id: SessionId, caller: CallerDep, registry: RegistryDep) -> Response:
+async def delete_session(session_id: SessionId, request: Request, caller: CallerDep, sessions: SessionsDep):
     """Close and forget: an attached socket gets `closed` (reason `client`); GET then answers 404."""
-    _controlled(registry, session_id)
-    registry.delete(session_id)
-    return Response(status_code=204)
+    return await sessions.delete_session(request, caller, session_id)

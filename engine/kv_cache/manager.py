@@ -112,7 +112,3 @@ class KVCacheManager:
 
     def _forget(self, session_id: str) -> None:
         self._sessions.pop(session_id, None)
-
-    def staging_for(self, branch: str) -> torch.Tensor:
-        """The staging buffer a commit forward of ``branch`` writes (for tests and tools; handles hold their own view)."""
-        return self.staging[self.spec.branch_names.index(branch)]

@@ -5,8 +5,8 @@ On CUDA torch's kernel computes each output as one fused multiply-add, ``fma(w, 
 (nvcc contracts ``w * n + b``); the engine takes the row statistics from torch's kernel on the bf16 rows
 (:func:`engine.models.kernels.layer_norm_stats`, bit-identical to the float32 copy's) and finishes here with
 the same ``fma``. Inductor's version of the same formula rounds the product before the sum (it keeps eager's
-separate operations apart): on the H200 93 of 7.2 M bf16 outputs differed from torch's, this kernel none
-(``bench/affine_norm_gpu.py``). Elsewhere (the CPU) the caller runs the eager formula.
+separate operations apart), and so differs from torch's in some bf16 outputs where this kernel differs in
+none (``bench/affine_norm_gpu.py``; docs/BENCHMARKS.md). Elsewhere (the CPU) the caller runs the eager formula.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ attention reads text K/V projected once per prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,41 +21,77 @@ from engine.models.kernels import EAGER_KERNELS, Kernels
 
 
 @dataclass
-class SelfAttentionContext:
-    """What every self-attention layer of one forward reads and writes.
-
-    ::
-
-        keys:    | history frames                     | current frames |
-        rotary:  0 ........................................... S_k - 1
-        queries:                                    | current frames |
-
-    The history comes from one of (fastest first):
-
-    * ``context_kv`` + ``history_tokens``: a per-branch buffer
-      ``[layers, 2, >= S_k, heads, head_dim]`` whose first ``history_tokens``
-      rows hold the history already gathered from the pool and rotated (once
-      per block, see :class:`engine.models.context_kv.ContextKV`); each layer
-      writes its current K/V after them and attends over the prefix;
-    * ``pool`` + ``history_ids``: gathered from the pool blocks and rotated in
-      every forward (the per-forward paged path, the reference for the above);
-    * ``history_kv``: one concatenated tensor per layer (the naive benchmark path).
-
-    ``fp8``: with FP8 attention, the branch's e4m3 mirror of ``context_kv``
-    (:class:`~engine.models.context_kv.FP8ContextKV`, its history quantized by
-    the same load); the gathered path then attends through the FP8 kernel.
-    """
+class DenseContext:
+    """No cache: a forward's keys are its own tokens, under an optional mask (the whole-sequence reference,
+    training, unit tests). ``stage``: the forward's K/V are written there too, unrotated."""
 
     cos: torch.Tensor  # [S_k, 1, head_dim // 2] for key positions 0..S_k-1
     sin: torch.Tensor
-    pool: torch.Tensor | None = None  # [layers, 2, blocks, tokens_per_frame, heads, head_dim]
-    history_ids: torch.Tensor | None = None  # [history frames] block ids, oldest first
-    stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]: current K/V goes here, unrotated
-    history_kv: torch.Tensor | None = None  # naive path: [layers, 2, S_h, heads, head_dim], already concatenated
-    attn_mask: torch.Tensor | None = None  # dense reference path only: [S_q, S_k] bool
-    context_kv: torch.Tensor | None = None  # gathered-once path: [layers, 2, S_max, heads, head_dim]
-    history_tokens: int = 0  # rows of context_kv that hold the (rotated) history
-    fp8: FP8ContextKV | None = None  # FP8 attention: the e4m3 mirror of context_kv
+    attn_mask: torch.Tensor | None = None  # [S_q, S_k] bool
+    stage: torch.Tensor | None = None  # [layers, 2, S_q, heads, head_dim]
+
+    def history(self, layer: int) -> None:
+        return None
+
+
+@dataclass
+class PagedContext:
+    """History read from the session's pool blocks and rotated in every forward: the per-forward reference
+    for :class:`GatheredContext` (``CausalWanPipeline(gather_history_once=False)``)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pool: torch.Tensor  # [layers, 2, blocks, tokens_per_frame, heads, head_dim]
+    history_ids: torch.Tensor | None  # [history frames] block ids, oldest first (None: no history yet)
+    stage: torch.Tensor | None = None
+    attn_mask = None  # every key is visible: the history precedes the block
+
+    def history(self, layer: int) -> torch.Tensor | None:
+        """``[2, S_h, heads, head_dim]``: the layer's history K/V, unrotated."""
+        if self.history_ids is None:
+            return None
+        return self.pool[layer].index_select(1, self.history_ids).flatten(1, 2)
+
+
+@dataclass
+class GatheredContext:
+    """History gathered from the pool and rotated once per block (:class:`~engine.models.context_kv.ContextKV`):
+    each layer writes its current K/V after it in ``context_kv`` and attends over the prefix. The engine's
+    path, and the only one CUDA graphs and FP8 attention run on.
+
+    ``fp8``: with FP8 attention, the branch's e4m3 mirror of ``context_kv``
+    (:class:`~engine.models.context_kv.FP8ContextKV`, its history quantized by the same load).
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    context_kv: torch.Tensor  # [layers, 2, S_max, heads, head_dim]
+    history_tokens: int  # rows of context_kv that hold the (rotated) history
+    stage: torch.Tensor | None = None
+    fp8: FP8ContextKV | None = None
+
+
+class PerForwardContext(Protocol):
+    """A context whose history (if any) is read in each forward and rotated with the block's keys."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn_mask: torch.Tensor | None
+    stage: torch.Tensor | None
+
+    def history(self, layer: int) -> torch.Tensor | None:
+        """``[2, S_h, heads, head_dim]`` unrotated history K/V of ``layer``, or None."""
+
+
+# What every self-attention layer of one forward reads and writes::
+#
+#     keys:    | history frames                     | current frames |
+#     rotary:  0 ........................................... S_k - 1
+#     queries:                                    | current frames |
+#
+# (a benchmark's own per-forward context, e.g. bench/bench_engine.py's concatenated history, fits PerForwardContext)
+AttentionContext = GatheredContext | DenseContext | PagedContext | PerForwardContext
+SelfAttentionContext = DenseContext  # the dense context's former name: train/dit.py still builds it so
 
 
 def _heads(attn, x: torch.Tensor) -> torch.Tensor:
@@ -88,12 +125,12 @@ class PagedSelfAttentionProcessor:
         attention_mask=None,
         rotary_emb=None,
         *,
-        context: SelfAttentionContext,
+        context: AttentionContext,
         kernels: Kernels = EAGER_KERNELS,
     ) -> torch.Tensor:
         layer = self.layer_index
         num_queries = hidden_states.shape[1]
-        if context.context_kv is not None:
+        if isinstance(context, GatheredContext):
             return self._attend_gathered(attn, hidden_states, context, kernels)
         if self.fp8_attention:
             raise ValueError(
@@ -107,11 +144,7 @@ class PagedSelfAttentionProcessor:
             # Unrotated, as stored: positions are assigned when the block is read back.
             context.stage[layer, 0, :num_queries].copy_(key[0])
             context.stage[layer, 1, :num_queries].copy_(value[0])
-        history = None
-        if context.history_ids is not None:
-            history = context.pool[layer].index_select(1, context.history_ids).flatten(1, 2)  # [2, n*T, H, D]
-        elif context.history_kv is not None:
-            history = context.history_kv[layer]
+        history = context.history(layer)  # [2, S_h, H, D]
         if history is not None:
             key = torch.cat([history[0].unsqueeze(0).expand(key.shape[0], -1, -1, -1), key], dim=1)
             value = torch.cat([history[1].unsqueeze(0).expand(value.shape[0], -1, -1, -1), value], dim=1)
@@ -123,7 +156,7 @@ class PagedSelfAttentionProcessor:
         key = kernels.rotate_pairs(key, context.cos, context.sin)
         return _attend(attn, query, key, value, context.attn_mask)
 
-    def _attend_gathered(self, attn, hidden_states, context: SelfAttentionContext, kernels: Kernels) -> torch.Tensor:
+    def _attend_gathered(self, attn, hidden_states, context: GatheredContext, kernels: Kernels) -> torch.Tensor:
         """The history is already in ``context_kv``, rotated: write this block's K/V after it and attend."""
         if hidden_states.shape[0] != 1:
             raise ValueError("the gathered-history path runs one session (batch 1) per forward")
@@ -146,7 +179,7 @@ class PagedSelfAttentionProcessor:
         buffer[1, start:end].copy_(value[0])
         return _attend(attn, query, buffer[0, :end].unsqueeze(0), buffer[1, :end].unsqueeze(0))
 
-    def _attend_fp8(self, attn, query, key, value, context: SelfAttentionContext) -> torch.Tensor:
+    def _attend_fp8(self, attn, query, key, value, context: GatheredContext) -> torch.Tensor:
         """FP8: this block's rotated K and its V into the mirror after the history (current-segment scales),
         q quantized per head, the kernel over both segments. The bf16 buffer's current rows are not needed."""
         mirror = context.fp8

@@ -4,7 +4,7 @@ The modules (patch embedding, condition embedder, transformer blocks, output
 norm and projection) are diffusers' own; what this file owns is the forward:
 per-frame timesteps, rotary positions that start where the history ends, and
 attention processors that read the session's cache. Model code never sees
-sessions, sockets or queues: it gets tensors and a :class:`SelfAttentionContext`.
+sessions, sockets or queues: it gets tensors and an attention context (``engine/models/attention.py``).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from engine.models import fp8_attention as fa
 from engine.models.audio_tokens import AudioTokenProjections
 from engine.models.attention import (
     CachedCrossAttentionProcessor,
+    AttentionContext,
     PagedSelfAttentionProcessor,
-    SelfAttentionContext,
     project_cross_kv,
 )
 from engine.models.kernels import Kernels
@@ -116,7 +116,7 @@ class CausalWanTransformer(torch.nn.Module):
         self,
         latents: BlockLatents,
         frame_timesteps: torch.Tensor,
-        context: SelfAttentionContext,
+        context: AttentionContext,
         cross_kv: torch.Tensor,
     ) -> BlockLatents:
         """Predict the flow for ``latents`` (video ``[B, C, F, h, w]``, audio ``[B, D, F*A]``) at one timestep per frame.

@@ -28,15 +28,12 @@ both segments (:func:`engine.models.fp8_attention.fp8_attention_segments`).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 import torch
 
 from engine.models import fp8_attention as fa
-from engine.models.graph_capture import capture
-
-log = logging.getLogger("arstream.graphs")
+from engine.models.graph_capture import GraphCache, capture
 
 HISTORY, CURRENT = 0, 1  # the segments of the FP8 mirror's scales
 
@@ -68,8 +65,8 @@ class FP8ContextKV:
     # The batch axis is added before slicing, so its stride is the whole layer's (a multiple of 16), never
     # the slice's length: Triton specialises every integer argument on divisibility by 16, and a batch
     # stride of e.g. 32,760 (a slice's key count) cost it the proof that the V rows are 16-byte aligned:
-    # V read byte by byte instead of by 16-byte asynchronous copies (sm_90 PTX), the standard window's FP8
-    # block 2.4x slower, at key counts that are not multiples of 16 only (docs/FP8.md).
+    # V read byte by byte instead of by 16-byte asynchronous copies (sm_90 PTX): the standard window's FP8
+    # block ran several times slower, at key counts that are not multiples of 16 only (docs/FP8.md).
 
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rows ``start:end`` of one layer's K as the kernel's ``[1, S, H, D]``."""
@@ -89,7 +86,7 @@ class FP8ContextKV:
         """:meth:`quantize` for every layer at once: ``keys``/``values`` ``[layers, S, H, D]``.
 
         Bit for bit the per-layer calls (a scale per layer and head either way), in four launches instead of
-        four per layer: the per-layer launches' host time left the GPU idle ~0.25 ms per layer in each load.
+        four per layer: the per-layer launches' host time left the GPU idle in each load (docs/BENCHMARKS.md).
         """
         end = start + keys.shape[1]
         fa.quantize_per_head_into(keys, self.k[:, start:end], self.scales[:, 0, segment, 0])
@@ -132,9 +129,9 @@ class ContextKV:
             self.fp8 = FP8ContextKV(
                 num_layers=num_layers, max_tokens=max_tokens, num_heads=num_heads, head_dim=head_dim, device=device
             )
-        self._use_graphs = cuda_graphs and torch.device(device).type == "cuda"
-        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
-        self._graph_pool = None
+        self._graphs: GraphCache[torch.cuda.CUDAGraph] = GraphCache(
+            "history load", self.MAX_GRAPHS, enabled=cuda_graphs and torch.device(device).type == "cuda"
+        )
         self._owner: tuple | None = None  # (kv state, branch, committed frames, pool writes) of the last load
         self.loads = 0
         self.history_tokens = 0  # of the last load
@@ -178,12 +175,12 @@ class ContextKV:
         """Rotate the gathered history keys of every layer in place and quantize the FP8 mirror's history.
 
         On CUDA (``cuda_graphs``) this runs as one CUDA graph per (token count, tables, rotation): its ~100
-        launches are otherwise enqueued one by one at every block's start, and the GPU waited for them
-        (8.7 ms of a bf16 block's 287 idle, 21 of an FP8 block's 278: bench_fast_paths' profile). Everything
-        it reads and writes is at a fixed address: this buffer, its mirror, the rotary module's tables.
+        launches are otherwise enqueued one by one at every block's start, and the GPU waits for them (the
+        profile is in docs/BENCHMARKS.md). Everything it reads and writes is at a fixed address: this buffer,
+        its mirror, the rotary module's tables.
         """
         key = (tokens, cos.data_ptr(), sin.data_ptr(), rotate)
-        graph = self._graphs.get(key) if self._use_graphs else None
+        graph = self._graphs.get(key) if self._graphs.enabled else None
         if graph is not None:
             graph.replay()
             return
@@ -195,20 +192,9 @@ class ContextKV:
             if self.fp8 is not None:  # once per block, for all its forwards: the history's own scales
                 self.fp8.quantize_layers(HISTORY, 0, self.buffer[:, 0, :tokens], self.buffer[:, 1, :tokens])
 
-        if not self._use_graphs or len(self._graphs) >= self.MAX_GRAPHS or torch.cuda.is_current_stream_capturing():
-            run()
-            return
-        run()  # this load's work, eagerly; the capture below only records it (in place: nothing replays now)
-        try:
-            graph, _ = capture(run, warm_runs=0, pool=self._graph_pool)
-        except Exception:
-            self._use_graphs = False
-            torch.cuda.synchronize()
-            log.warning("CUDA graph capture of the history load failed; loading eagerly", exc_info=True)
-            return
-        if self._graph_pool is None:
-            self._graph_pool = graph.pool()
-        self._graphs[key] = graph
+        run()  # this load's work, eagerly; a capture only records it (in place: nothing replays now)
+        if self._graphs.enabled:
+            self._graphs.capture(key, lambda pool: capture(run, warm_runs=0, pool=pool)[0])
 
     def invalidate(self) -> None:
         self._owner = None

@@ -1,9 +1,8 @@
 """DiT forwards replayed as CUDA graphs, one graph per forward shape.
 
 A 1.3B forward launches ~1,500 kernels. At the fast window the device needs
-less time for them than the host needs to launch them (the host enqueue of a
-block measured 80 % of its device time at the standard window), so the host
-sets the pace. A graph replays the whole forward with one launch.
+less time for them than the host needs to launch them (docs/BENCHMARKS.md),
+so the host sets the pace. A graph replays the whole forward with one launch.
 
 What a graph may depend on must not move between replays, so everything a
 forward reads is either copied into the graph's own input buffers (latents,
@@ -15,24 +14,22 @@ also holds the kernels the transformer ran when it was captured: if its kernel
 set is swapped (benchmarks and equivalence checks do), every graph is dropped,
 so a replay never runs another set's kernels.
 Graphs are captured on first use of a shape — the engine's warm-up meets
-every shape — into one memory pool; outputs are copied out at once, so
-replaying graphs in any order is safe. Anything that goes wrong while
-capturing switches graphs off for good (eager forwards, the reference path).
+every shape — into one memory pool (:class:`GraphCache`); outputs are copied
+out at once, so replaying graphs in any order is safe. Anything that goes
+wrong while capturing switches graphs off for good (eager forwards, the
+reference path).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
 
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import AttentionContext, GatheredContext
 from engine.models.causal_wan import CausalWanTransformer
-from engine.models.graph_capture import capture
+from engine.models.graph_capture import GraphCache, capture
 from engine.models.latents import BlockLatents
-
-log = logging.getLogger("arstream.graphs")
 
 MAX_GRAPHS = 64  # shapes x fixed buffers of one engine: ~14 for the standard window, more with CFG branches
 
@@ -55,34 +52,38 @@ class GraphedForwards:
 
     def __init__(self, transformer: CausalWanTransformer, *, enabled: bool = True) -> None:
         self.transformer = transformer
-        self.enabled = enabled and transformer.device.type == "cuda"
-        self._graphs: dict[tuple, _ForwardGraph] = {}
-        self._kernels = transformer.kernels  # the set every graph in _graphs was captured with
-        self._pool = None
+        self.graphs: GraphCache[_ForwardGraph] = GraphCache("DiT forwards", MAX_GRAPHS)
+        self.enabled = enabled
+        self.kernels = transformer.kernels  # the set every graph was captured with
         self.replays = 0
 
     @property
+    def enabled(self) -> bool:
+        return self.graphs.enabled
+
+    @enabled.setter
+    def enabled(self, enabled: bool) -> None:
+        """Graphs on (where the transformer runs on CUDA) or off (benchmarks compare both)."""
+        self.graphs.enabled = enabled and self.transformer.device.type == "cuda"
+
+    @property
     def num_graphs(self) -> int:
-        return len(self._graphs)
+        return len(self.graphs)
 
     def __call__(
-        self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: SelfAttentionContext, cross_kv: torch.Tensor
+        self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: AttentionContext, cross_kv: torch.Tensor
     ) -> BlockLatents:
-        if self.transformer.kernels is not self._kernels:
-            self._graphs.clear()
-            self._pool = None  # the dropped graphs' pool goes with them: capturing into it again is an error
-            self._kernels = self.transformer.kernels
+        if self.transformer.kernels is not self.kernels:
+            self.graphs.clear()
+            self.kernels = self.transformer.kernels
         key = self._key(latents, frame_timesteps, context, cross_kv)
-        if key is None:
-            return self.transformer(latents, frame_timesteps, context, cross_kv)
-        entry = self._graphs.get(key)
+        entry = None
+        if key is not None:
+            entry = self.graphs.get(key) or self.graphs.capture(
+                key, lambda pool: self._capture(latents, frame_timesteps, context, cross_kv, pool)
+            )
         if entry is None:
-            if len(self._graphs) >= MAX_GRAPHS:
-                return self.transformer(latents, frame_timesteps, context, cross_kv)
-            entry = self._capture(latents, frame_timesteps, context, cross_kv)
-            if entry is None:
-                return self.transformer(latents, frame_timesteps, context, cross_kv)
-            self._graphs[key] = entry
+            return self.transformer(latents, frame_timesteps, context, cross_kv)
         entry.latents.video.copy_(latents.video)
         if latents.audio is not None:
             entry.latents.audio.copy_(latents.audio)
@@ -94,11 +95,10 @@ class GraphedForwards:
             entry.output.video.clone(), None if entry.output.audio is None else entry.output.audio.clone()
         )
 
-    def _key(self, latents, frame_timesteps, context: SelfAttentionContext, cross_kv) -> tuple | None:
-        """The graph for this call, or ``None`` where a graph cannot serve it (eager then)."""
-        if not self.enabled or context.context_kv is None or torch.cuda.is_current_stream_capturing():
-            return None
-        if context.attn_mask is not None or context.history_ids is not None or context.history_kv is not None:
+    def _key(self, latents, frame_timesteps, context: AttentionContext, cross_kv) -> tuple | None:
+        """The graph for this call, or ``None`` where a graph cannot serve it (eager then): only a forward over
+        the gathered history has every input at a fixed address."""
+        if not self.enabled or not isinstance(context, GatheredContext) or torch.cuda.is_current_stream_capturing():
             return None
         stage = context.stage
         return (
@@ -114,22 +114,14 @@ class GraphedForwards:
             context.sin.data_ptr(),
         )
 
-    def _capture(self, latents, frame_timesteps, context, cross_kv) -> _ForwardGraph | None:
-        try:
-            static_latents = BlockLatents(_buffer_like(latents.video), _buffer_like(latents.audio))
-            static_latents.video.copy_(latents.video)
-            if latents.audio is not None:
-                static_latents.audio.copy_(latents.audio)
-            static_timesteps = frame_timesteps.clone()
-            static_cross = cross_kv.clone()
-            graph, output = capture(
-                lambda: self.transformer(static_latents, static_timesteps, context, static_cross), pool=self._pool
-            )
-            if self._pool is None:
-                self._pool = graph.pool()
-        except Exception:
-            self.enabled = False
-            torch.cuda.synchronize()
-            log.warning("CUDA graph capture of a DiT forward failed; running forwards eagerly", exc_info=True)
-            return None
+    def _capture(self, latents, frame_timesteps, context, cross_kv, pool) -> _ForwardGraph:
+        static_latents = BlockLatents(_buffer_like(latents.video), _buffer_like(latents.audio))
+        static_latents.video.copy_(latents.video)
+        if latents.audio is not None:
+            static_latents.audio.copy_(latents.audio)
+        static_timesteps = frame_timesteps.clone()
+        static_cross = cross_kv.clone()
+        graph, output = capture(
+            lambda: self.transformer(static_latents, static_timesteps, context, static_cross), pool=pool
+        )
         return _ForwardGraph(graph, static_latents, static_timesteps, static_cross, output)

@@ -84,11 +84,10 @@ class Fp8AttentionConfig:
             raise ValueError(f"p_shift must be in 0..8 (2**p_shift <= 448), got {self.p_shift}")
 
 
-# head_dim 128 (Wan 1.3B), measured on the H200 by bench/fp8_attention_gpu.py at 4,680 queries x 12 heads: the
-# engine's two-segment kernel (--engine-sweep) was fastest with 64x128 / 4 warps / 3 stages at 18,720, 28,080
-# and 32,760 keys (0.807 / 1.26 / 1.41 ms; cuDNN bf16 0.99 / 1.47 / 1.73), 128x64 / 4 warps / 4 stages 3-6 %
-# behind; at 4,680 and 9,360 keys 128x64 / 4 / 4 (0.229 / 0.448 ms), at 14,040 the two within 1.5 %. The other
-# head dims are not measured: cross-compile choices (no spills).
+# head_dim 128 (Wan 1.3B): the engine's two-segment kernel was swept over configs per key count
+# (bench/fp8_attention_gpu.py --engine-sweep; figures in docs/BENCHMARKS.md): 64x128 / 4 warps / 3 stages won
+# from the fast window's full context up, 128x64 / 4 / 4 below it. The other head dims are not measured:
+# cross-compile choices (no spills).
 _LONG_CONTEXT_KEYS = 16_000  # the fast window's full context (18,720 keys) and up take the long config
 _CONFIG_128_LONG = Fp8AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
 _CONFIG_128_SHORT = Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)

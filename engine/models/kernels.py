@@ -40,7 +40,7 @@ def modulate_frames(normed: torch.Tensor, scale: torch.Tensor, shift: torch.Tens
     """``normed * (1 + scale) + shift`` in float32 on ``[B, frames, tokens, dim]``, cast to ``dtype``.
 
     Framed, so that compiled only the frame count varies between calls: a token's frame is then its index
-    divided by a constant, not by a runtime size (which made these kernels ~7x slower than memory bandwidth).
+    divided by a constant, not by a runtime size (which kept these kernels far below memory bandwidth).
     """
     return (normed * (1 + scale) + shift).to(dtype)
 
@@ -133,8 +133,8 @@ def rotate_interleaved(x: torch.Tensor, cos2: torch.Tensor, sin2: torch.Tensor) 
 
     Bit for bit the same arithmetic (the same products; a sum's addends swapped, a difference written as a
     sum with the negated product: both exact in IEEE arithmetic). Compiled it is one plain elementwise pass;
-    the stack of two results in :func:`rotate_pairs` compiled to a kernel 3-5x slower on the H200 (84 us
-    per current-block key, 314 us per history load; bench/elementwise_gpu.py).
+    the stack of two results in :func:`rotate_pairs` compiled to a kernel several times slower
+    (bench/elementwise_gpu.py; docs/BENCHMARKS.md).
     """
     xf = x.float()
     swapped = xf.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
@@ -153,10 +153,10 @@ def compile_kernel(fn: Callable) -> Callable:
 
     Inductor keeps a fused chain's intermediates in float32 unless told otherwise; eager rounds each op's
     bf16 output (e.g. the RMS norm's before the rotation). ``emulate_precision_casts`` rounds at the same
-    places (on the CPU a fused norm + rotation then matches eager to ~1e-5 instead of ~3e-3), and it also
+    places (on the CPU a fused norm + rotation then matches eager to float32 noise, tests/test_fast_paths.py), and it also
     keeps ``a * b + c`` from becoming one fused multiply-add. With the norms fused too (``fuse_norms``) a 1.3B
-    bf16 block still differs from the eager one by 3.3e-3 on the H200 (the norms reduce in another order);
-    the engine's set, norms on torch's kernels, is bit-identical to eager there (docs/BENCHMARKS.md).
+    bf16 block still differs from the eager one (the norms reduce in another order); the engine's set,
+    norms on torch's kernels, is bit-identical to eager there (docs/BENCHMARKS.md).
     """
     return torch.compile(fn, dynamic=None, options={"emulate_precision_casts": True})
 
@@ -170,7 +170,7 @@ class DeviceKernel:
     groups): the warm-up meets them all, so none compiles after it. Sizes that
     never change (tokens per frame, heads, width) stay constants, which keeps
     the index arithmetic cheap (``dynamic=True`` made every size a runtime value
-    and these memory-bound kernels ran ~7x under bandwidth on the H200).
+    and these memory-bound kernels ran far under bandwidth).
     """
 
     compile_on_cpu = False  # tests set this to run Inductor's CPU backend through the same objects
@@ -188,8 +188,8 @@ class DeviceKernel:
         """Drop every kernel's compiled form and dynamo's caches: the next calls compile afresh.
 
         For processes that run models of several sizes one after another (benchmarks): automatic dynamic
-        shapes would otherwise serve the second model's sizes with a kernel generic in them, 3-4x slower
-        than one specialised for them (measured on the H200). The engine runs one model and never calls this.
+        shapes would otherwise serve the second model's sizes with a kernel generic in them, several times
+        slower than one specialised for them. The engine runs one model and never calls this.
         """
         torch._dynamo.reset()
         for kernel in list(cls._instances):
@@ -227,7 +227,7 @@ class Kernels:
     ``fuse_norms=False`` (the engine's default) keeps every layer/RMS norm on the eager path's own kernel
     and fuses only the elementwise work around it (the modulation, gated residuals, the rotation): a
     fused norm reduces in another order than torch's, and in a bf16 model that one difference grows to a
-    3.3e-3 relative difference per block (docs/BENCHMARKS.md); with the norms apart the fast path computes
+    a visible relative difference per block (docs/BENCHMARKS.md); with the norms apart the fast path computes
     what the eager path computes.
     """
 
@@ -251,15 +251,13 @@ class Kernels:
 
         ``fuse_norms``: the norms fused into their neighbours too (one kernel each, another reduction order).
         ``exact=False``: also the steps that round differently from eager (the FFN's GELU in its matrix
-        product's epilogue: 3.3e-3 relative per bf16 1.3B block against eager, as far from float32 as eager
-        is); the FP8 modes take them, being measured against bf16 by their quality delta anyway.
+        product's epilogue: as far from float32 as eager, but not eager's bits; docs/BENCHMARKS.md); the FP8
+        modes take them, being measured against bf16 by their quality delta anyway.
         """
         if not fused:
             return cls(fused=False, **_EAGER)
-        fused_table = dict(_FUSED if fuse_norms else _NORMS_APART)
-        if exact:
-            fused_table["gelu_linear"] = gelu_linear
-        table = {name: fused_table[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
+        chosen = _FUSED_TABLES[fuse_norms, exact]
+        table = {name: chosen[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
         return cls(fused=True, fuse_norms=fuse_norms, exact=exact, **table)
 
 
@@ -274,7 +272,6 @@ _EAGER: dict[str, Callable] = {
     "gelu_linear": gelu_linear,
 }
 # One compiled kernel per function for the process: every layer of every model reuses it.
-_FUSED: dict[str, Callable] = {name: DeviceKernel(fn) for name, fn in _EAGER.items()}
 _FUSED_NORMALIZE_MODULATE = DeviceKernel(normalize_modulate_frames)
 _FUSED_GATED_RESIDUAL = DeviceKernel(gated_residual_frames)
 _FUSED_NORMALIZE_AFFINE = DeviceKernel(normalize_affine)
@@ -377,10 +374,13 @@ _INTERLEAVED_ROPE = _InterleavedRope()
 _FUSED_ROTATE_INTERLEAVED = DeviceKernel(rotate_interleaved)
 
 
+_FUSED_ROTATE_PAIRS = DeviceKernel(rotate_pairs)
+
+
 def _rotate_pairs_fast(x, cos, sin):
     tables = _INTERLEAVED_ROPE(cos, sin) if DeviceKernel.compiles_for(x) else None
     if tables is None:
-        return _FUSED["rotate_pairs"](x, cos, sin)
+        return _FUSED_ROTATE_PAIRS(x, cos, sin)
     return _FUSED_ROTATE_INTERLEAVED(x, *tables)
 
 
@@ -388,7 +388,11 @@ def _rms_norm_rotate_apart(x, weight, eps, heads, cos, sin):
     return _rotate_pairs_fast(rms_norm(x, weight, eps).unflatten(-1, (heads, -1)), cos, sin)
 
 
-# The norms on torch's kernels, everything between them fused.
+# The fused steps but the FFN's first half, in two sets: each function one compiled kernel, the norms included...
+_NORMS_FUSED: dict[str, Callable] = {
+    name: DeviceKernel(fn) for name, fn in _EAGER.items() if name not in ("rotate_pairs", "gelu_linear")
+} | {"rotate_pairs": _FUSED_ROTATE_PAIRS}
+# ... or the norms on torch's kernels and everything between them fused (the engine's).
 _NORMS_APART: dict[str, Callable] = {
     "modulated_layer_norm": _modulated_layer_norm_apart,
     "gated_residual": _gated_residual_apart,
@@ -397,7 +401,12 @@ _NORMS_APART: dict[str, Callable] = {
     "rms_norm": rms_norm,
     "rotate_pairs": _rotate_pairs_fast,
     "rms_norm_rotate": _rms_norm_rotate_apart,
-    "gelu_linear": _gelu_linear_epilogue,
 }
-_FUSED["gelu_linear"] = _gelu_linear_epilogue  # a matrix product is not compiled: cuBLASLt's epilogue in both sets
+# (fuse_norms, exact) -> every step. A matrix product is not compiled: the FFN's first half is eager where the
+# set must round as eager does, and has its GELU in cuBLASLt's epilogue where it need not.
+_FUSED_TABLES: dict[tuple[bool, bool], dict[str, Callable]] = {
+    (fuse_norms, exact): {**steps, "gelu_linear": gelu_linear if exact else _gelu_linear_epilogue}
+    for fuse_norms, steps in ((True, _NORMS_FUSED), (False, _NORMS_APART))
+    for exact in (True, False)
+}
 EAGER_KERNELS = Kernels.make(False)

@@ -451,9 +451,8 @@ class UMT5TextEncoder:
 
     The encoder runs on the prompts' tokens only (padded to the longest prompt of the call), not on
     ``text_len`` positions: the mask gives padding zero attention weight and every other op is per
-    token, so the prompt's states are the same function; padding to 512 only cost time (UMT5-XXL on the
-    H200: 35 ms padded, 7 ms for the prompt's tokens with CUDA graphs). ``encode_padded`` is Wan's call,
-    the reference.
+    token, so the prompt's states are the same function; padding to 512 only cost time (docs/BENCHMARKS.md).
+    ``encode_padded`` is Wan's call, the reference.
     """
 
     def __init__(self, model, tokenizer, text_len: int = TEXT_ENCODER_MAX_TOKENS, *, cuda_graphs: bool = False) -> None:

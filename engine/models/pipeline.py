@@ -22,7 +22,7 @@ from typing import Literal
 import torch
 
 from engine.kv_cache import KVSpec, SessionKVState
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import GatheredContext, PagedContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.context_kv import ContextKV
 from engine.models.forward_graphs import GraphedForwards
@@ -243,7 +243,7 @@ class CausalWanPipeline:
         return kv.read_cross(branch, TEXT_CACHE)
 
     # --- the block loop ---------------------------------------------------
-    def _forward(
+    def forward_branch(
         self,
         kv: SessionKVState,
         progress: SessionProgress,
@@ -253,6 +253,9 @@ class CausalWanPipeline:
         *,
         stage: bool,
     ) -> BlockLatents:
+        """One forward of one KV branch for a session at ``timestep`` (``stage``: the commit pass, its K/V into
+        the staging buffer). Every forward of the block loop goes through here: the one seam where tests
+        inject a failure and benchmarks time forwards."""
         frames = latents.frames
         staging = kv.staging(branch) if stage else None
         context = self._attention_context(kv, branch, kv.resident_block_ids(branch), frames, staging)
@@ -262,7 +265,7 @@ class CausalWanPipeline:
 
     def _attention_context(
         self, kv: SessionKVState, branch: str, history_ids: list[int], frames: int, staging: torch.Tensor | None
-    ) -> SelfAttentionContext:
+    ) -> GatheredContext | PagedContext:
         """Context for a forward of ``frames`` frames after the history frames ``history_ids`` (oldest first)."""
         cos, sin = self.transformer.rotary(len(history_ids) + frames)
         workspace = self.context_kv.get(branch)
@@ -270,7 +273,7 @@ class CausalWanPipeline:
             # The same ids after the same pool writes hold the same K/V: a block's forwards share one load.
             owner = (kv, branch, tuple(history_ids), self._pool_writes)
             history_tokens = workspace.load(owner, kv.pool, history_ids, cos, sin, self.transformer.kernels.rotate_pairs)
-            return SelfAttentionContext(
+            return GatheredContext(
                 cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens,
                 fp8=workspace.fp8,
             )
@@ -279,13 +282,13 @@ class CausalWanPipeline:
             ids = kv.history(branch)[0]  # the table keeps its ids on the device
         elif history_ids:
             ids = torch.tensor(history_ids, dtype=torch.long).to(self.transformer.device)
-        return SelfAttentionContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
+        return PagedContext(cos=cos, sin=sin, pool=kv.pool, history_ids=ids, stage=staging)
 
     def _flow(self, kv: SessionKVState, progress: SessionProgress, latents: BlockLatents, timestep: float) -> BlockLatents:
-        cond = self._forward(kv, progress, "cond", latents, timestep, stage=False).float()
+        cond = self.forward_branch(kv, progress, "cond", latents, timestep, stage=False).float()
         if "uncond" not in self.branch_names:
             return cond
-        uncond = self._forward(kv, progress, "uncond", latents, timestep, stage=False).float()
+        uncond = self.forward_branch(kv, progress, "uncond", latents, timestep, stage=False).float()
         return uncond.combine(cond, 1.0 - self.guidance_scale, self.guidance_scale)
 
     def _noise(self, progress: SessionProgress) -> BlockLatents:
@@ -307,7 +310,7 @@ class CausalWanPipeline:
             return None
         clean = progress.clean
         for branch in self.branch_names:
-            self._forward(kv, progress, branch, clean, 0.0, stage=True)
+            self.forward_branch(kv, progress, branch, clean, 0.0, stage=True)
         # Every branch's forward succeeded: only now does anything enter the cache.
         self._pool_writes += 1
         for branch in self.branch_names:

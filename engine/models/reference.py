@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.attention import SelfAttentionContext
+from engine.models.attention import DenseContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.latents import BlockLatents
 from engine.models.pipeline import draw_noise
@@ -33,7 +33,7 @@ def full_sequence_flow(
     num_frames = latents.frames
     cos, sin = transformer.rotary(num_frames)
     mask = block_causal_mask(num_frames, frames_per_block, transformer.tokens_per_frame, transformer.device)
-    context = SelfAttentionContext(cos=cos, sin=sin, attn_mask=mask)
+    context = DenseContext(cos=cos, sin=sin, attn_mask=mask)
     cross_kv = transformer.project_text(text_embeddings)[0]
     return transformer(latents.to(transformer.device), frame_timesteps.to(transformer.device), context, cross_kv)
 

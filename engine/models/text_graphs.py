@@ -1,7 +1,7 @@
 """CUDA graphs of the text encoder: one per padded token length, so a prompt's encode is one replay.
 
 A prompt is a few dozen tokens: UMT5-XXL's 24 layers at that size are hundreds of small kernels whose
-launches, not their arithmetic, set the time (26.8 ms on the H200 for 24 tokens, docs/BENCHMARKS.md), and
+launches, not their arithmetic, set the time (docs/BENCHMARKS.md), and
 the encode sits on every new session's path to its first media. A graph replays them in one launch.
 
 A graph has fixed shapes, so the tokens are padded to the smallest of a few lengths (``bucket_for``)
@@ -13,15 +13,12 @@ One prompt at a time (the engine encodes one per session); a batch runs eagerly.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from engine.models.graph_capture import capture
-
-log = logging.getLogger("arstream.models")
+from engine.models.graph_capture import GraphCache, capture
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 WARMUP_RUNS = 2  # eager runs before a capture
@@ -58,23 +55,26 @@ class GraphedTextEncoder:
         self.encoder = encoder
         self.device = torch.device(device)
         self.buckets = token_buckets(text_len)
-        self.enabled = self.device.type == "cuda"
-        self._graphs: dict[int, _Captured] | None = None
+        self._graphs: GraphCache[_Captured] = GraphCache(
+            "text encoder", len(self.buckets), enabled=self.device.type == "cuda"
+        )
         self.replays = 0
 
     @property
+    def enabled(self) -> bool:
+        return self._graphs.enabled
+
+    @property
     def num_graphs(self) -> int:
-        return len(self._graphs or {})
+        return len(self._graphs)
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        if not self.enabled or ids.shape[0] != 1:
-            return self.encoder(ids.to(self.device), mask.to(self.device))
-        if self._graphs is None:
+        if self.enabled and ids.shape[0] == 1 and not len(self._graphs):
             self._capture_all()
-            if not self.enabled:
-                return self.encoder(ids.to(self.device), mask.to(self.device))
         length = ids.shape[1]
-        captured = self._graphs[bucket_for(length, self.buckets)]
+        captured = self._graphs.get(bucket_for(length, self.buckets)) if self.enabled and ids.shape[0] == 1 else None
+        if captured is None:  # a batch, or a capture failed (every call is eager then)
+            return self.encoder(ids.to(self.device), mask.to(self.device))
         captured.ids.zero_()
         captured.mask.zero_()
         captured.ids[:, :length].copy_(ids, non_blocking=True)
@@ -84,20 +84,16 @@ class GraphedTextEncoder:
         return captured.states[:, :length]
 
     def _capture_all(self) -> None:
-        pool = torch.cuda.graph_pool_handle()  # one output at a time is live: the graphs share memory
-        graphs = {}
-        try:
-            for bucket in self.buckets:
-                ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-                mask = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
-                ids[:, 0], mask[:, 0] = 1, 1  # one real token (</s>): no row is all padding
-                graph, states = capture(
-                    lambda ids=ids, mask=mask: self.encoder(ids, mask), warm_runs=WARMUP_RUNS, pool=pool,
-                    device=self.device,
-                )
-                graphs[bucket] = _Captured(graph, ids, mask, states)
-        except Exception:  # an op this encoder runs that a graph cannot hold: eager, as before
-            log.warning("text encoder: CUDA graph capture failed; encoding eagerly", exc_info=True)
-            self.enabled = False
-            graphs = {}
-        self._graphs = graphs
+        """Every bucket, at once; one output is live at a time, so the graphs share their memory."""
+        for bucket in self.buckets:
+            ids = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+            mask = torch.zeros(1, bucket, dtype=torch.long, device=self.device)
+            ids[:, 0], mask[:, 0] = 1, 1  # one real token (</s>): no row is all padding
+
+            def record(pool, ids=ids, mask=mask) -> _Captured:
+                graph, states = capture(lambda: self.encoder(ids, mask), warm_runs=WARMUP_RUNS, pool=pool,
+                                        device=self.device)
+                return _Captured(graph, ids, mask, states)
+
+            if self._graphs.capture(bucket, record) is None:  # an op a graph cannot hold: eager, as before
+                return

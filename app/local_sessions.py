@@ -1,0 +1,124 @@
+"""A single server's sessions on the HTTP surface: REST and the stream sockets, through its session registry.
+
+The routes (``app/routes``) are declared once and call this (``app/backend.py``); a front end answers the
+same calls for several workers (``app/cluster/frontend.py``).
+"""
+
+from __future__ import annotations
+
+from fastapi import Request, Response, WebSocket
+
+from app.registry import RegisteredSession
+from app.routes import PER_CLIENT_RETRY_AFTER_S, ApiError
+from app.routes.stream import admit_socket, refuse_not_ready, refuse_socket
+from app.schemas import (
+    MAX_ID_CHARS,
+    CreateSessionRequest,
+    PromptRequest,
+    SessionCreated,
+    SessionDetail,
+    SessionList,
+    SessionStateResponse,
+    SessionSummary,
+)
+from app.security import Caller
+from app.service import Service
+from app.streaming import CLOSE_UNKNOWN_SESSION, StreamConnection
+from engine.api import NotReady
+from engine.errors import CapacityFull, EngineError, EngineUnavailable
+
+
+class LocalSessions:
+    def __init__(self, service: Service) -> None:
+        self.service = service
+        self.registry = service.registry
+
+    # --- REST ---------------------------------------------------------------------------------------
+    async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> SessionCreated:
+        record = self.registry.create(caller, prompt=body.prompt, seed=body.seed, options=body.options, via="rest")
+        if isinstance(record, CapacityFull):
+            raise ApiError.capacity(record)
+        return SessionCreated(session_id=record.session_id, state=record.session.state,
+                              stream_url=_stream_url(request, record.session_id))
+
+    async def list_sessions(self, request: Request, caller: Caller) -> SessionList:
+        return SessionList(sessions=[SessionSummary.model_validate(r.session) for r in self.registry.visible(caller)])
+
+    async def session_detail(self, request: Request, caller: Caller, session_id: str) -> SessionDetail:
+        return SessionDetail.model_validate(self.registry.status(session_id))
+
+    async def control(self, request: Request, caller: Caller, session_id: str, control: str,
+                      body: PromptRequest | None = None) -> SessionStateResponse:
+        registry = self.registry
+        self._controlled(session_id)
+        if control == "prompt":
+            registry.set_prompt(session_id, body.prompt, body.policy)
+        elif control == "pause":
+            registry.announce(session_id, registry.pause(session_id))
+        elif control == "resume":
+            registry.announce(session_id, registry.resume(session_id))
+        else:
+            registry.reset(session_id)
+        return SessionStateResponse.model_validate(registry.status(session_id))
+
+    async def delete_session(self, request: Request, caller: Caller, session_id: str) -> Response:
+        self._controlled(session_id)
+        self.registry.delete(session_id)
+        return Response(status_code=204)
+
+    def _controlled(self, session_id: str) -> RegisteredSession:
+        """The session, if this control may run now (REST controls share a per-session rate limit)."""
+        try:
+            record = self.registry.get(session_id)
+        except EngineError as error:
+            raise ApiError.from_engine(error) from None
+        if not record.rest_bucket.allow():
+            raise ApiError.from_code("rate_limited", "too many control requests", record.rest_bucket.seconds_until_allowed())
+        return record
+
+    # --- stream sockets -------------------------------------------------------------------------------
+    async def create_stream(self, websocket: WebSocket) -> None:
+        service = self.service
+        caller = await self._admitted(websocket)
+        if caller is None:
+            return
+        try:
+            record = self.registry.create(caller, via="websocket")
+        except EngineUnavailable:  # it stopped serving meanwhile
+            await refuse_not_ready(websocket, service, service.not_ready() or NotReady.DEAD)
+            return
+        except EngineError as error:  # too many sessions for this client
+            await refuse_socket(websocket, service, "capacity", error=(error.code, error.message),
+                                retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+            return
+        if isinstance(record, CapacityFull):
+            await refuse_socket(websocket, service, "capacity", retry_after_s=record.retry_after_s)
+            return
+        await StreamConnection(websocket, service, record.session_id, caller).run()
+
+    async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
+        service = self.service
+        caller = await self._admitted(websocket)
+        if caller is None:
+            return
+        if len(session_id) > MAX_ID_CHARS or not self.registry.knows(session_id):
+            service.metrics.count(service.metrics.refused, "unknown_session")
+            await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+            return
+        await StreamConnection(websocket, service, session_id, caller).run()
+
+    async def _admitted(self, websocket: WebSocket) -> Caller | None:
+        """The socket's caller once origin and token pass and the engine serves (else refused)."""
+        caller = await admit_socket(websocket, self.service)
+        if caller is None:
+            return None
+        reason = self.service.not_ready()
+        if reason is not None:
+            await refuse_not_ready(websocket, self.service, reason)
+            return None
+        return caller
+
+
+def _stream_url(request: Request, session_id: str) -> str:
+    url = request.url_for("attach_stream", session_id=session_id)
+    return str(url.replace(scheme="wss" if url.scheme == "https" else "ws"))
