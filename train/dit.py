@@ -30,7 +30,7 @@ from contextlib import nullcontext
 import numpy as np
 import torch
 
-from engine.models.attention import SelfAttentionContext, project_cross_kv
+from engine.models.attention import DenseContext, project_cross_kv
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.latents import BlockLatents
 from engine.models.schedule import shifted_sigmas
@@ -84,7 +84,7 @@ def teacher_forced_flow(causal, clean: BlockLatents, noisy: BlockLatents, noisy_
     """Flow for every noisy frame, each block seeing the clean blocks before it (one dense forward)."""
     frames = clean.video.shape[2]
     cos, sin = causal.rotary(frames)
-    context = SelfAttentionContext(
+    context = DenseContext(
         cos=torch.cat([cos, cos]), sin=torch.cat([sin, sin]),
         attn_mask=doubled_mask(frames, causal.tokens_per_frame, clean.video.device),
     )
@@ -98,7 +98,7 @@ def block_flow(causal, history: BlockLatents | None, x: BlockLatents, timestep: 
     sequence = x if history is None else cat_frames(history, x)
     frames = sequence.video.shape[2]
     cos, sin = causal.rotary(frames)
-    context = SelfAttentionContext(cos=cos, sin=sin, attn_mask=causal_mask(frames, causal.tokens_per_frame, x.video.device))
+    context = DenseContext(cos=cos, sin=sin, attn_mask=causal_mask(frames, causal.tokens_per_frame, x.video.device))
     batch = x.video.shape[0]
     history_frames = frames - x.video.shape[2]
     timesteps = torch.cat(

@@ -91,7 +91,6 @@ class PerForwardContext(Protocol):
 #
 # (a benchmark's own per-forward context, e.g. bench/bench_engine.py's concatenated history, fits PerForwardContext)
 AttentionContext = GatheredContext | DenseContext | PagedContext | PerForwardContext
-SelfAttentionContext = DenseContext  # the dense context's former name: train/dit.py still builds it so
 
 
 def _heads(attn, x: torch.Tensor) -> torch.Tensor:
