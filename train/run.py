@@ -11,7 +11,8 @@ background and shape read back in enough frames (train.codec.GATE;
 few-step, rollout) from scratch, then a sampled check of the DiT (sessions
 generated as the engine does, decoded and read back).
 ``--only dit``: keep the codec (and its latent statistics) and continue the
-DiT (stages tf2, fewstep2, rollout2, from the loaded weights). ``--only
+DiT (stages tf2, fewstep2, rollout2, from the loaded weights; ``--round 3``
+names a further continuation's stages tf3, ... and draws other clips). ``--only
 audio``: the audio decoder alone.
 
 ``--init DIR`` loads module files from DIR first (e.g. the shipped weights, to
@@ -73,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--only", choices=["audio", "codec", "video", "dit"], default="video")
     parser.add_argument("--no-gate", action="store_true", help="train the DiT even when the codec's check fails")
+    parser.add_argument("--round", type=int, default=2,
+                        help="with --only dit: the continuation's number, which names its stages (tf2, fewstep2, ...)")
     parser.add_argument("--budget", default="", help="stage seconds (and other plan values), e.g. codec_s=150,tf_s=90")
     parser.add_argument("--images", type=Path, help="directory for the check images (codec_check.png, dit_check.png)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -148,7 +151,8 @@ def main(argv: list[str] | None = None) -> int:
         metadata = _codec_metadata(ckpt.directory if (ckpt.directory / "codec.safetensors").exists() else args.init)
         stats = (json.loads(metadata["latents_mean"]), json.loads(metadata["latents_std"]))
     data = build_latent_set(codec, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
-                            device=device, stats=stats, seed=5 if continuing else 3, batch=cfg["data_batch"])
+                            device=device, stats=stats, seed=3 + 2 * (args.round - 1) if continuing else 3,
+                            batch=cfg["data_batch"])
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
           f"latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
     codec_metadata = latent_stats_metadata(data.mean, data.std)
@@ -160,9 +164,9 @@ def main(argv: list[str] | None = None) -> int:
                                   audio=modules["audio_tokens"], fused_kernels=False)  # no compile time in the budget
     causal.train()
     modules["text_encoder"].train()
-    rng = np.random.default_rng(4 if not continuing else 6)
+    rng = np.random.default_rng(4 if not continuing else 4 + 2 * (args.round - 1))
     sampler = Sampler(data, cfg["frames"], rng)
-    names = ("tf2", "fewstep2", "rollout2") if continuing else ("tf", "fewstep", "rollout")
+    names = tuple(f"{stage}{args.round}" for stage in ("tf", "fewstep", "rollout")) if continuing else ("tf", "fewstep", "rollout")
     seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s")) if not ckpt.done(name)}
     total = max(sum(seconds.values()), 1e-6)
     clock_start = time.monotonic()
