@@ -77,7 +77,6 @@ def test_moving_prompts_move_still_ones_do_not_and_chunks_join_smoothly(bundle):
             assert scores["max_step_boundary_px"] <= 2 * scores["max_step_inside_px"], (motion, scores)
 
 
-@WEAK
 def test_prompt_change_shows_the_new_colour_within_two_chunks(bundle):
     old = Scene("circle", "red", "drifting", "black").caption
     new = Scene("circle", "green", "drifting", "black").caption
