@@ -218,6 +218,10 @@ class SessionRegistry:
         )
         return state
 
+    def unknown_words(self, prompt: str) -> tuple[str, ...] | None:
+        """The prompt's words the model cannot read (None: it reads any text)."""
+        return self.engine.unknown_words(prompt)
+
     def set_prompt(self, session_id: str, prompt: str, policy: str) -> None:
         self.get(session_id)
         self.engine.set_prompt(session_id, prompt, policy)

@@ -280,6 +280,9 @@ class AckMessage(BaseModel):
     type: Literal["ack"] = "ack"
     id: str | None
     of: str
+    # On `start` and `prompt`: the prompt's words the model cannot read (a fixed vocabulary, as the tiny
+    # model's); left out when there are none or the model reads any text. The prompt is not refused.
+    unknown_words: list[str] | None = None
 
 
 class StateMessage(BaseModel):
@@ -305,7 +308,9 @@ class ClosedMessage(BaseModel):
 
 def to_text(message: BaseModel) -> str:
     """Serialize a server message; optional fields that are unset are left out (``audio`` stays)."""
-    exclude_none = not isinstance(message, (SessionMessage, AckMessage))
+    if isinstance(message, AckMessage):  # `id` stays even when null
+        return message.model_dump_json(exclude={"unknown_words"} if message.unknown_words is None else None)
+    exclude_none = not isinstance(message, SessionMessage)
     return message.model_dump_json(exclude_none=exclude_none)
 
 
@@ -376,6 +381,9 @@ class SessionDetail(Snapshot):
     state: SessionState
     attached: bool
     prompt_length: int
+    prompt_unknown_words: int | None = Field(
+        description="words of the prompt the model cannot read and so cannot show (the prompt is not refused); "
+        "null when the model reads any text")
     seed: int
     pace: bool
     created_at: float = Field(description="epoch seconds")

@@ -450,8 +450,11 @@ class StreamConnection:
             code = "session_closed" if error.code == "unknown_session" else error.code
             await self._send_error(ProtocolError(code, error.message, message.id))
             return
+        unknown = None
+        if isinstance(message, (StartMessage, PromptMessage)):
+            unknown = list(self.service.registry.unknown_words(message.prompt) or ()) or None
         async with self._send_lock:
-            await self._send_text(to_text(AckMessage(id=message.id, of=message.type)))
+            await self._send_text(to_text(AckMessage(id=message.id, of=message.type, unknown_words=unknown)))
             if new_state is not None:
                 await self._send_text(to_text(StateMessage(state=new_state)))
 

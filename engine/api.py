@@ -205,6 +205,11 @@ class Engine:
             _check_prompt(negative_prompt, allow_empty=True)
         core.submit(session_id, SetPrompt(prompt, negative_prompt, policy))
 
+    def unknown_words(self, prompt: str) -> tuple[str, ...] | None:
+        """The words of ``prompt`` the model cannot read, each once, in order (None: it reads any text)."""
+        core = self._core  # asked after a control was accepted: never refused for readiness
+        return None if core is None else core.unknown_words(prompt)
+
     def pause(self, session_id: str) -> str:
         return self._known().submit(session_id, Pause()).value
 

@@ -73,6 +73,7 @@ class EngineCore:
         self._draining = draining
         self.runner = built.runner
         self.kv = built.runner.kv_manager
+        self.unknown_words = built.runner.pipeline.text_encoder.unknown_words  # what the model cannot read
         self.capacity = built.capacity
         self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
@@ -541,7 +542,7 @@ class EngineCore:
         utilisation, live_capacity, draining = self._utilisation(), self.live_capacity(), self._draining()
         return [
             session_status(record, draining=draining, below_realtime=self._below_realtime(record, utilisation),
-                           live_capacity=live_capacity)
+                           live_capacity=live_capacity, unknown_words=self.unknown_words)
             for record in (self.records.values() if records is None else records)
         ]
 

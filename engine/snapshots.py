@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from engine.controls import SessionState, SessionView
 from engine.session_record import SessionRecord
 from engine.status import RealtimeStatus, SessionCounters, SessionStatus
@@ -18,10 +20,11 @@ def shown_state(projected: SessionView, *, draining: bool) -> str:
 
 
 def session_status(
-    record: SessionRecord, *, draining: bool, below_realtime: bool, live_capacity: int | None
+    record: SessionRecord, *, draining: bool, below_realtime: bool, live_capacity: int | None,
+    unknown_words: Callable[[str], tuple[str, ...] | None] = lambda prompt: None,
 ) -> SessionStatus:
     """``below_realtime``: the core's judgement for this session (shown only while it runs live);
-    ``live_capacity``: the engine's."""
+    ``live_capacity``: the engine's; ``unknown_words``: the text encoder's reading of a prompt."""
     projected = record.projected()
     live_running = projected.pace and projected.state is SessionState.ACTIVE
     return SessionStatus(
@@ -31,6 +34,7 @@ def session_status(
         seed=projected.seed,
         pace=projected.pace,
         prompt_length=len(projected.prompt or ""),
+        prompt_unknown_words=_count(unknown_words(projected.prompt)) if projected.prompt else None,
         counters=SessionCounters(
             chunks=record.chunks_emitted,
             frames=record.frames_emitted,
@@ -55,3 +59,7 @@ def session_status(
             live_capacity=live_capacity,
         ),
     )
+
+
+def _count(words: tuple[str, ...] | None) -> int | None:
+    return None if words is None else len(words)

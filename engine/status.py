@@ -61,6 +61,7 @@ class SessionStatus:
     seed: int
     pace: bool
     prompt_length: int
+    prompt_unknown_words: int | None  # words of the prompt the model cannot read (None: it reads any text)
     counters: SessionCounters
     created_at: float  # epoch seconds
     started_at: float | None  # monotonic seconds when `start` was applied

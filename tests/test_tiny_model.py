@@ -100,3 +100,33 @@ def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
     result = _stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2)  # the model runs every block
     scores = checks.colour_scores(result.frames[-1], prompt)
     assert scores["object_present"] >= MIN_SHARE and scores["foreground_colour"] >= MIN_SHARE, scores
+
+
+def test_the_demo_pages_default_prompt_is_one_the_model_can_show():
+    script = (Path(__file__).parents[1] / "app" / "static" / "app.js").read_text()
+    default = re.search(r'const EXAMPLE_PROMPT = "([^"]+)"', script).group(1)
+    assert default == EXAMPLE_PROMPTS[0]
+    assert checks.build().pipeline.text_encoder.unknown_words(default) == ()
+
+
+def test_words_the_model_cannot_read_are_named_on_the_socket_and_counted_in_rest_without_refusing(make_client):
+    """The shipped model reads the caption grammar's 21 words: others are skipped, named in the `ack`
+    (to the client that wrote them) and counted in GET /v1/sessions/{id} (which never shows prompt text)."""
+    from tests.testclient_ws import hello, next_chunk, next_control
+
+    with make_client(engine={"random_weights": False, "audio": False}) as client:
+        with client.websocket_connect("/v1/stream", subprotocols=["arstream.v1"]) as ws:
+            session_id = hello(ws)["session_id"]
+            ws.send_json({"type": "start", "prompt": "a red fox running in the snow on a blue background", "id": "s"})
+            assert next_control(ws) == {"type": "ack", "id": "s", "of": "start",
+                                        "unknown_words": ["fox", "running", "in", "the", "snow"]}
+            next_chunk(ws)  # it streams all the same
+            assert client.get(f"/v1/sessions/{session_id}").json()["prompt_unknown_words"] == 5
+            ws.send_json({"type": "prompt", "prompt": EXAMPLE_PROMPTS[1], "id": "p"})
+            assert next_control(ws) == {"type": "ack", "id": "p", "of": "prompt"}
+    with make_client() as client:  # the seeded random model reads any text (bytes): nothing to name
+        with client.websocket_connect("/v1/stream", subprotocols=["arstream.v1"]) as ws:
+            session_id = hello(ws)["session_id"]
+            ws.send_json({"type": "start", "prompt": "a red fox", "id": "s"})
+            assert next_control(ws) == {"type": "ack", "id": "s", "of": "start"}
+            assert client.get(f"/v1/sessions/{session_id}").json()["prompt_unknown_words"] is None

@@ -39,6 +39,8 @@ def test_word_encoder_skips_unknown_words_pads_with_zeros_and_round_trips(tmp_pa
     torch.testing.assert_close(plain, chatty)
     assert plain.shape == (1, 32, 8) and plain[0, 8:].abs().sum() == 0 and plain[0, :8].abs().sum() > 0
     assert encoder.encode(["a forest at night"])[0, 1:].abs().sum() == 0  # only "a" is known
+    assert encoder.unknown_words("A forest at night, a FOREST!") == ("forest", "at", "night")
+    assert encoder.unknown_words("a red circle bouncing on a blue background") == ()
     encoder.save(tmp_path / "text.safetensors")
     torch.testing.assert_close(WordTextEncoder.load(tmp_path / "text.safetensors").encode(["a red circle"]), encoder.encode(["a red circle"]))
 

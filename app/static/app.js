@@ -9,7 +9,8 @@ const STALL_MS = 3000;        // no chunk for this long (or 2 usual gaps): fps r
 const LATENCY_KEEP = 30;      // chunks in the latency median
 const LOG_MAX = 80;
 // Shown in the empty prompt box; Start with the box left empty generates it (and puts it in the box).
-const EXAMPLE_PROMPT = "a red fox running through fresh snow, cinematic lighting";
+// One the built-in tiny model can show (its caption grammar); any model reads it.
+const EXAMPLE_PROMPT = "a red circle bouncing on a blue background";
 
 const $ = (id) => document.getElementById(id);
 const ui = {
@@ -156,6 +157,12 @@ class Session {
     const what = (msg.id && this.sent.get(msg.id)) || msg.of;
     this.sent.delete(msg.id);
     log("ack", `ack ${msg.of}: ${what}`);
+    if (msg.of === "start" || msg.of === "prompt") {
+      // The prompt is used as it is; words outside the model's vocabulary are simply not shown.
+      const unknown = msg.unknown_words || [];
+      notice(unknown.length ? `This model does not know ${unknown.map((w) => `“${w}”`).join(", ")}: ` +
+        "it shows only the words it knows (try the examples above)." : "");
+    }
     // The server also sends `state`; this keeps the buttons right if it comes later.
     const after = { start: "active", resume: "active", pause: "paused" }[msg.of];
     if (after) this.setState(after);

@@ -471,6 +471,9 @@ class UMT5TextEncoder:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def unknown_words(self, prompt: str) -> None:
+        return None  # a subword tokenizer reads any text
+
     def encode(self, prompts: list[str]) -> torch.Tensor:
         """``[len(prompts), text_len, text_dim]`` float32 on the CPU, zero after each prompt's tokens."""
         return self._encode(prompts, padding="longest")

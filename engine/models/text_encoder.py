@@ -21,6 +21,10 @@ class TextEncoder(Protocol):
         """``[len(prompts), text_len, text_dim]`` float32 on the CPU, zero after each prompt's tokens."""
         ...
 
+    def unknown_words(self, prompt: str) -> tuple[str, ...] | None:
+        """The prompt's words the encoder skips, in order, each once; None when it reads any text."""
+        ...
+
 
 class TinyTextEncoder:
     """A seeded byte-level embedding for the toy preset: different prompts give different embeddings.
@@ -36,6 +40,9 @@ class TinyTextEncoder:
         generator = torch.Generator().manual_seed(seed + 7919)
         self._bytes = torch.randn(256, text_dim, generator=generator)
         self._positions = 0.5 * torch.randn(text_len, text_dim, generator=generator)
+
+    def unknown_words(self, prompt: str) -> None:
+        return None  # every byte has an embedding
 
     def encode(self, prompts: list[str]) -> torch.Tensor:
         out = torch.zeros(len(prompts), self.text_len, self.text_dim)
@@ -71,6 +78,10 @@ class WordTextEncoder(torch.nn.Module):
         self._index = {word: i for i, word in enumerate(self.vocabulary)}
         self.words = torch.nn.Embedding(len(self.vocabulary), text_dim)
         self.positions = torch.nn.Parameter(torch.zeros(max_words, text_dim))
+
+    def unknown_words(self, prompt: str) -> tuple[str, ...]:
+        """What the model cannot show: the words it skips (a prompt is never refused for them)."""
+        return tuple(dict.fromkeys(w for w in self.WORD_PATTERN.findall(prompt.lower()) if w not in self._index))
 
     def token_ids(self, prompt: str) -> list[int]:
         known = [self._index[w] for w in self.WORD_PATTERN.findall(prompt.lower()) if w in self._index]
