@@ -38,7 +38,9 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     script = Path(sys.executable).parent / "arstream"
     command = [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
     command += ["serve", "--host", "127.0.0.1", "--port", "0", "--preset", args.preset, "--log-format", "json",
-                "--max-sessions", "2", "--random-weights"]  # speed does not depend on weight values
+                "--max-sessions", "2"]
+    if args.random_weights:
+        command.append("--random-weights")
     for flag in ("height", "width", "cpu_threads", "device"):
         value = getattr(args, flag)
         if value is not None:
@@ -60,6 +62,18 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     if not ready.wait(START_TIMEOUT_S) or not found:
         process.kill()
         raise SystemExit("arstream serve did not start")
+    # The port is bound before the engine is built and warmed: /readyz answers 200 once sessions are taken.
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            if urllib.request.urlopen(found[0] + "/readyz", timeout=5).status == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline or process.poll() is not None:
+            process.kill()
+            raise SystemExit("arstream serve did not become ready")
+        time.sleep(0.1)
     return process, "ws" + found[0][len("http"):]
 
 
@@ -107,7 +121,8 @@ def engine_only_fps(args: argparse.Namespace, chunks: int) -> float:
 
     async def run() -> float:
         config = EngineConfig(preset=args.preset, device=args.device or "cpu", height=args.height, width=args.width,
-                              cpu_threads=args.cpu_threads, max_sessions=1, warmup_blocks=1, random_weights=True)
+                              cpu_threads=args.cpu_threads, max_sessions=1, warmup_blocks=1,
+                              random_weights=args.random_weights)
         engine = Engine(config)
         await engine.start()
         session = engine.create_session(seed=1, pace=False)
@@ -142,6 +157,8 @@ def main() -> None:
     parser.add_argument("--cpu-threads", type=int, default=None)
     parser.add_argument("--chunks", type=int, default=40, help="chunks in the steady-state run")
     parser.add_argument("--ttfc-sessions", type=int, default=3)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="the preset's seeded random model (default: its shipped weights, what `arstream serve` runs)")
     args = parser.parse_args()
 
     load_before = os.getloadavg()[0]
@@ -185,6 +202,8 @@ def main() -> None:
         "steady_fps_pace_off": round(fps, 2),
         "engine_only_fps": round(reference_fps, 2),
         "service_over_engine_fps_ratio": round(fps / reference_fps, 3),
+        "denoise_ms_median": round(statistics.median(c["timings"]["denoise_ms"] for c, _, _ in observed), 1),
+        "decode_ms_median": round(statistics.median(c["timings"]["decode_ms"] for c, _, _ in observed), 1),
         "encode_ms_median": round(statistics.median(encode_ms), 2),
         "encode_ms_p95": round(percentile(encode_ms, 0.95), 2),
         "decode_end_to_sent_ms_median": round(statistics.median(to_sent), 2),
