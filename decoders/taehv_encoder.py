@@ -22,12 +22,26 @@ Frame arithmetic (the Wan VAE's, so the DiT and the decoders see the same latent
 Causal: latent ``k`` depends on video frames ``0 .. 4k`` only (a memory block sees its input one frame
 earlier at its depth; a temporal pool joins consecutive frames). :meth:`TAEHVEncoder.encode_video` runs
 every layer on all frames at once, which is the same function.
+
+Streaming (:class:`TAEHVStreamingEncoder`, the mirror of ``decoders.taehv.TAEHVStreamingDecoder``): a
+session's input frames arrive a block at a time, and its encoder state carries what the next frames need
+of the earlier ones: each memory block's input at the previous frame of its stage, and the frames of a
+latent group not yet complete (at most 3, held as pixels: fewer bytes than each pool's partial features,
+and every group then goes through the layers with the same shapes)::
+
+    call 1: v0 v1 .. v8          -> groups [v0 v0 v0 v0] [v1..v4] [v5..v8]   -> z0 z1 z2
+    call 2: v9 v10               -> pending v9 v10                           -> (none)
+    call 3: v11 .. v16           -> groups [v9..v12] [v13..v16]              -> z3 z4
+
+So encoding a clip in any chunks with the carried state equals encoding it in one call, bit for bit (the
+same group shapes), and equals :meth:`TAEHVEncoder.encode_video` to float rounding.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -121,3 +135,206 @@ def mean_colours(pixels: torch.Tensor) -> torch.Tensor:
     batch, frames, channels, height, width = pixels.shape
     cells = F.avg_pool2d(pixels.flatten(0, 1), 8).view(batch, frames // FRAMES_PER_LATENT, FRAMES_PER_LATENT, channels, height // 8, width // 8)
     return cells.mean(dim=2)
+
+
+# ---------------------------------------------------------------------------
+# Streaming over sessions
+
+
+@dataclass
+class TAEHVEncodeState:
+    """One session's input stream: each memory block's input at the previous frame of its stage, and the
+    frames of the latent group not yet complete (``[k, 3, H, W]`` in ``[0, 1]``, ``k < 4``).
+
+    Like the decoder's state it cannot be rebuilt from anything else: releasing it ends the input stream,
+    and the next frame starts a new one (its first frame a latent group of its own again).
+    """
+
+    session_id: str
+    memory: list[torch.Tensor | None]
+    owner: object = field(repr=False, compare=False)
+    pending: torch.Tensor | None = None
+    frames_encoded: int = 0  # input frames taken, pending ones included
+    latents_encoded: int = 0
+
+    def nbytes(self) -> int:
+        held = [t for t in self.memory if t is not None] + ([self.pending] if self.pending is not None else [])
+        return sum(t.numel() * t.element_size() for t in held)
+
+    @property
+    def started(self) -> bool:
+        return self.frames_encoded > 0
+
+    def release(self) -> None:
+        self.memory = [None] * len(self.memory)
+        self.pending = None
+        self.frames_encoded = 0
+        self.latents_encoded = 0
+
+
+def frames_from_uint8(frames: np.ndarray, device, dtype) -> torch.Tensor:
+    """``[T, H, W, 3]`` uint8 -> ``[1, 3, T, H, W]`` in ``[-1, 1]`` on ``device`` (the inverse of the decoders'
+    ``to_uint8``): every streaming encoder's input."""
+    if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+        raise ValueError(f"frames must be uint8 [T, H, W, 3]; got {frames.dtype} {tuple(frames.shape)}")
+    tensor = torch.from_numpy(np.ascontiguousarray(frames)).to(device)
+    return tensor.permute(3, 0, 1, 2).unsqueeze(0).to(dtype).mul_(2.0 / 255.0).sub_(1.0)
+
+
+class TAEHVStreamingEncoder:
+    """Streaming encode over a :class:`TAEHVEncoder`, one state per session; the decoder's interface mirrored:
+    ``new_state``, ``encode_chunk``, ``normalize`` (the inverse of the decoder's ``denormalize``), ``release``,
+    ``declared_state_bytes``."""
+
+    def __init__(
+        self,
+        model: TAEHVEncoder,
+        *,
+        latents_mean: list[float] | None = None,
+        latents_std: list[float] | None = None,
+    ) -> None:
+        if not isinstance(model, TAEHVEncoder):
+            raise TypeError(f"TAEHVStreamingEncoder needs a TAEHVEncoder, got {type(model).__name__}")
+        self.model = model.eval()
+        parameter = next(model.parameters())
+        self.device = parameter.device
+        self.dtype = parameter.dtype
+        self.memory_block_count = sum(isinstance(layer, MemoryBlock) for layer in model.encoder)
+        if (latents_mean is None) != (latents_std is None):
+            raise ValueError("latents_mean and latents_std come together")
+        channels = model.config.latent_channels
+        self._latent_stats = None
+        if latents_mean is not None:
+            if len(latents_mean) != channels or len(latents_std) != channels:
+                raise ValueError(f"latent statistics need {channels} values each")
+            self._latent_stats = (torch.tensor(latents_mean), torch.tensor(latents_std))
+        self._normalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    spatial_downscale = 8
+    frames_per_latent = FRAMES_PER_LATENT
+
+    # -- session lifecycle -------------------------------------------------
+
+    def new_state(self, session_id: str) -> TAEHVEncodeState:
+        if not isinstance(session_id, str) or not session_id:
+            raise ValueError("session_id must be a non-empty string")
+        return TAEHVEncodeState(session_id=session_id, memory=[None] * self.memory_block_count, owner=self)
+
+    def release(self, state: TAEHVEncodeState) -> None:
+        self._check_owner(state)
+        state.release()
+
+    def frames_needed(self, latents: int, state: TAEHVEncodeState) -> int:
+        """Input frames that complete ``latents`` more latent frames of ``state``'s stream (its first latent
+        frame takes one frame, every later one four, less any frames already waiting)."""
+        pending = 0 if state.pending is None else state.pending.shape[0]
+        opening = 0 if state.started else FRAMES_PER_LATENT - 1
+        return max(0, FRAMES_PER_LATENT * latents - opening - pending)
+
+    # -- encode ------------------------------------------------------------
+
+    def normalize(self, latents: torch.Tensor) -> torch.Tensor:
+        """The encoder's latents -> model space: ``(z - mean) / std`` per channel (the identity without statistics)."""
+        if self._latent_stats is None:
+            return latents
+        key = (str(latents.device), latents.dtype)
+        if key not in self._normalizers:  # on the device once, not a host copy per block
+            mean, std = self._latent_stats
+            self._normalizers[key] = (mean.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1),
+                                      std.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1))
+        mean, std = self._normalizers[key]
+        return (latents - mean) / std
+
+    def from_uint8(self, frames: np.ndarray) -> torch.Tensor:
+        return frames_from_uint8(frames, self.device, self.dtype)
+
+    @torch.inference_mode()
+    def encode_chunk(self, frames: torch.Tensor, state: TAEHVEncodeState) -> torch.Tensor:
+        """Encode ``frames`` as the continuation of ``state``'s stream; advances ``state``.
+
+        ``frames``: ``[1, 3, T, H, W]`` in ``[-1, 1]``, ``T >= 0``. Returns the raw latents of every latent
+        group the frames complete, ``[1, C, n, H / 8, W / 8]`` (``n`` may be 0); frames of a group still
+        incomplete wait in the state. After an error the state is part-advanced: release it.
+        """
+        self._check_owner(state)
+        config = self.model.config
+        if frames.ndim != 5 or frames.shape[0] != 1 or frames.shape[1] != config.image_channels:
+            raise ValueError(f"frames must be [1, {config.image_channels}, T, H, W]; got {tuple(frames.shape)}")
+        height, width = frames.shape[3], frames.shape[4]
+        if height % self.spatial_downscale or width % self.spatial_downscale or height == 0 or width == 0:
+            raise ValueError(f"height and width must be positive multiples of 8; got {height}x{width}")
+        pixels = (frames[0].to(self.device, self.dtype).transpose(0, 1) + 1) / 2  # [T, 3, H, W] in [0, 1]
+        if state.pending is not None:
+            if state.pending.shape[1:] != pixels.shape[1:]:
+                raise ValueError(f"frames of {height}x{width} continue a stream of another size")
+            pixels = torch.cat([state.pending, pixels])
+        elif not state.started and pixels.shape[0]:
+            # The stream's first frame is a latent group of its own: repeated in front, as encode_video pads it.
+            pixels = torch.cat([pixels[:1].expand(FRAMES_PER_LATENT - 1, -1, -1, -1), pixels])
+        state.frames_encoded += int(frames.shape[2])
+        whole = pixels.shape[0] // FRAMES_PER_LATENT * FRAMES_PER_LATENT
+        latents = []
+        for start in range(0, whole, FRAMES_PER_LATENT):
+            latent, state.memory = self._encode_group(pixels[start : start + FRAMES_PER_LATENT], state.memory)
+            latents.append(latent)
+            state.latents_encoded += 1
+        state.pending = pixels[whole:].clone() if whole < pixels.shape[0] else None
+        if not latents:
+            return pixels.new_zeros(1, config.latent_channels, 0, height // 8, width // 8)
+        return torch.stack(latents, dim=1).unsqueeze(0)
+
+    def _encode_group(self, group: torch.Tensor, memory: list[torch.Tensor | None]):
+        """``[4, 3, H, W]`` in ``[0, 1]`` + memory -> ``[C, H / 8, W / 8]`` and the new memory (the old list is not
+        modified): one latent frame, every layer as encode_video runs it on these frames."""
+        x = group
+        new_memory: list[torch.Tensor] = []
+        for layer in self.model.encoder:
+            if isinstance(layer, MemoryBlock):
+                previous = memory[len(new_memory)]
+                if previous is None:
+                    previous = torch.zeros_like(x[:1])
+                past = torch.cat([previous, x[:-1]]) if x.shape[0] > 1 else previous
+                # A slice of a multi-frame input would keep all its frames resident: copy the last one.
+                new_memory.append(x[-1:].clone() if x.shape[0] > 1 else x)
+                x = layer(x, past)
+            elif isinstance(layer, TemporalPool):
+                x = layer(x.unsqueeze(0)).squeeze(0)
+            else:
+                x = layer(x)
+        latent = x[0]
+        if self.model.config.colour_shortcut:
+            colours = mean_colours(group.unsqueeze(0))[0, 0]  # [3, h, w]
+            latent = torch.cat([latent[:3] + colours, latent[3:]])
+        return latent, new_memory
+
+    # -- admission ---------------------------------------------------------
+
+    def declared_state_bytes(self, height: int, width: int, dtype: torch.dtype) -> int:
+        """Resident bytes of one session's stream at this input size, at most: each memory block holds one
+        frame of its stage's width at its stage's resolution, and up to 3 input frames wait for their group.
+        Exact, from the geometry (a test holds it equal to the state's measured bytes)."""
+        if height <= 0 or width <= 0 or height % 8 or width % 8:
+            raise ValueError(f"height and width must be positive multiples of 8; got {height}x{width}")
+        config = self.model.config
+        values = sum(
+            config.blocks_per_stage * config.widths[stage + 1] * (height >> (stage + 1)) * (width >> (stage + 1))
+            for stage in range(3)
+        )
+        values += (FRAMES_PER_LATENT - 1) * config.image_channels * height * width
+        return values * torch.empty((), dtype=dtype).element_size()
+
+    def _check_owner(self, state: TAEHVEncodeState) -> None:
+        if not isinstance(state, TAEHVEncodeState):
+            raise ValueError(f"expected a TAEHVEncodeState, got {type(state).__name__}")
+        if state.owner is not self:
+            raise ValueError(f"encode state of session {state.session_id!r} belongs to another encoder")
+
+
+def random_taehv_encoder(
+    seed: int = 0, config: TAEHVEncoderConfig = TAEHVEncoderConfig(), device="cpu", dtype=torch.float32
+) -> TAEHVEncoder:
+    """An encoder with seeded random weights (tests, random-weight presets); the global RNG is left as it was."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = TAEHVEncoder(config)
+    return model.to(device, dtype).eval()
