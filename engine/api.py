@@ -25,13 +25,15 @@ import secrets
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from engine.bundle import ModelBundle
 from engine.config import EngineConfig
 from engine.controls import Close, Detach, Pause, Reset, Resume, SetPrompt, Start
 from engine.core import EngineCore
-from engine.errors import CapacityFull, EngineUnavailable, InvalidRequest, UnknownSession
+from engine.errors import CapacityFull, EngineUnavailable, InputUnsupported, InvalidRequest, UnknownSession
 from engine.loop import EngineLoop
-from engine.plan import StepPlan
+from engine.plan import InputContext, StepPlan
 from engine.prompts import MAX_PROMPT_CHARS, check_prompt
 from engine.runner import Runner
 from engine.session import Chunk
@@ -183,8 +185,9 @@ class Engine:
 
     def start_session(
         self, session_id: str, prompt: str, *, seed: int | None = None, negative_prompt: str | None = None,
-        pace: bool | None = None,
+        pace: bool | None = None, context: np.ndarray | None = None,
     ) -> str:
+        """``context``: an image's or clip's frames to start from (:meth:`check_context`)."""
         core = self._known()
         core.record(session_id)
         _check_prompt(prompt)
@@ -192,7 +195,9 @@ class Engine:
             seed = _check_seed(seed)
         if negative_prompt is not None:
             _check_prompt(negative_prompt, allow_empty=True)
-        start = Start(prompt=prompt, seed=seed, negative_prompt=negative_prompt, pace=pace)
+        if context is not None:
+            self.check_context(context)
+        start = Start(prompt=prompt, seed=seed, negative_prompt=negative_prompt, pace=pace, context=context)
         return core.submit(session_id, start).value
 
     def set_prompt(self, session_id: str, prompt: str, policy: str = "soft", negative_prompt: str | None = None) -> None:
@@ -216,8 +221,80 @@ class Engine:
     def resume(self, session_id: str) -> str:
         return self._known().submit(session_id, Resume()).value
 
-    def reset(self, session_id: str) -> None:
-        self._known().submit(session_id, Reset())
+    def reset(self, session_id: str, context: InputContext | None = None) -> None:
+        """``context``: what the content restarts from (``InputContext(None)``: the prompt alone); None: what it
+        last started from."""
+        core = self._known()
+        if context is not None and context.frames is not None:
+            self.check_context(context.frames)
+        core.submit(session_id, Reset(context))
+
+    # --- pictures and video in ----------------------------------------------------------------
+    @property
+    def input_refusal(self) -> str | None:
+        """Why this engine takes no image, clip or live input (its codec cannot encode); None when it does."""
+        runner = self.runner
+        if runner is not None and runner.encoder is None:
+            return (f"this server cannot encode pictures: its video decoder ({self.config.resolved_video_decoder}) "
+                    "comes without an encoder; image, clip and live input need the Wan VAE or the tiny preset's codec")
+        return None
+
+    @property
+    def max_context_frames(self) -> int:
+        """The most frames of a clip a session starts from: ``1 + 4 (n - 1)`` for the model's context of ``n``
+        latent frames (sink + window)."""
+        return 1 + 4 * (self.config.sink_frames + self.config.window_frames - 1)
+
+    def check_context(self, frames: np.ndarray) -> None:
+        """A context is uint8 ``[1 + 4 (n - 1), H, W, 3]`` at the engine's frame size, n within the context."""
+        refusal = self.input_refusal
+        if refusal is not None:
+            raise InputUnsupported(refusal)
+        geometry = self.geometry
+        shape = (geometry.height, geometry.width, 3)
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 \
+                or tuple(frames.shape[1:]) != shape:
+            raise InvalidRequest(f"context frames must be uint8 [T, {shape[0]}, {shape[1]}, 3]")
+        if (frames.shape[0] - 1) % 4 or not 1 <= frames.shape[0] <= self.max_context_frames:
+            raise InvalidRequest(f"a context holds 1 + 4k frames, at most {self.max_context_frames}")
+
+    def set_live(self, session_id: str, strength: float | None) -> tuple[float, int] | None:
+        """Live input on with ``strength`` in [0, 1] (or its strength changed), or off (None). Returns the noise
+        level used (the model's schedule point nearest to ``strength``, 0 included) and the denoising steps a
+        block then runs; None when switched off."""
+        core = self._known()
+        if strength is None:
+            core.set_live(session_id, None, None, capacity=1, rate_per_s=1.0, burst=1)
+            return None
+        refusal = self.input_refusal
+        if refusal is not None:
+            raise InputUnsupported(refusal)
+        if isinstance(strength, bool) or not isinstance(strength, (int, float)) or not 0.0 <= strength <= 1.0:
+            raise InvalidRequest("strength must be a number in [0, 1]")
+        pipeline = core.runner.pipeline
+        first_step = pipeline.first_step_for(float(strength))
+        sigma = pipeline.strength_at(first_step)
+        config = self.config
+        core.set_live(session_id, sigma, first_step, capacity=config.resolved_live_input_buffer_frames,
+                      rate_per_s=config.live_input_fps, burst=config.live_input_burst)
+        return sigma, pipeline.num_steps - first_step
+
+    def admit_input_frame(self, session_id: str) -> bool:
+        """A live frame arrived: True if it is within the session's rate (decode it and :meth:`push_input_frame`
+        it), False if it was dropped (counted). Raises ``NotLive`` while live input is off."""
+        return self._known().admit_frame(session_id)
+
+    def push_input_frame(self, session_id: str, frame: np.ndarray) -> None:
+        """A decoded live frame (uint8 ``[H, W, 3]`` at the engine's frame size) joins the session's buffer."""
+        geometry = self.geometry
+        if frame.dtype != np.uint8 or frame.shape != (geometry.height, geometry.width, 3):
+            raise InvalidRequest(f"a live frame must be uint8 [{geometry.height}, {geometry.width}, 3]")
+        self._known().push_frame(session_id, frame)
+
+    def count_invalid_input(self, session_id: str) -> None:
+        """A live frame of the session could not be read (the client was told)."""
+        if self._core is not None:
+            self._core.count_invalid_frame(session_id)
 
     def close(self, session_id: str, reason: str = "client") -> None:
         self._known().submit(session_id, Close(reason))
@@ -264,7 +341,7 @@ class Engine:
                 realtime_admission=self.config.realtime_admission, block_cost_ms=None, realtime_utilisation=0.0,
                 sessions_by_state={}, live_sessions=0, live_sessions_below_realtime=0, deadline_misses=0,
                 refused_realtime=0, kv_blocks_total=0, kv_blocks_in_use=0, decoder_state_bytes=0, queue_depths=(),
-                session_frames_per_second=(), session_deadline_misses=(),
+                session_frames_per_second=(), session_deadline_misses=(), input_frames={},
             )
         return self._core.counters(ready=self.ready)
 

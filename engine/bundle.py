@@ -15,7 +15,9 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
 from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
+from decoders.taehv_encoder import TAEHVStreamingEncoder, random_taehv_encoder
 from decoders.video import WanStreamingDecoder
+from decoders.video_encode import WanStreamingEncoder
 from engine.config import FP8_ATTENTION, FP8_LINEAR, EngineConfig
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.causal_wan import CausalWanTransformer
@@ -41,6 +43,8 @@ class ModelBundle:
     audio_decoder: AudioStreamingDecoder | None = None
     audio_timing: AudioTiming | None = None
     fp8: FP8Conversion | None = None  # what --fp8 linear / all converted; None otherwise
+    # The codec's encoder half for pictures and live input; None where it has none (a decode-only TAEHV).
+    encoder: VideoEncoder | None = None
 
     @property
     def audio_channels(self) -> int | None:
@@ -87,6 +91,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
     decoder = _video_decoder(config, preset, vae, trained)
+    encoder = _video_encoder(config, preset, vae, trained)
     scale = decoder.spatial_upscale  # pixels per latent pixel, from the decoder's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the codec's {scale}x spatial compression")
@@ -122,6 +127,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         audio_decoder=audio[1] if audio else None,
         audio_timing=audio[2] if audio else None,
         fp8=fp8,
+        encoder=encoder,
     )
 
 
@@ -167,6 +173,24 @@ def _video_decoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKL
     return TAEHVStreamingDecoder(
         model.to(config.device, config.torch_dtype), compile_frames=compile_steady, **trained.latent_stats()
     )
+
+
+VideoEncoder = WanStreamingEncoder | TAEHVStreamingEncoder  # the same streaming interface
+
+
+def _video_encoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoEncoder | None:
+    """The encoder that belongs to the configured decoder: the Wan VAE's own, the tiny codec's encoder half, or
+    None for the published TAEHV decoder, which comes without one (the engine then refuses pictures clearly)."""
+    kind = config.resolved_video_decoder
+    if kind == "wan":
+        return WanStreamingEncoder(vae)
+    if preset.codec_encoder is None or config.model_dir is not None:
+        return None  # TAEHV decoding a Wan model's latents: decode-only weights
+    model = random_taehv_encoder(config.seed + 5, preset.codec_encoder)
+    if trained is None:
+        return TAEHVStreamingEncoder(model.to(config.device, config.torch_dtype))
+    trained.load_codec_half(model)
+    return TAEHVStreamingEncoder(model.to(config.device, config.torch_dtype), **trained.latent_stats())
 
 
 def _build_audio(preset: ModelPreset, config: EngineConfig, transformer_config, trained=None):

@@ -150,6 +150,14 @@ class EngineConfig(BaseModel):
     deadline_tolerance_s: float = Field(
         default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"
     )
+    live_input_fps: float = Field(
+        default=30.0, gt=0, le=240, description="live input frames a session takes per second; more are dropped unread"
+    )
+    live_input_burst: int = Field(default=8, ge=1, le=240, description="live input frames taken at once above the rate")
+    live_input_buffer_frames: int | None = Field(
+        default=None, ge=1, le=1024,
+        description="decoded live frames waiting for blocks (the oldest dropped beyond); None: one block's frames + 4",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -248,6 +256,14 @@ class EngineConfig(BaseModel):
         if self.video_decoder is not None:
             return self.video_decoder
         return "wan" if self.model_dir is not None else get_preset(self.preset).video_codec
+
+    @property
+    def resolved_live_input_buffer_frames(self) -> int:
+        """A block's frames plus one latent frame's: input jitter up to a latent frame drops nothing, and the
+        input's latency stays near one block."""
+        if self.live_input_buffer_frames is not None:
+            return self.live_input_buffer_frames
+        return 4 * self.frames_per_block + 4
 
     @property
     def torch_dtype(self) -> torch.dtype:

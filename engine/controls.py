@@ -18,10 +18,13 @@ an open session without a socket, or while the engine drains.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import Enum
 
+import numpy as np
+
 from engine.errors import AlreadyStarted, NotStarted, SessionClosed
+from engine.plan import InputContext
 
 
 class SessionState(str, Enum):
@@ -37,6 +40,7 @@ class Start:
     seed: int | None = None
     negative_prompt: str | None = None
     pace: bool | None = None
+    context: np.ndarray | None = field(default=None, compare=False)  # an image's or clip's frames to start from
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class Resume:
 
 @dataclass(frozen=True)
 class Reset:
-    pass
+    context: InputContext | None = None  # what the content restarts from; None: what it started from
 
 
 @dataclass(frozen=True)

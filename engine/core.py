@@ -46,10 +46,12 @@ from engine.controls import (
 from engine.errors import (
     CapacityFull,
     NoRealtimeCapacity,
+    NotLive,
     SessionClosed,
     TooManyControls,
     UnknownSession,
 )
+from engine.live_input import LiveInput
 from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, PromptUpdate, SessionWork, StepPlan
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
@@ -103,6 +105,7 @@ class EngineCore:
         self.blocks = 0
         self.deadline_misses = 0
         self.refused_realtime = 0
+        self.input_totals = {"received": 0, "used": 0, "dropped": 0, "invalid": 0}  # over every session's life
         self.alive = True
         self.dead_reason: str | None = None
 
@@ -245,6 +248,8 @@ class EngineCore:
         if was is SessionState.CREATED and record.state is SessionState.ACTIVE:  # `start`, or the attach it waited for
             record.start_on_attach = None
             record.started_at = now
+        if isinstance(control, Start) and control.context is not None:
+            record.start_context = control.context
         if isinstance(control, SetPrompt):
             pending = record.pending_prompt
             # A reset still waiting to be applied must survive a later soft change.
@@ -256,6 +261,8 @@ class EngineCore:
             record.pending_reset = True
             record.pending_prompt = None  # the reset restarts with the current prompt
             record.blocks_since_reset = 0
+            if control.context is not None:  # a later plain reset keeps a new context still waiting
+                record.pending_reset_context = control.context
         elif isinstance(control, Attach):
             record.detached_at = None
             record.reanchor = record.playback_anchor is not None  # a new viewer's playback starts at its first chunk
@@ -304,6 +311,8 @@ class EngineCore:
         expected = 0.0
         for pending in dispatch.pending:
             record = self.records.get(pending.session_id)
+            if record is not None:
+                self._took_input(record, pending)
             if record is not None and pending.ran:
                 record.works_in_flight += 1
                 record.frames_in_flight += pending.frames
@@ -368,10 +377,72 @@ class EngineCore:
                 record.opened_on_device = True
                 record.pending_prompt = None
                 record.pending_reset = False
+                record.pending_reset_context = None
+                record.start_context = None  # the runner has the frames now
             if work.reset:
                 record.pending_reset = False
+                record.pending_reset_context = None
             if work.prompt is not None:
                 record.pending_prompt = None
+
+    def _took_input(self, record: SessionRecord, pending: PendingWork) -> None:
+        """The live frames a dispatched block took leave the session's buffer (known at dispatch)."""
+        if pending.live_first_seq is not None and pending.input_frames_taken and record.live is not None:
+            used = record.live.consume(pending.live_first_seq, pending.input_frames_taken)
+            record.inputs.frames_used += used
+            self.input_totals["used"] += used
+        if pending.context_frames is not None:
+            record.inputs.context_frames = pending.context_frames
+
+    # --- live input (on the event loop, not queued: a frame needs the buffer now) -------------------------
+    def set_live(self, session_id: str, strength: float | None, first_step: int | None, *, capacity: int,
+                 rate_per_s: float, burst: int) -> None:
+        """Live input on (or its strength changed: frames already waiting stay) or off (``strength`` None).
+
+        Takes effect at once rather than at the tick: frames the client sends right after must find it on."""
+        record = self.record(session_id)
+        if not record.is_open or record.projected().state is SessionState.CLOSED:
+            raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
+        if strength is None:
+            record.live = None
+        elif record.live is not None:
+            record.live.strength, record.live.first_step = strength, first_step
+        else:
+            record.live = LiveInput(strength=strength, first_step=first_step, capacity=capacity,
+                                    rate_per_s=rate_per_s, burst=burst)
+        record.touch()
+        self.wake.set()
+
+    def admit_frame(self, session_id: str) -> bool:
+        """A frame arrived for the session: within its rate (decode it, then :meth:`push_frame`) or dropped."""
+        record = self.record(session_id)
+        if not record.is_open:
+            raise SessionClosed("session is closed")
+        if record.live is None:
+            raise NotLive("live input is off: send a live message first")
+        record.inputs.frames_received += 1
+        self.input_totals["received"] += 1
+        if record.live.admit(time.monotonic()):
+            return True
+        record.inputs.frames_dropped += 1
+        self.input_totals["dropped"] += 1
+        return False
+
+    def push_frame(self, session_id: str, frame) -> None:
+        """A decoded frame joins the session's buffer (the oldest waiting one dropped when it is full)."""
+        record = self.records.get(session_id)
+        if record is None or not record.is_open or record.live is None:
+            return  # ended or switched off while the frame was decoded: it is simply not used
+        dropped = record.live.push(frame)
+        record.inputs.frames_dropped += dropped
+        self.input_totals["dropped"] += dropped
+        self.wake.set()
+
+    def count_invalid_frame(self, session_id: str) -> None:
+        record = self.records.get(session_id)
+        if record is not None:
+            record.inputs.frames_invalid += 1
+        self.input_totals["invalid"] += 1
 
     def _account(self, cost: WorkCost) -> None:
         record = self.records.get(cost.session_id)
@@ -432,6 +503,7 @@ class EngineCore:
             self.blocks += 1
         record.last_timings = timings
         record.decoder_state_bytes = output.decoder_state_bytes
+        record.encoder_state_bytes = output.encoder_state_bytes
         record.frame_rate.add(now, int(output.frames.shape[0]))
         if len(record.queue) == 0 and record.held is None:
             record.queue.put_nowait(chunk)
@@ -464,7 +536,11 @@ class EngineCore:
         record.controls.clear()
         record.pending_prompt = None
         record.pending_reset = False
+        record.pending_reset_context = None
+        record.start_context = None
+        record.live = None  # its frames are released with it
         record.decoder_state_bytes = 0
+        record.encoder_state_bytes = 0
         record.held = None
         record.queue.end()
         self.kv.unreserve(record.session_id)
@@ -576,6 +652,9 @@ class EngineCore:
             kv_blocks_total=self.kv.block_pool.num_blocks,
             kv_blocks_in_use=self.kv.blocks_in_use,
             decoder_state_bytes=sum(r.decoder_state_bytes for r in open_records),
+            encoder_state_bytes=sum(r.encoder_state_bytes for r in open_records),
+            input_frames=dict(self.input_totals),
+            live_input_sessions=sum(1 for r in open_records if r.live is not None),
             queue_depths=tuple(len(r.queue) for r in open_records),
             session_frames_per_second=tuple(
                 r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE

@@ -39,6 +39,18 @@ class PromptTooLong(InvalidRequest):
     code = "prompt_too_long"
 
 
+class NotLive(EngineError):
+    """A live frame for a session whose live input is off (the socket answers it as any unexpected binary)."""
+
+    code = "bad_json"
+
+
+class InputUnsupported(EngineError):
+    """Image, clip or live input on an engine whose video codec cannot encode (a decode-only TAEHV)."""
+
+    code = "input_unsupported"
+
+
 class TooManyControls(EngineError):
     """A session's controls arrive faster than ticks apply them."""
 

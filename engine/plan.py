@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 # The controls a work item may run besides its block, costliest first. A work's control time is learned for
 # its costliest kind; the kinds that re-run forwards are counted by the scheduler (about a block each until
 # their cost is learned), opening a session and a soft prompt change are not.
@@ -12,12 +14,31 @@ FORWARD_CONTROL_KINDS = ("recache", "reset")
 
 
 @dataclass(frozen=True)
+class InputContext:
+    """What a session's content starts from: ``frames`` (uint8 ``[T, H, W, 3]``, ``T = 1 + 4 (n - 1)``: an image
+    is one frame, a clip's last window more), or ``None``: the prompt alone."""
+
+    frames: np.ndarray | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
 class OpenSession:
-    """A session the runner has not seen: create its device state."""
+    """A session the runner has not seen: create its device state (from ``context`` frames, when given)."""
 
     seed: int
     prompt: str
     negative_prompt: str
+    context: np.ndarray | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True)
+class LiveFrames:
+    """Live input offered to a session's next block, oldest first: the runner takes the frames the block needs
+    (and says how many, so the core drops exactly those); ``first_seq`` numbers ``frames[0]``."""
+
+    first_step: int  # the schedule step the block starts at (the pipeline's first_step_for(strength))
+    frames: tuple[np.ndarray, ...] = field(compare=False)
+    first_seq: int
 
 
 @dataclass(frozen=True)
@@ -36,8 +57,10 @@ class SessionWork:
     session_id: str
     open: OpenSession | None = None
     reset: bool = False
+    reset_context: InputContext | None = None  # with reset: what the content restarts from; None: as it started
     prompt: PromptUpdate | None = None
     run: bool = False
+    live: LiveFrames | None = None  # with run: live input for the block, if it begins one
 
     @property
     def control_kinds(self) -> tuple[str, ...]:

@@ -1,7 +1,8 @@
 """The runner: the one place that binds a session's device state to model calls.
 
 It owns, per session, the KV handle, the pipeline's progress (RNG, block in
-flight) and the streaming decoder state, and runs a :class:`StepPlan` on the
+flight), the streaming decoder states and the streaming encoder state (live
+input), and runs a :class:`StepPlan` on the
 engine's single device thread. Every way a session ends — close, reset,
 eviction, idle timeout, failed forward, shutdown — goes through
 :meth:`Runner.release`, which frees all of them together.
@@ -28,8 +29,9 @@ import torch
 from decoders.audio import AudioDecodeState, AudioStreamingDecoder
 from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
+from engine.models.latents import BlockLatents
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
-from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
+from engine.plan import InputContext, LiveFrames, OpenSession, PromptUpdate, SessionWork, StepPlan
 from engine.session import ChunkTimings, now_ms
 
 log = logging.getLogger("arstream.runner")
@@ -47,6 +49,9 @@ class DeviceSession:
     decode_state: StreamingDecodeState
     audio_state: AudioDecodeState | None
     open_request: OpenSession
+    encode_state: object | None = None  # the live input's stream (the engine's streaming encoder), None without one
+    context: BlockLatents | None = None  # the image's or clip's latents the content started from (for a reset)
+    last_input_frame: np.ndarray | None = None  # repeated when a block's live input has not arrived
     audio_samples_to_trim: int = 0  # the opening latent frame's audio before t = 0 (AudioTiming)
     audio_carry: torch.Tensor | None = None  # the previous content's audio tail, flushed at reset
     block_started_at: float | None = None  # epoch ms of the current output's first forward
@@ -59,6 +64,9 @@ class DeviceSession:
         audio = self.audio_state.nbytes() if self.audio_state is not None else 0
         return self.decode_state.nbytes() + audio
 
+    def encoder_state_bytes(self) -> int:
+        return self.encode_state.nbytes() if self.encode_state is not None else 0
+
 
 @dataclass(frozen=True)
 class BlockOutput:
@@ -69,6 +77,7 @@ class BlockOutput:
     timings: ChunkTimings
     decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
     opening_frame: bool = False  # the opening frame of a session's first block; the block's other frames follow
+    encoder_state_bytes: int = 0  # the session's live-input encoder state after this block
 
 
 @dataclass(frozen=True)
@@ -107,6 +116,7 @@ class _QueuedOutput:
     denoise_parts: list["_WorkTimer"]
     decoder_state_bytes: int
     opening_frame: bool
+    encoder_state_bytes: int = 0
 
 
 @dataclass
@@ -119,6 +129,9 @@ class PendingWork:
     ran: bool  # the work advanced the session's block (not controls alone): it counts as in flight
     timer: "_WorkTimer"
     output: _QueuedOutput | None = None
+    live_first_seq: int | None = None  # the live frames offered to the work (LiveFrames.first_seq) ...
+    input_frames_taken: int = 0  # ... and how many of them its block took (0: it began no block)
+    context_frames: int | None = None  # latent frames of a context the work started the content from
 
     @property
     def frames(self) -> int:
@@ -145,6 +158,7 @@ class PendingWork:
             ),
             decoder_state_bytes=queued.decoder_state_bytes,
             opening_frame=queued.opening_frame,
+            encoder_state_bytes=queued.encoder_state_bytes,
         )
         return output, cost
 
@@ -178,17 +192,23 @@ class Runner:
         stepwise: bool = False,
         audio_decoder: AudioStreamingDecoder | None = None,
         audio_trim_samples: int = 0,
+        audio_samples_per_frame: int = 0,
         split_first_block: bool = False,
+        encoder=None,
     ) -> None:
         """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
         as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
-        first media; the frames are the same as unsplit (chunked decode equals one-call decode)."""
+        first media; the frames are the same as unsplit (chunked decode equals one-call decode).
+        ``encoder``: the streaming video encoder of pictures and live input (``decoders``), None when the
+        codec cannot encode."""
         if (audio_decoder is None) != (pipeline.audio_shape is None):
             raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
         self.decoder = decoder
         self.audio_decoder = audio_decoder
         self.audio_trim_samples = audio_trim_samples
+        self.audio_samples_per_frame = audio_samples_per_frame
+        self.encoder = encoder
         self.kv_manager = kv_manager
         self.stepwise = stepwise
         self.split_first_block = split_first_block
@@ -208,6 +228,7 @@ class Runner:
                 audio_state=self.audio_decoder.new_state(session_id) if self.audio_decoder is not None else None,
                 open_request=request,
                 audio_samples_to_trim=self.audio_trim_samples,
+                encode_state=self.encoder.new_state(session_id) if self.encoder is not None else None,
             )
         except Exception:
             kv.close()
@@ -224,29 +245,39 @@ class Runner:
         actions = [device_session.kv.close, lambda: self.decoder.release(device_session.decode_state)]
         if device_session.audio_state is not None:
             actions.append(lambda: self.audio_decoder.release(device_session.audio_state))
+        if device_session.encode_state is not None:
+            actions.append(lambda: self.encoder.release(device_session.encode_state))
         for action in actions:
             try:
                 action()
             except Exception as error:  # release everything even if one part fails
                 errors.append(error)
-        device_session.progress.latents = device_session.progress.clean = None
+        device_session.progress.latents = device_session.progress.clean = device_session.progress.block_input = None
+        device_session.context = None
         device_session.progress.sink_latents.clear()
         device_session.progress.window_latents.clear()
         log.info("session released", extra={"session_id": session_id, "reason": reason})
         if errors:
             raise errors[0]
 
-    def reset(self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None) -> None:
-        """Restart content as a new session with the same seed (and the given or current prompt)."""
-        old = self.device_sessions[session_id].open_request
+    def reset(
+        self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None,
+        context: InputContext | None = None,
+    ) -> BlockLatents | None:
+        """Restart content as a new session with the same seed (and the given or current prompt), from
+        ``context`` (None: the image or clip it last started from). Returns the context's latents to begin
+        from (:meth:`_begin_from`), or None for a start from the prompt alone."""
+        old = self.device_sessions[session_id]
+        latents = old.context
+        if context is not None:
+            latents = None if context.frames is None else self._encode_context(context.frames)
         request = OpenSession(
-            seed=old.seed,
-            prompt=old.prompt if prompt is None else prompt,
-            negative_prompt=old.negative_prompt if negative_prompt is None else negative_prompt,
+            seed=old.open_request.seed,
+            prompt=old.open_request.prompt if prompt is None else prompt,
+            negative_prompt=old.open_request.negative_prompt if negative_prompt is None else negative_prompt,
         )
         # The old content's held-back audio ends where its video ends: flush it into the next chunk so
         # the session's audio timeline stays continuous (no gap, no drift) across the reset.
-        old = self.device_sessions[session_id]
         tail = None
         if old.audio_state is not None and old.audio_state.frames_received:
             expected = old.audio_state.pending_frames * self.audio_decoder.hop
@@ -254,8 +285,12 @@ class Runner:
             # Oobleck's transposed convs crop a few samples at a clip's true end: pad them back with
             # silence so the timeline keeps exactly hop samples per latent frame.
             tail = torch.nn.functional.pad(tail, (0, max(0, expected - tail.shape[1])))
+        last_input = old.last_input_frame
         self.release(session_id, "reset")
-        self.open(session_id, request).audio_carry = tail
+        reopened = self.open(session_id, request)
+        reopened.audio_carry = tail
+        reopened.last_input_frame = last_input  # the live input goes on: a new stream, the same camera
+        return latents
 
     def close_all(self, reason: str) -> None:
         for session_id in list(self.device_sessions):
@@ -289,14 +324,15 @@ class Runner:
         for work in plan.work:
             timer = _WorkTimer.start(self.pipeline.transformer.device)
             try:
-                output = self._do(work, plan.planned_at, timer)
+                output, report = self._do(work, plan.planned_at, timer)
             except Exception as error:
                 if self._failed(work.session_id, error, dispatch.failures):
                     dispatch.fatal = str(error)
                     return dispatch
                 continue
             timer.end()
-            dispatch.pending.append(PendingWork(work.session_id, work.control_kinds, work.run, timer, output))
+            report.output = output
+            dispatch.pending.append(report)
         return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
@@ -329,26 +365,110 @@ class Runner:
             return True
         return False
 
-    def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
+    def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> tuple[_QueuedOutput | None, PendingWork]:
+        """Run one work item's controls and block; returns its output and what it reports (PendingWork fields)."""
+        report = PendingWork(work.session_id, work.control_kinds, work.run, timer)
+        context = None  # latents an open or a reset starts the content from
         if work.open is not None:
             self.open(work.session_id, work.open)
+            if work.open.context is not None:
+                with self.bound(work.session_id):
+                    context = self._encode_context(work.open.context)
         if work.session_id not in self.device_sessions:
-            return None
+            return None, report
+        restarted = work.open is not None
         if work.reset:
-            self.reset(work.session_id)
+            with self.bound(work.session_id):
+                context = self.reset(work.session_id, context=work.reset_context)
+            restarted = True
         if work.prompt is not None:
-            self._change_prompt(work)
+            if work.prompt.policy == "reset":
+                with self.bound(work.session_id):
+                    context = self.reset(work.session_id, work.prompt.prompt, work.prompt.negative_prompt)
+                restarted = True
+            else:
+                self._change_prompt(work)
+        output = None
+        if restarted:
+            report.context_frames = 0 if context is None else context.frames
+            if context is not None:
+                # The content starts from the input: its last frame goes out now, alone; the block runs next.
+                with self.bound(work.session_id) as device_session:
+                    output = self._begin_from(device_session, context, planned_at)
         timer.controls_done()
-        if not work.run:
-            return None
+        if output is not None or not work.run:
+            return output, report
         with self.bound(work.session_id) as device_session:
-            return self._advance(device_session, planned_at, timer)
+            if work.live is not None:
+                report.live_first_seq = work.live.first_seq
+                report.input_frames_taken = self._take_live_input(device_session, work.live)
+            return self._advance(device_session, planned_at, timer), report
+
+    # --- pictures and video in --------------------------------------------------
+    def _encode_context(self, frames: np.ndarray) -> BlockLatents:
+        """An image's or clip's frames (``1 + 4 (n - 1)``, uint8) -> ``n`` model-space latent frames, encoded as one
+        causal stream of their own (a throw-away state, not the session's live one)."""
+        if self.encoder is None:
+            raise RuntimeError("this engine's video codec cannot encode")
+        state = self.encoder.new_state("context")
+        try:
+            video = self.encoder.normalize(self.encoder.encode_chunk(self.encoder.from_uint8(frames), state)).float()
+        finally:
+            self.encoder.release(state)
+        return BlockLatents(video, self._silent_audio(video.shape[2]))
+
+    def _silent_audio(self, latent_frames: int) -> torch.Tensor | None:
+        """Audio latents for frames that come with no sound (zeros: the latent space's neutral value)."""
+        if self.pipeline.audio_shape is None:
+            return None
+        _, channels, per_block = self.pipeline.audio_shape
+        per_frame = per_block // self.pipeline.frames_per_block
+        return torch.zeros(1, channels, latent_frames * per_frame, device=self.pipeline.transformer.device)
+
+    def _begin_from(self, device_session: DeviceSession, context: BlockLatents, planned_at: float) -> _QueuedOutput:
+        """Commit ``context`` as the session's opening history and decode it (the decoder's stream then continues
+        from it); the output is its last frame, the first thing the client sees, with no audio."""
+        device_session.context = context
+        self.pipeline.commit_context(device_session.kv, device_session.progress, context)
+        pixels = self.decoder.decode_chunk(self.decoder.denormalize(context.video), device_session.decode_state)
+        frames = _to_host(self.decoder.to_uint8_tensor(pixels[:, :, -1:]))
+        # The audio stream starts with the first generated block, on a latent boundary: nothing to trim; the
+        # input's frame carries one frame of silence, which goes out with that block's sound.
+        device_session.audio_samples_to_trim = 0
+        if self.audio_decoder is not None:
+            silence = torch.zeros(self.audio_decoder.channels, self.audio_samples_per_frame)
+            carry = device_session.audio_carry
+            device_session.audio_carry = silence if carry is None else torch.cat([carry.cpu(), silence], dim=1)
+        started = now_ms()
+        return _QueuedOutput(
+            frames=frames, audio=None, block_index=device_session.progress.block_index, started_at=started,
+            queued_ms=max(0.0, started - planned_at), denoise_parts=[],
+            decoder_state_bytes=device_session.decoder_state_bytes(), opening_frame=True,
+            encoder_state_bytes=device_session.encoder_state_bytes(),
+        )
+
+    def _take_live_input(self, device_session: DeviceSession, live: LiveFrames) -> int:
+        """Give the block that begins now its live input, encoded on the session's stream; returns the frames it
+        took (0 when no block begins here: a stepwise tick inside one, or the rest of a split first block)."""
+        progress = device_session.progress
+        if self.encoder is None or progress.latents is not None or progress.clean is not None:
+            return 0
+        need = self.encoder.frames_needed(self.pipeline.frames_per_block, device_session.encode_state)
+        taken = list(live.frames[:need])
+        if taken:
+            device_session.last_input_frame = taken[-1]
+        if device_session.last_input_frame is None:
+            return 0  # nothing has arrived yet: this block comes from the prompt alone
+        # Too few arrived: repeat the last frame (the engine never waits for input).
+        frames = np.stack(taken + [device_session.last_input_frame] * (need - len(taken)))
+        latents = self.encoder.encode_chunk(self.encoder.from_uint8(frames), device_session.encode_state)
+        video = self.encoder.normalize(latents).float()
+        self.pipeline.set_block_input(progress, BlockLatents(video, self._silent_audio(video.shape[2])),
+                                      live.first_step)
+        return len(taken)
 
     def _change_prompt(self, work: SessionWork) -> None:
         update = work.prompt
-        if update.policy == "reset":
-            self.reset(work.session_id, update.prompt, update.negative_prompt)
-            return
         with self.bound(work.session_id) as device_session:
             self.pipeline.set_prompt(
                 device_session.kv, device_session.progress, update.prompt, update.negative_prompt, update.policy
@@ -363,7 +483,8 @@ class Runner:
             device_session.denoise_parts = []
             device_session.queued_ms = max(0.0, device_session.block_started_at - planned_at)
         device_session.denoise_parts.append(timer)
-        opening = self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
+        opening = (self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
+                   and device_session.context is None)  # after a context, its frame was the opening one
         if opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
@@ -397,6 +518,7 @@ class Runner:
             denoise_parts=device_session.denoise_parts,
             decoder_state_bytes=device_session.decoder_state_bytes(),
             opening_frame=opening,
+            encoder_state_bytes=device_session.encoder_state_bytes(),
         )
         device_session.block_started_at = None
         return output
@@ -422,7 +544,9 @@ class Runner:
         kernel and cuDNN plan is built here, not in a viewer's stream). With
         ``transitions``, a second session then joins mid-stream, the first
         changes its prompt with ``recache`` and is reset, each followed by a
-        block — all through :meth:`execute`, the path real sessions take.
+        block, and, where the codec can encode, restarts from an image and runs
+        two blocks of live input — all through :meth:`execute`, the path real
+        sessions take.
         Returns the device seconds of two more plain blocks at the full window, run once every shape
         has been met (they seed the engine's per-block cost estimate, so admission does not count the
         one-time compiles and graph captures of the first blocks).
@@ -450,6 +574,8 @@ class Runner:
                     run(SessionWork(second, open=opening, run=True), SessionWork(first, run=True))
                 run(SessionWork(first, prompt=PromptUpdate("warmup, changed", "", "recache"), run=True))
                 run(SessionWork(first, reset=True, run=True))
+                if self.encoder is not None:
+                    self._warm_inputs(first, run)
         finally:
             for session_id in (first, second):
                 self.release(session_id, "warmup_complete")
@@ -457,6 +583,18 @@ class Runner:
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
         return seconds
+
+
+    def _warm_inputs(self, session_id: str, run) -> None:
+        """An image start (the one-frame commit pass, the encoder's opening group) and two live blocks (its
+        steady groups) on a grey picture."""
+        _, _, _, latent_height, latent_width = self.pipeline.latent_shape
+        scale = self.decoder.spatial_upscale
+        grey = np.full((1, latent_height * scale, latent_width * scale, 3), 128, dtype=np.uint8)
+        run(SessionWork(session_id, reset=True, reset_context=InputContext(grey), run=True))
+        frames = tuple(grey[0] for _ in range(4 * self.pipeline.frames_per_block))
+        for _ in range(2):
+            run(SessionWork(session_id, run=True, live=LiveFrames(self.pipeline.num_steps - 1, frames, 0)))
 
 
 def runner_for(
@@ -471,7 +609,9 @@ def runner_for(
         stepwise=stepwise,
         audio_decoder=bundle.audio_decoder,
         audio_trim_samples=timing.samples_before_start if timing is not None else 0,
+        audio_samples_per_frame=timing.samples_per_video_frame if timing is not None else 0,
         split_first_block=split_first_block,
+        encoder=bundle.encoder,
     )
 
 

@@ -58,6 +58,7 @@ class Scheduler:
         self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1, blocks_in_flight: int = 1
     ) -> None:
         self.fps = fps
+        self.frames_per_chunk = frames_per_chunk
         self.lead_seconds = lead_chunks * frames_per_chunk / fps
         self.ticks_per_block = ticks_per_block  # stepwise mode: a block takes several ticks
         self.blocks_in_flight = blocks_in_flight
@@ -162,14 +163,19 @@ class Scheduler:
             return None
         open_request = None
         if not session.opened_on_device:
-            open_request = OpenSession(session.seed, session.prompt, session.negative_prompt)
+            open_request = OpenSession(session.seed, session.prompt, session.negative_prompt, session.start_context)
         # The open already carries the current prompt and a fresh start.
         reset = session.pending_reset and open_request is None
         prompt = session.pending_prompt if open_request is None else None
         run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now)
         if open_request is None and not reset and prompt is None and not run:
             return None
-        return SessionWork(session.session_id, open=open_request, reset=reset, prompt=prompt, run=run)
+        # Live input is offered, not taken: the runner says how many frames the block used (none when this
+        # work does not begin a block), and the core drops exactly those.
+        live = session.live.offer(self.frames_per_chunk) if run and session.live is not None else None
+        return SessionWork(session.session_id, open=open_request, reset=reset,
+                           reset_context=session.pending_reset_context if reset else None, prompt=prompt, run=run,
+                           live=live)
 
     def _has_room(self, session: SessionRecord) -> bool:
         """Its consumer took the last chunk, none is held back, and fewer than ``blocks_in_flight`` works of it

@@ -13,7 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.controls import Control, SessionState, SessionView, Start, applied
-from engine.plan import PromptUpdate
+from engine.live_input import InputCounters, LiveInput
+from engine.plan import InputContext, PromptUpdate
 from engine.realtime import FrameRate, RunningCost
 from engine.session import Chunk, ChunkQueue, ChunkTimings
 
@@ -46,6 +47,11 @@ class SessionRecord:
     opened_on_device: bool = False  # set once, when a plan first carries the open; never unset
     pending_prompt: PromptUpdate | None = None
     pending_reset: bool = False
+    pending_reset_context: InputContext | None = None  # with pending_reset: a new context (None: keep the old)
+    start_context: object | None = None  # the frames `start` gave (np.ndarray), until the open is planned
+    # live video input (None: off) and what the session's input did
+    live: LiveInput | None = None
+    inputs: InputCounters = field(default_factory=InputCounters)
     # counters and clocks
     chunks_emitted: int = 0
     frames_emitted: int = 0
@@ -64,6 +70,7 @@ class SessionRecord:
     held: Chunk | None = None  # a finished chunk waiting for room in the queue (its consumer is slow)
     frame_rate: FrameRate = field(default_factory=FrameRate)
     decoder_state_bytes: int = 0
+    encoder_state_bytes: int = 0
 
     @property
     def is_open(self) -> bool:

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from engine.controls import SessionState, SessionView
 from engine.session_record import SessionRecord
-from engine.status import RealtimeStatus, SessionCounters, SessionStatus
+from engine.status import InputStatus, RealtimeStatus, SessionCounters, SessionStatus
 
 
 def shown_state(projected: SessionView, *, draining: bool) -> str:
@@ -42,6 +42,7 @@ def session_status(
             blocks_since_reset=record.blocks_since_reset,
             queue_depth=len(record.queue),
             decoder_state_bytes=record.decoder_state_bytes,
+            encoder_state_bytes=record.encoder_state_bytes,
         ),
         created_at=record.created_at_epoch,
         started_at=record.started_at,
@@ -57,6 +58,15 @@ def session_status(
             deadline_misses=record.deadline_misses,
             below_realtime=live_running and below_realtime,
             live_capacity=live_capacity,
+        ),
+        input=InputStatus(
+            live=record.live is not None,
+            strength=record.live.strength if record.live is not None else None,
+            frames_received=record.inputs.frames_received,
+            frames_used=record.inputs.frames_used,
+            frames_dropped=record.inputs.frames_dropped,
+            frames_invalid=record.inputs.frames_invalid,
+            context_frames=record.inputs.context_frames,
         ),
     )
 

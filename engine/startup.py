@@ -72,6 +72,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
     if bundle.audio_decoder is not None:
         decoder_bytes += bundle.audio_decoder.declared_state_bytes()
+    if bundle.encoder is not None:  # any session may turn live input on: its encoder state is reserved
+        decoder_bytes += bundle.encoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
     per_session_bytes = spec.session_bytes + decoder_bytes
     budget = config.kv_memory_budget_bytes
     if budget is None and torch.device(config.device).type == "cuda":

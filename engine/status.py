@@ -39,6 +39,20 @@ class SessionCounters:
     blocks_since_reset: int
     queue_depth: int
     decoder_state_bytes: int  # the session's streaming decoder caches (video + audio) on the device
+    encoder_state_bytes: int = 0  # its streaming video encoder's state (live input) on the device
+
+
+@dataclass(frozen=True)
+class InputStatus:
+    """A session's pictures and video in (docs/PROTOCOL.md): live input and what its frames did."""
+
+    live: bool
+    strength: float | None  # the noise level blocks take live input to (a point of the model's schedule)
+    frames_received: int
+    frames_used: int
+    frames_dropped: int  # over the rate, or pushed out of a full buffer
+    frames_invalid: int
+    context_frames: int  # latent frames of the image or clip the content last started from
 
 
 @dataclass(frozen=True)
@@ -71,6 +85,7 @@ class SessionStatus:
     close_reason: str | None
     error: str | None
     realtime: RealtimeStatus
+    input: InputStatus | None = None
 
     @property
     def is_open(self) -> bool:
@@ -100,6 +115,9 @@ class EngineCounters:
     queue_depths: tuple[int, ...]  # chunks waiting per open session (no ids: an id is a capability)
     session_frames_per_second: tuple[float, ...]  # per active session, in no particular order
     session_deadline_misses: tuple[int, ...]  # per open live session
+    encoder_state_bytes: int = 0  # all sessions together
+    input_frames: dict[str, int] | None = None  # live frames over every session's life: received, used, dropped, invalid
+    live_input_sessions: int = 0  # open sessions with live input on
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from engine.errors import (
     UnknownSession,
 )
 from engine.kv_cache import KVCacheManager
-from engine.plan import OpenSession, SessionWork, StepPlan
+from engine.plan import LiveFrames, OpenSession, SessionWork, StepPlan
 from engine.runner import Runner, runner_for
 from tests.engine_helpers import build_small, small_config
 
@@ -52,17 +52,24 @@ def _measured_session_bytes(runner: Runner, session_id: str) -> int:
     kv_bytes = sum(storage[:, :, i].nbytes for b in kv.branch_names for i in kv.resident_block_ids(b))
     cross_bytes = sum(kv.read_cross(b, "text").nbytes for b in kv.branch_names)
     decoder_bytes = device_session.decode_state.nbytes() + device_session.audio_state.nbytes()
-    model_bytes = sum(x.nbytes for x in progress.resident_latents() + [progress.latents, progress.clean])
-    return kv_bytes + cross_bytes + decoder_bytes + model_bytes
+    encoder_bytes = device_session.encode_state.nbytes()
+    held = progress.resident_latents() + [progress.latents, progress.clean, progress.block_input, device_session.context]
+    model_bytes = sum(x.nbytes for x in held if x is not None)
+    return kv_bytes + cross_bytes + decoder_bytes + encoder_bytes + model_bytes
 
 
 def test_admission_admits_exactly_what_the_budget_holds():
     config, bundle = build_small(sink_frames=3, window_frames=3, guidance_scale=2.0)
     runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), stepwise=True)
-    runner.execute(StepPlan(work=[SessionWork("probe", open=OpenSession(1, "probe", ""))]))
-    steps = 3 * (bundle.pipeline.num_steps + 1) + 1  # resident frames full, then one step into the next block
+    # The most a session holds: a clip's full context kept for a reset, live input on its encoder stream and
+    # in the block in flight.
+    clip = np.random.default_rng(0).integers(0, 256, (1 + 4 * 5, config.resolved_height, config.resolved_width, 3),
+                                             dtype=np.uint8)
+    runner.execute(StepPlan(work=[SessionWork("probe", open=OpenSession(1, "probe", "", clip))]))
+    live = LiveFrames(first_step=1, frames=tuple(clip[:12]), first_seq=0)
+    steps = 3 * bundle.pipeline.num_steps + 1  # blocks of 3 steps + commit, then one step into the next block
     for _ in range(steps):
-        assert not runner.execute(StepPlan(work=[SessionWork("probe", run=True)])).failures
+        assert not runner.execute(StepPlan(work=[SessionWork("probe", run=True, live=live)])).failures
     per_session = _measured_session_bytes(runner, "probe")
 
     async def scenario():

@@ -53,6 +53,12 @@ class BlockLatents:
         audio = None if parts[0].audio is None else torch.cat([p.audio for p in parts], dim=2)
         return BlockLatents(video, audio)
 
+    @staticmethod
+    def cat_groups(latents: "BlockLatents", size: int) -> list["BlockLatents"]:
+        """``latents`` in consecutive groups of ``size`` latent frames (the last one may be shorter)."""
+        frames = latents.split_frames()
+        return [BlockLatents.cat(frames[start : start + size]) for start in range(0, len(frames), size)]
+
     @property
     def nbytes(self) -> int:
         return self.video.nbytes + (0 if self.audio is None else self.audio.nbytes)

@@ -9,6 +9,12 @@ One block of ``frames_per_block`` latent frames::
         x  ← (1 − σᵢ₊₁)·x0 + σᵢ₊₁·εᵢ₊₁       (not after the last step; fresh ε)
     model(x0, t = 0) → stage K/V → commit   (1 forward: the block's clean K/V)
 
+A block with an input (live video-to-video: the input's latents ``z``) starts part-way down the same
+schedule instead, at a step ``k`` the client's strength chose: ``x ← (1 − σₖ)·z + σₖ·ε``, then steps
+``k .. N−1``; with ``k = N`` (strength 0) the block is ``z`` itself and only the commit pass runs. An
+image or a clip (already clean latents) is committed as the session's opening context by
+:meth:`CausalWanPipeline.commit_context`, the commit pass alone, block-causally.
+
 The pipeline holds no session table: the runner passes a session's KV state
 and progress to every call, which is the binding.
 """
@@ -47,6 +53,9 @@ class SessionProgress:
     step_index: int = 0  # 0..num_steps-1: denoise steps; num_steps: the commit pass
     latents: BlockLatents | None = None  # x_t of the block in flight, float32
     clean: BlockLatents | None = None  # x0 of the block in flight, float32
+    # The next block's input (model-space latents, float32) and the schedule step it starts at; None: noise.
+    block_input: BlockLatents | None = None
+    first_step: int = 0
     # Clean latents of the frames whose K/V are resident, in history order (for recache).
     sink_latents: list[BlockLatents] = field(default_factory=list)
     window_latents: deque = field(default_factory=deque)
@@ -56,7 +65,7 @@ class SessionProgress:
 
     def nbytes(self) -> int:
         """Bytes of the tensors this state holds now."""
-        held = self.resident_latents() + [x for x in (self.latents, self.clean) if x is not None]
+        held = self.resident_latents() + [x for x in (self.latents, self.clean, self.block_input) if x is not None]
         return sum(x.nbytes for x in held)
 
 
@@ -174,8 +183,10 @@ class CausalWanPipeline:
         frame_bytes = channels * height * width * 4
         if self.audio_shape is not None:
             frame_bytes += self.audio_shape[1] * self.audio_shape[2] // frames * 4
-        # resident clean latents (for recache) + x_t and x0 of the block in flight
-        model_state = (self.sink_frames + self.window_frames + 2 * frames) * frame_bytes
+        # resident clean latents (for recache) + the opening context kept for a reset (at most as many)
+        # + x_t, x0 and the input of the block in flight
+        resident = self.sink_frames + self.window_frames
+        model_state = (2 * resident + 3 * frames) * frame_bytes
         return KVSpec(
             num_layers=t.num_layers,
             num_kv_heads=t.num_heads,
@@ -294,12 +305,63 @@ class CausalWanPipeline:
     def _noise(self, progress: SessionProgress) -> BlockLatents:
         return draw_noise(progress.generator, self.latent_shape, self.audio_shape, self.transformer.device)
 
+    # --- inputs: an opening context, a block's input -----------------------
+    def first_step_for(self, strength: float) -> int:
+        """The schedule step a block with input starts at for ``strength`` in [0, 1]: the point of the schedule
+        (σ₀ … σ_{N−1}, and 0) nearest to it, ``N`` meaning no denoising step (ties go to the stronger)."""
+        if not 0.0 <= strength <= 1.0:
+            raise ValueError("strength must lie in [0, 1]")
+        points = self.sigmas + [0.0]
+        return min(range(len(points)), key=lambda k: (abs(points[k] - strength), k))
+
+    def strength_at(self, first_step: int) -> float:
+        """The noise level σ a block starting at ``first_step`` takes its input to (0 after the last step)."""
+        return (self.sigmas + [0.0])[first_step]
+
+    def set_block_input(self, progress: SessionProgress, latents: BlockLatents, first_step: int) -> None:
+        """The next block starts from ``latents`` (model space) taken to σ of ``first_step`` (see the module doc)."""
+        if progress.latents is not None or progress.clean is not None:
+            raise RuntimeError("a block is in flight; its input was fixed when it began")
+        if not 0 <= first_step <= self.num_steps:
+            raise ValueError(f"first_step must lie in [0, {self.num_steps}]")
+        if latents.video.shape != self.latent_shape:
+            raise ValueError(f"block input must be {self.latent_shape}; got {tuple(latents.video.shape)}")
+        progress.block_input, progress.first_step = latents.to(self.transformer.device, torch.float32), first_step
+
+    def commit_context(self, kv: SessionKVState, progress: SessionProgress, context: BlockLatents) -> None:
+        """Commit clean latents (an image: 1 frame; a clip: up to ``sink + window``) as the session's history,
+        before its first block: the commit pass alone, in groups of ``frames_per_block``, each group attending
+        to the ones before it, at positions 0, 1, … — as the model commits what it makes itself."""
+        if progress.block_index or kv.num_resident_blocks(self.branch_names[0]):
+            raise RuntimeError("an opening context goes before the session's first block")
+        if context.frames > self.sink_frames + self.window_frames:
+            raise ValueError(f"a context holds at most {self.sink_frames + self.window_frames} latent frames")
+        context = context.to(self.transformer.device, torch.float32)
+        for group in BlockLatents.cat_groups(context, self.frames_per_block):
+            for branch in self.branch_names:
+                self.forward_branch(kv, progress, branch, group, 0.0, stage=True)
+            self._pool_writes += 1
+            for branch in self.branch_names:
+                kv.commit(branch, group.frames)
+            self._remember_clean(progress, group)
+
+    def _begin_block(self, progress: SessionProgress) -> None:
+        """x of the block's first step: noise, or its input taken to that step's σ (or, at strength 0, x0 itself)."""
+        given, first = progress.block_input, progress.first_step if progress.block_input is not None else 0
+        progress.step_index = first
+        if first == self.num_steps:
+            progress.clean = given
+            return
+        noise = self._noise(progress)
+        sigma = self.sigmas[first]
+        progress.latents = noise if given is None else given.combine(noise, 1.0 - sigma, sigma)
+
     def step(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents | None:
         """Advance the session's block by one forward; return the block's clean latents after its commit."""
+        if progress.latents is None and progress.clean is None:
+            self._begin_block(progress)
         index = progress.step_index
         if index < self.num_steps:
-            if index == 0:
-                progress.latents = self._noise(progress)
             sigma = self.sigmas[index]
             flow = self._flow(kv, progress, progress.latents, 1000.0 * sigma)
             progress.clean = progress.latents.combine(flow, 1.0, -sigma)
@@ -320,6 +382,8 @@ class CausalWanPipeline:
         progress.step_index = 0
         progress.latents = None
         progress.clean = None
+        progress.block_input = None
+        progress.first_step = 0
         return clean
 
     def denoise_step(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents | None:
@@ -328,7 +392,11 @@ class CausalWanPipeline:
         Lets a caller show a block before its commit: the commit pass (the next
         :meth:`step`) changes nothing the block's frames depend on.
         """
+        if progress.latents is None and progress.clean is None:
+            self._begin_block(progress)
         if progress.step_index >= self.num_steps:
+            if progress.latents is None and progress.clean is not None:
+                return progress.clean  # a block whose input needs no denoising (strength 0)
             raise RuntimeError("the block is denoised; its commit pass is next")
         self.step(kv, progress)
         return progress.clean if progress.step_index == self.num_steps else None

@@ -1,0 +1,92 @@
+"""A session's live video input: its strength, the frames waiting for blocks, and what came and went.
+
+Owned by the engine core (one per :class:`~engine.session_record.SessionRecord`, on the event loop). Frames
+arrive at the client's pace and leave at the session's; both ends are bounded so neither can grow without
+limit or hold up anyone else::
+
+    client frames ──rate (token bucket)──▶ buffer (capacity, oldest dropped) ──offer──▶ next block (takes 9 or 12)
+                     over the rate: dropped before they are decoded
+
+A block takes the oldest frames it needs; frames are numbered so that the frames it took, and only those,
+leave the buffer, even when newer ones arrived (and older ones were dropped) while it was being planned.
+The engine never waits for a frame: a block that finds too few repeats the last one it has (the runner's).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from engine.plan import LiveFrames
+
+
+@dataclass
+class InputCounters:
+    """What a session's input did over its life (live on and off, resets included)."""
+
+    frames_received: int = 0  # binary frames that reached the engine (admitted or not)
+    frames_used: int = 0  # taken by a block
+    frames_dropped: int = 0  # over the rate, or pushed out of a full buffer
+    frames_invalid: int = 0  # could not be read (the client got `invalid_media` / `media_too_large`)
+    context_frames: int = 0  # latent frames of the image or clip the content last started from
+
+
+class LiveInput:
+    """Live input while it is on: ``first_step`` (the strength on the model's schedule), the waiting frames."""
+
+    def __init__(self, *, strength: float, first_step: int, capacity: int, rate_per_s: float, burst: int) -> None:
+        if capacity < 1 or rate_per_s <= 0 or burst < 1:
+            raise ValueError("capacity, rate and burst must be positive")
+        self.strength = strength
+        self.first_step = first_step
+        self.capacity = capacity
+        self.rate_per_s = rate_per_s
+        self.burst = burst
+        self._tokens = float(burst)
+        self._refilled_at: float | None = None
+        self._waiting: deque[tuple[int, np.ndarray]] = deque()
+        self._next_seq = 0
+
+    def admit(self, now: float) -> bool:
+        """Whether a frame arriving at ``now`` (monotonic seconds) is within the rate; takes a token if so."""
+        if self._refilled_at is not None:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._refilled_at) * self.rate_per_s)
+        self._refilled_at = now
+        if self._tokens < 1.0:
+            return False
+        self._tokens -= 1.0
+        return True
+
+    def push(self, frame: np.ndarray) -> int:
+        """Add a decoded frame; returns how many old frames were dropped to make room (0 or 1)."""
+        dropped = 0
+        if len(self._waiting) >= self.capacity:
+            self._waiting.popleft()
+            dropped = 1
+        self._waiting.append((self._next_seq, frame))
+        self._next_seq += 1
+        return dropped
+
+    def offer(self, limit: int) -> LiveFrames:
+        """Up to ``limit`` of the oldest waiting frames, for the next block (nothing leaves the buffer)."""
+        frames = [frame for _, frame in list(self._waiting)[:limit]]
+        first_seq = self._waiting[0][0] if self._waiting else self._next_seq
+        return LiveFrames(first_step=self.first_step, frames=tuple(frames), first_seq=first_seq)
+
+    def consume(self, first_seq: int, taken: int) -> int:
+        """Remove the ``taken`` frames numbered from ``first_seq`` that are still waiting; returns how many were."""
+        removed = 0
+        while self._waiting and self._waiting[0][0] < first_seq + taken:
+            if self._waiting[0][0] >= first_seq:
+                removed += 1
+            self._waiting.popleft()
+        return removed
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def nbytes(self) -> int:
+        return sum(frame.nbytes for _, frame in self._waiting)
