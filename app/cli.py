@@ -451,7 +451,7 @@ def build_server(app, settings) -> "_DrainingServer":
         ws_ping_interval=settings.ping_interval_s,  # a client that answers no ping is dropped (detached)
         ws_ping_timeout=settings.ping_timeout_s,
         ws_per_message_deflate=False,  # media does not compress; deflate only costs CPU and latency
-        ws_max_size=settings.max_message_bytes,  # larger client frames are closed 1009 by the protocol layer
+        ws_max_size=settings.max_socket_message_bytes,  # larger client frames are closed 1009 by the protocol layer
         lifespan="on",
         log_config=None,  # our structured logging, configured above
         timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),

@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
+
 from app.schemas import SessionOptions
 from app.security import Caller, TokenBucket
 from app.settings import Settings
@@ -24,6 +26,7 @@ from engine.api import Engine, SessionStatus
 from engine.session import Chunk
 from engine.status import AdmissionOutlook
 from engine.errors import CapacityFull, EngineError, InvalidRequest, SessionClosed, UnknownSession
+from engine.plan import InputContext
 
 log = logging.getLogger("arstream.sessions")
 
@@ -201,7 +204,9 @@ class SessionRegistry:
         self.registered.pop(record.session_id, None)
 
     # --- controls: each returns the new state when it changed, for the caller to announce ------------
-    def start(self, session_id: str, prompt: str, seed: int | None, options: SessionOptions | None) -> str:
+    def start(self, session_id: str, prompt: str, seed: int | None, options: SessionOptions | None,
+              context: np.ndarray | None = None) -> str:
+        """``context``: decoded frames of an image or clip to start from."""
         record = self.get(session_id)
         if options is not None:
             self._check_options(options)
@@ -211,10 +216,12 @@ class SessionRegistry:
             seed=seed,
             negative_prompt=options.negative_prompt if options is not None else None,
             pace=options.pace if options is not None else None,
+            context=context,
         )
         log.info(
             "session started",
-            extra={"session_id": session_id, "prompt_length": len(prompt), "pace": record.session.pace},
+            extra={"session_id": session_id, "prompt_length": len(prompt), "pace": record.session.pace,
+                   "context_frames": 0 if context is None else int(context.shape[0])},
         )
         return state
 
@@ -237,10 +244,26 @@ class SessionRegistry:
         self.engine.resume(session_id)
         return "active" if was == "paused" else None
 
-    def reset(self, session_id: str) -> None:
+    def reset(self, session_id: str, context: InputContext | None = None) -> None:
         self.get(session_id)
-        self.engine.reset(session_id)
-        log.info("session reset", extra={"session_id": session_id})
+        self.engine.reset(session_id, context)
+        log.info("session reset", extra={"session_id": session_id, "context": _described(context)})
+
+    # --- pictures and video in -----------------------------------------------------------------------
+    def set_live(self, session_id: str, strength: float | None) -> tuple[float, int] | None:
+        self.get(session_id)
+        used = self.engine.set_live(session_id, strength)
+        log.info("live input", extra={"session_id": session_id, "strength": None if used is None else used[0]})
+        return used
+
+    def admit_frame(self, session_id: str) -> bool:
+        return self.engine.admit_input_frame(session_id)
+
+    def push_frame(self, session_id: str, frame: np.ndarray) -> None:
+        self.engine.push_input_frame(session_id, frame)
+
+    def count_invalid_frame(self, session_id: str) -> None:
+        self.engine.count_invalid_input(session_id)
 
     def close(self, session_id: str, reason: str = "client") -> None:
         self.get(session_id)
@@ -257,3 +280,10 @@ class SessionRegistry:
         if options.guidance is not None and abs(options.guidance - configured) > 1e-9:
             # CFG branches are fixed when the engine builds its KV pools; per-session guidance is not offered.
             raise InvalidRequest(f"options.guidance: this server runs guidance {configured:g} for every session")
+
+
+def _described(context: InputContext | None) -> str:
+    """For a log line: what a reset restarts from, never its pixels."""
+    if context is None:
+        return "as before"
+    return "prompt" if context.frames is None else f"{context.frames.shape[0]} frames"

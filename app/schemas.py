@@ -60,6 +60,9 @@ ErrorCode = Literal[
     "not_started",
     "rate_limited",
     "session_closed",
+    "invalid_media",
+    "media_too_large",
+    "input_unsupported",
     "internal",
 ]
 
@@ -87,11 +90,28 @@ class ClientMessage(Strict):
     id: MessageId | None = Field(default=None, description="echoed in the ack or error that answers it")
 
 
+MAX_ANNOUNCED_BYTES = 2**40  # a sanity bound for the field; the real bounds are the server's (InputLimits)
+
+
+class MediaAnnouncement(Strict):
+    """An image or clip whose bytes are the next message on the socket (docs/PROTOCOL.md)."""
+
+    kind: Literal["image", "clip"]
+    bytes: int = Field(ge=1, le=MAX_ANNOUNCED_BYTES, description="size of the binary message that follows")
+
+
+class NoMedia(Strict):
+    """``reset`` from the prompt alone (no picture follows)."""
+
+    kind: Literal["none"]
+
+
 class StartMessage(ClientMessage):
     type: Literal["start"]
     prompt: Prompt
     seed: Seed | None = None
     options: SessionOptions | None = None
+    input: MediaAnnouncement | None = Field(default=None, description="an image or clip to start from")
 
 
 class PromptMessage(ClientMessage):
@@ -110,6 +130,16 @@ class ResumeMessage(ClientMessage):
 
 class ResetMessage(ClientMessage):
     type: Literal["reset"]
+    input: Annotated[MediaAnnouncement | NoMedia, Field(discriminator="kind")] | None = Field(
+        default=None, description="what the content restarts from; unset: the image or clip it last started from"
+    )
+
+
+class LiveMessage(ClientMessage):
+    type: Literal["live"]
+    strength: Annotated[float, Field(ge=0.0, le=1.0)] | None = Field(
+        description="live input on at this strength (0: the input as the codec reproduces it, 1: ignored), or null: off"
+    )
 
 
 class CloseMessage(ClientMessage):
@@ -123,8 +153,11 @@ CLIENT_MESSAGES: dict[str, type[ClientMessage]] = {
     "resume": ResumeMessage,
     "reset": ResetMessage,
     "close": CloseMessage,
+    "live": LiveMessage,
 }
-AnyClientMessage = StartMessage | PromptMessage | PauseMessage | ResumeMessage | ResetMessage | CloseMessage
+AnyClientMessage = (
+    StartMessage | PromptMessage | PauseMessage | ResumeMessage | ResetMessage | CloseMessage | LiveMessage
+)
 
 
 class ProtocolError(Exception):
@@ -283,6 +316,9 @@ class AckMessage(BaseModel):
     # On `start` and `prompt`: the prompt's words the model cannot read (a fixed vocabulary, as the tiny
     # model's); left out when there are none or the model reads any text. The prompt is not refused.
     unknown_words: list[str] | None = None
+    # On `live` turning it on: the noise level used (a point of the model's schedule) and the steps a block runs.
+    strength: float | None = None
+    steps: int | None = None
 
 
 class StateMessage(BaseModel):
@@ -308,8 +344,9 @@ class ClosedMessage(BaseModel):
 
 def to_text(message: BaseModel) -> str:
     """Serialize a server message; optional fields that are unset are left out (``audio`` stays)."""
-    if isinstance(message, AckMessage):  # `id` stays even when null
-        return message.model_dump_json(exclude={"unknown_words"} if message.unknown_words is None else None)
+    if isinstance(message, AckMessage):  # `id` stays even when null; the optional fields only when set
+        optional = ("unknown_words", "strength", "steps")
+        return message.model_dump_json(exclude={name for name in optional if getattr(message, name) is None})
     exclude_none = not isinstance(message, SessionMessage)
     return message.model_dump_json(exclude_none=exclude_none)
 
@@ -350,6 +387,19 @@ class SessionCounters(Snapshot):
     blocks_since_reset: int
     queue_depth: int
     decoder_state_bytes: int = Field(description="the session's streaming decoder caches on the device")
+    encoder_state_bytes: int = Field(description="the session's streaming encoder state (live input) on the device")
+
+
+class SessionInput(Snapshot):
+    """Pictures and video in (docs/PROTOCOL.md): live input and what its frames did."""
+
+    live: bool
+    strength: float | None = Field(description="the noise level blocks take live input to; null while off")
+    frames_received: int
+    frames_used: int
+    frames_dropped: int = Field(description="over the rate, or pushed out of a full buffer")
+    frames_invalid: int
+    context_frames: int = Field(description="latent frames of the image or clip the content last started from")
 
 
 class SessionRealtime(Snapshot):
@@ -392,6 +442,7 @@ class SessionDetail(Snapshot):
     last_timings: SessionTimings | None
     time_to_first_chunk_ms: float | None
     close_reason: str | None
+    input: SessionInput
 
 
 class PromptRequest(Strict):

@@ -40,6 +40,9 @@ class Service:
         self.metrics = ServiceMetrics()
         # Encoding is CPU-bound and synchronous: it runs here, never on the event loop.
         self.encoder_pool = ThreadPoolExecutor(settings.encode_threads, thread_name_prefix="arstream-encode")
+        # Client pictures and frames are decoded on their own thread: a client flooding frames (within its rate)
+        # queues behind itself there, never in front of another session's media encoding.
+        self.input_pool = ThreadPoolExecutor(1, thread_name_prefix="arstream-input")
         self.connections: set[OpenSocket] = set()
         self.freed_memory = FreedMemoryReleaser()  # ended sockets ask it to return freed memory to the OS
         self.exit_code = 0
@@ -131,6 +134,7 @@ class Service:
         if self._supervisor is not None:
             self._supervisor.cancel()
         self.encoder_pool.shutdown(wait=True, cancel_futures=True)
+        self.input_pool.shutdown(wait=True, cancel_futures=True)
         log.info("drained")
 
     async def _supervise(self) -> None:

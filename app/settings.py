@@ -72,6 +72,28 @@ class ClusterSettings(BaseModel):
     )
 
 
+class InputLimits(BaseModel):
+    """Bounds on pictures and video a client sends (docs/PROTOCOL.md, "Pictures and video in")."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_image_bytes: int = Field(default=8 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_image_pixels: int = Field(default=4096 * 4096, ge=64 * 64, le=100_000_000, description="checked from the header")
+    max_clip_bytes: int = Field(default=16 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_clip_seconds: float = Field(default=10.0, gt=0, le=600)
+    max_clip_pixels: int = Field(default=1920 * 1080, ge=64 * 64, le=100_000_000, description="per decoded frame")
+    max_frame_bytes: int = Field(default=1024 * 1024, ge=1024, le=64 * 1024 * 1024, description="one live frame")
+    max_frame_pixels: int = Field(default=1920 * 1080, ge=64 * 64, le=100_000_000)
+    announce_timeout_s: float = Field(
+        default=10.0, gt=0, le=300, description="announced bytes must arrive within this (start/reset with input)"
+    )
+
+    @property
+    def max_binary_bytes(self) -> int:
+        """The largest binary message a client may send: the socket refuses anything larger (close 1009)."""
+        return max(self.max_image_bytes, self.max_clip_bytes, self.max_frame_bytes)
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
         env_prefix="ARSTREAM_", env_nested_delimiter="__", extra="forbid", validate_default=True
@@ -114,6 +136,7 @@ class Settings(BaseSettings):
     closed_retention_s: float = Field(
         default=30.0, ge=0, le=3600, description="a closed session stays visible to GET this long (reason)"
     )
+    inputs: InputLimits = Field(default_factory=InputLimits, description="pictures and video in")
 
     # --- runtime ---
     encode_threads: int = Field(default=2, ge=1, le=64, description="media encoder worker threads")
@@ -158,3 +181,8 @@ class Settings(BaseSettings):
     @property
     def auth_enabled(self) -> bool:
         return self.token is not None
+
+    @property
+    def max_socket_message_bytes(self) -> int:
+        """What the WebSocket transport accepts: text is bounded again by ``max_message_bytes`` in the app."""
+        return max(self.max_message_bytes, self.inputs.max_binary_bytes)

@@ -17,6 +17,10 @@ ends ``idle_timeout``) instead of holding its slot for as long as it stays conne
 
 A bad client message is answered with ``error`` and changes nothing else: it never reaches the engine
 and never ends the session, whatever it contains.
+
+Pictures and video in (docs/PROTOCOL.md): a ``start`` or ``reset`` announcing an image or clip makes the
+receiver take the next message as its bytes (then decode them off the event loop, then answer once); while
+live input is on, every binary message is a frame (``app/socket_input.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ from app.schemas import (
     CloseMessage,
     ClosedMessage,
     ErrorMessage,
+    LiveMessage,
+    MediaAnnouncement,
     PauseMessage,
     PromptMessage,
     ProtocolError,
@@ -56,6 +62,7 @@ from app.schemas import (
     parse_client_message,
     to_text,
 )
+from app.socket_input import SocketInput, ReceiverEnds
 from app.security import Caller, TokenBucket
 from engine.errors import EngineError, SessionClosed, UnknownSession
 from engine.session import Chunk, now_ms
@@ -168,6 +175,7 @@ class StreamConnection:
         settings = service.settings
         self._bucket = TokenBucket(settings.control_rate_per_s, settings.control_burst)
         self._media: MediaEncoder | None = None
+        self._inputs = SocketInput(service, session_id)
         self._attachment: Attachment | None = None
         self._background: set[asyncio.Task] = set()
         self._chunks_sent = 0
@@ -405,32 +413,52 @@ class StreamConnection:
     # --- controls --------------------------------------------------------------------------------
     async def _receive(self) -> str:
         """Handle client messages until the client leaves ("disconnected") or oversteps ("too_big")."""
-        max_bytes = self.service.settings.max_message_bytes
         while True:
             self._receiver_idle.set()
             message = await self.websocket.receive()
             self._receiver_idle.clear()
-            if message["type"] == "websocket.disconnect":
-                return "disconnected"
-            text, data = message.get("text"), message.get("bytes")
-            if text is not None:
-                # Cheap bound first: a character is at least one byte.
-                if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
-                    return "too_big"
-                try:
-                    await self._handle_text(text)
-                except ClientGone:
-                    raise
-                except Exception:
-                    # A bug of ours, not the client's doing: it must not end the session either.
-                    log.exception("client message handling failed", extra={"session_id": self.session_id})
-                    await self._send_error(ProtocolError("internal", "the message could not be handled"))
-            else:
-                if len(data or b"") > max_bytes:
-                    return "too_big"
-                await self._send_error(ProtocolError("bad_json", "binary messages are not accepted; send JSON text"))
+            outcome = await self._handle(message)
+            if outcome is not None:
+                return outcome
 
-    async def _handle_text(self, text: str) -> None:
+    async def _handle(self, message: dict) -> str | None:
+        """One client message; an outcome when the receiver must end."""
+        if message["type"] == "websocket.disconnect":
+            return "disconnected"
+        text, data = message.get("text"), message.get("bytes")
+        if text is None:
+            if len(data or b"") > self.service.settings.inputs.max_binary_bytes:
+                return "too_big"
+            await self._guarded(self._inputs.frame(data or b""))
+            return None
+        while text is not None:
+            # Cheap bound first: a character is at least one byte.
+            max_bytes = self.service.settings.max_message_bytes
+            if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
+                return "too_big"
+            try:
+                text = await self._guarded(self._handle_text(text))
+            except ReceiverEnds as instead:
+                return instead.outcome
+        return None
+
+    async def _guarded(self, handling):
+        """Run one message's handling: a protocol error is answered, a bug of ours is answered ``internal`` and
+        logged; neither ends the session."""
+        try:
+            return await handling
+        except (ClientGone, ReceiverEnds):
+            raise
+        except ProtocolError as error:
+            await self._send_error(error)
+        except Exception:
+            log.exception("client message handling failed", extra={"session_id": self.session_id})
+            await self._send_error(ProtocolError("internal", "the message could not be handled"))
+        return None
+
+    async def _handle_text(self, text: str) -> str | None:
+        """Handle one text message; returns a text message that came where announced bytes were expected
+        (it is handled next)."""
         allowed = self._bucket.allow()
         try:
             message = parse_client_message(text)
@@ -438,47 +466,62 @@ class StreamConnection:
             if not allowed:
                 error = self._rate_limited(error.message_id)
             await self._send_error(error)
-            return
+            return None
         self.service.metrics.count(self.service.metrics.client_messages, message.type)
         if not allowed:
             await self._send_error(self._rate_limited(message.id))
-            return
+            return None
+        context, leftover = None, None
+        announced = getattr(message, "input", None)
+        if isinstance(announced, MediaAnnouncement):
+            context, leftover, error = await self._inputs.announced(self.websocket, announced, message)
+            if error is not None:
+                await self._send_error(error)
+                return leftover
+        elif isinstance(message, ResetMessage) and message.input is not None:
+            context = self._inputs.no_context()
         try:
-            new_state = self._apply(message)
+            new_state, extra = self._apply(message, context)
         except EngineError as error:
             # A session deleted over REST is gone from the table: to this socket it is closed.
             code = "session_closed" if error.code == "unknown_session" else error.code
             await self._send_error(ProtocolError(code, error.message, message.id))
-            return
+            return leftover
         unknown = None
         if isinstance(message, (StartMessage, PromptMessage)):
             unknown = list(self.service.registry.unknown_words(message.prompt) or ()) or None
         async with self._send_lock:
-            await self._send_text(to_text(AckMessage(id=message.id, of=message.type, unknown_words=unknown)))
+            await self._send_text(to_text(AckMessage(id=message.id, of=message.type, unknown_words=unknown, **extra)))
             if new_state is not None:
                 await self._send_text(to_text(StateMessage(state=new_state)))
+        return leftover
 
     def _rate_limited(self, message_id: str | None) -> ProtocolError:
         rate = self.service.settings.control_rate_per_s
         return ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down", message_id)
 
-    def _apply(self, message: AnyClientMessage) -> str | None:
+    def _apply(self, message: AnyClientMessage, context=None) -> tuple[str | None, dict]:
+        """The message's control; returns the new state to announce (if it changed) and extra ``ack`` fields.
+        ``context``: the decoded image or clip a ``start`` (frames) or ``reset`` (an ``InputContext``) carries."""
         registry, session_id = self.service.registry, self.session_id
         if isinstance(message, StartMessage):
-            return registry.start(session_id, message.prompt, message.seed, message.options)
+            return registry.start(session_id, message.prompt, message.seed, message.options, context), {}
         if isinstance(message, PromptMessage):
             registry.set_prompt(session_id, message.prompt, message.policy)
-            return None
+            return None, {}
         if isinstance(message, PauseMessage):
-            return registry.pause(session_id)
+            return registry.pause(session_id), {}
         if isinstance(message, ResumeMessage):
-            return registry.resume(session_id)
+            return registry.resume(session_id), {}
         if isinstance(message, ResetMessage):
-            registry.reset(session_id)
-            return None
+            registry.reset(session_id, context)
+            return None, {}
+        if isinstance(message, LiveMessage):
+            used = registry.set_live(session_id, message.strength)
+            return None, ({} if used is None else {"strength": used[0], "steps": used[1]})
         if isinstance(message, CloseMessage):
             registry.close(session_id, "client")  # the pump then ends and we send `closed`
-            return None
+            return None, {}
         raise ProtocolError("unknown_type", f"unhandled message type {message.type}", message.id)
 
     # --- sending ---------------------------------------------------------------------------------

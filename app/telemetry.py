@@ -118,6 +118,15 @@ class _Snapshot:
         yield _gauge("arstream_kv_blocks_in_use", "KV cache blocks held by sessions.", engine.kv_blocks_in_use)
         yield _gauge("arstream_decoder_state_bytes", "Streaming decoder caches held by sessions on the device.",
                      engine.decoder_state_bytes)
+        # Pictures and video in (docs/PROTOCOL.md).
+        yield _gauge("arstream_encoder_state_bytes", "Streaming encoder states (live input) held by sessions on the device.",
+                     engine.encoder_state_bytes)
+        yield _gauge("arstream_live_input_sessions", "Open sessions with live video input on.", engine.live_input_sessions)
+        inputs = CounterMetricFamily("arstream_input_frames", "Live input frames, by what became of them.",
+                                     labels=["outcome"])
+        for outcome, count in sorted((engine.input_frames or {}).items()):
+            inputs.add_metric([outcome], count)
+        yield inputs
         depths = engine.queue_depths
         yield _gauge("arstream_queue_depth_total", "Chunks waiting for their consumer, all sessions.", sum(depths))
         yield _gauge("arstream_queue_depth_max", "Chunks waiting for their consumer, worst session.",

@@ -4,6 +4,8 @@ run through the runner (the engine's device side) with an image, a clip or live 
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 
 import av
 import numpy as np
@@ -106,3 +108,12 @@ def clip_bytes(frames: np.ndarray, fps: int = 16, container: str = "mp4", codec:
         for packet in stream.encode():
             output.mux(packet)
     return buffer.getvalue()
+
+
+def png_header_claiming(width: int, height: int) -> bytes:
+    """A tiny, well-formed PNG whose header claims ``width x height`` pixels (a decompression bomb's shape)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
