@@ -565,3 +565,70 @@ def test_preflight_passes_a_good_model_dir_and_counts_its_weights_from_the_file_
     (without_vae_weights / "vae" / "config.json").write_text((model_dir / "vae" / "config.json").read_text())
     with pytest.raises(ModelLoadError, match=r"no-vae-weights/vae: no \*\.safetensors weights"):
         check_before_build(EngineConfig(model_dir=without_vae_weights, **SMALL))
+
+
+# --- pictures and video in through a model directory's codec ---------------------------------------------
+
+
+def test_model_dir_wan_vae_encodes_pictures_and_live_input(model_dir, parts):
+    """The Wan VAE's own encoder (a streaming state per session): an image start shows the VAE's round trip of
+    the image first, and live input at strength 0 is the round trip of the input, frame for frame."""
+    from decoders.video_encode import WanStreamingEncoder
+    from tests.input_helpers import run_session
+
+    config = EngineConfig(model_dir=model_dir, sink_frames=1, window_frames=2, **SMALL)
+    bundle = build_models(config)
+    assert isinstance(bundle.encoder, WanStreamingEncoder)
+    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
+                    encoder=bundle.encoder)
+    frames = np.random.default_rng(3).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
+    vae = copy.deepcopy(parts.vae)
+    with torch.no_grad():  # diffusers' own encode and decode of the same frames, one call each
+        video = torch.from_numpy(frames).permute(3, 0, 1, 2).unsqueeze(0).float() / 127.5 - 1.0
+        expected = vae.decode(vae.encode(video).latent_dist.mode()).sample.clamp(-1, 1)
+    expected = ((expected[0].permute(1, 2, 3, 0) + 1) / 2 * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+    image = run_session(runner, "image", "a red fox runs", blocks=1, context=frames[:1])
+    assert image[0].shape[0] == 1 and np.abs(image[0][0].astype(int) - expected[0].astype(int)).max() <= 1
+    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
+    # diffusers decodes post_quant_conv over the whole clip, the stream frame by frame (the decoder's docs).
+    assert live.shape[0] == 21 and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
+
+
+def test_a_decode_only_taehv_says_it_cannot_encode(model_dir, tmp_path, make_client):
+    """The published TAEHV weights come without an encoder: the engine takes no pictures and says why."""
+    from decoders.taehv import random_taehv
+    from engine.api import Engine
+    from engine.errors import InputUnsupported
+
+    directory = linked_model_dir(model_dir, tmp_path / "with-taehv")
+    (directory / "taehv").mkdir()
+    save_file(random_taehv(seed=1).state_dict(), str(directory / "taehv" / "taew2_1.safetensors"))
+    config = EngineConfig(model_dir=directory, video_decoder="taehv", **SMALL)
+    bundle = build_models(config)
+    assert bundle.encoder is None
+
+    async def scenario():
+        engine = Engine(config, bundle=bundle)
+        await engine.start()
+        try:
+            assert "cannot encode" in engine.input_refusal and "taehv" in engine.input_refusal
+            session = engine.create_session(seed=1)
+            with pytest.raises(InputUnsupported, match="cannot encode"):
+                engine.start_session(session.session_id, "a picture", context=np.zeros((1, 48, 64, 3), np.uint8))
+            with pytest.raises(InputUnsupported):
+                engine.set_live(session.session_id, 0.5)
+            assert engine.start_session(session.session_id, "words only") == "active"  # everything else works
+        finally:
+            await engine.shutdown()
+
+    import asyncio
+
+    asyncio.run(scenario())
+    with make_client(engine={"model_dir": str(directory), "video_decoder": "taehv", "random_weights": False,
+                             **{k: SMALL[k] for k in ("height", "width")}}) as client:
+        with client.websocket_connect("/v1/stream") as ws:
+            assert ws.receive_json()["type"] == "session"
+            ws.receive_bytes()
+            ws.send_json({"type": "live", "strength": 0.5, "id": "l"})
+            answer = ws.receive_json()
+            assert answer["code"] == "input_unsupported" and "cannot encode" in answer["message"], answer
