@@ -235,3 +235,71 @@ def test_first_start_with_the_untouched_prompt_streams_and_a_full_server_says_wh
     finally:
         second.close()
         first.close()
+
+
+def _open_sessions(base: str) -> list[dict]:
+    with urllib.request.urlopen(f"{base}/v1/sessions", timeout=5) as response:
+        listed = json.loads(response.read())["sessions"]
+    return [s for s in listed if s["state"] != "closed"]
+
+
+def test_a_picture_start_and_the_camera_as_live_input(server, tmp_path):
+    """The picker sends a picture with `start` (its frame comes first, then the stream); the camera (Chromium's
+    fake device) streams frames as live input at the slider's strength; input and output show side by side."""
+    from PIL import Image
+
+    base = server
+    deadline = time.monotonic() + 20  # the test before left its page: its `close` frees the one slot
+    while _open_sessions(base) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    picture = tmp_path / "red-circle.png"
+    Image.new("RGB", (320, 180), (20, 36, 133)).save(picture)
+    if not os.path.exists(CHROMIUM):
+        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (this test never skips)")
+    camera_args = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + camera_args)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        problems: list[str] = []
+        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+        try:
+            page.goto(f"{base}/", wait_until="load")
+            page.set_input_files("#media", str(picture))
+            page.wait_for_selector("#input-image:not([hidden])", timeout=5_000)
+            page.fill("#prompt", "a red circle still on a blue background")
+            page.click("#start")
+            _wait_for_log(page, "ack", "from the image", 20)
+            page.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 2", timeout=30_000)
+            [session] = _open_sessions(base)
+            status = json.loads(urllib.request.urlopen(f"{base}/v1/sessions/{session['session_id']}", timeout=5).read())
+            assert status["input"]["context_frames"] == 1, status
+
+            # The camera: live input at the slider's strength (0.7 -> the schedule point 0.625, one step).
+            page.click("#camera")
+            _wait_for_log(page, "ack", "ack live", 10)
+            page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0.625')",
+                                   timeout=5_000)
+            assert page.is_visible("#input-video") and page.is_visible("#video")  # side by side
+            page.wait_for_function(
+                """async (url) => {
+                    const status = await (await fetch(url)).json();
+                    return status.input.live && status.input.frames_used >= 9;
+                }""",
+                arg=f"{base}/v1/sessions/{session['session_id']}", timeout=30_000,
+            )
+            before = _player(page)
+            after = _wait_for_more(page, before, chunks=1, timeout_s=20)
+            page.fill("#strength", "0")
+            page.dispatch_event("#strength", "change")
+            page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0 ')",
+                                   timeout=10_000)
+            page.click("#camera")  # off: the session goes on from the prompt
+            _wait_for_log(page, "ack", "live off", 10)
+            page.screenshot(path=str(tmp_path / "demo_input.png"))
+            assert after["errors"] == "0" and page.inner_text("#errors") == "0", page.inner_text("#log")
+            page.click("#close")
+            page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
+            assert not problems, problems
+        finally:
+            page.close()
+            browser.close()

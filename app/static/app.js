@@ -1,6 +1,8 @@
 // arstream demo page: one WebSocket session (protocol v1, docs/PROTOCOL.md) played through
 // Media Source Extensions. Plain ES module, no dependencies, no build step.
 
+import { InputPanel } from "./input.js";
+
 const KEEP_BEHIND_S = 30;     // media kept behind the playhead; older ranges are removed
 const TRIM_STEP_S = 5;        // remove in steps, not after every segment
 const MAX_LAG_S = 3;          // further than this behind the live edge: jump forward
@@ -20,6 +22,12 @@ const ui = {
   fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
   buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"),
 };
+// Pictures and video in: the picker and the camera (input.js).
+const input = new InputPanel({
+  file: $("media"), clearFile: $("clear-media"), camera: $("camera"), strength: $("strength"),
+  strengthText: $("strength-text"), inputView: $("input-view"), inputImage: $("input-image"),
+  inputVideo: $("input-video"), inputInfo: $("input-info"),
+}, (kind, text) => log(kind, text));
 
 let current = null;  // the Session shown on the page
 let errorCount = 0;  // problems of the current session (reset when a new one starts)
@@ -78,6 +86,8 @@ class Session {
     this.latencies = [];
     this.timings = null;
     this.lastError = null;           // the last `error` message, to explain a `closed` that follows it
+    this.frameSize = null;           // {width, height} of the session's video (live input is sent at this size)
+    this.fps = null;
 
     this.ws = new WebSocket(streamUrl(), subprotocols());
     this.ws.binaryType = "arraybuffer";
@@ -93,6 +103,14 @@ class Session {
     const id = `m${++this.seq}`;
     this.sent.set(id, description);
     this.ws.send(JSON.stringify({ type, id, ...fields }));
+  }
+
+  // `start`, announcing the chosen picture or clip, whose bytes must be the very next message.
+  sendStart(fields) {
+    const media = input.startInput();
+    const described = `start “${short(fields.prompt)}”${media ? ` from the ${media.announcement.kind}` : ""}`;
+    this.send("start", media ? { ...fields, input: media.announcement } : fields, described);
+    if (media && this.open) this.ws.send(media.buffer);
   }
 
   // --- messages from the server ---
@@ -141,16 +159,18 @@ class Session {
     const v = msg.video || {};
     const audio = msg.audio ? `${msg.audio.codec} ${msg.audio.sample_rate / 1000} kHz` : "no audio";
     ui.mediaInfo.textContent = `${v.width}×${v.height} @ ${v.fps} fps · ${v.codec} · ${audio}`;
+    this.frameSize = { width: v.width, height: v.height };
+    this.fps = v.fps;
     ui.mute.title = msg.audio ? "Toggle sound" : "This stream has no audio track";
     log("info", `session ${msg.session_id.slice(0, 6)}… ${msg.mime}`);
     if (!this.setupMedia(msg.mime)) { this.ws.close(1000); return; }
     this.expect = "init";
     this.setState(msg.state);
     if (msg.state === "created" && this.startFields) {
-      const { prompt } = this.startFields;
-      this.send("start", this.startFields, `start “${short(prompt)}”`);
+      this.sendStart(this.startFields);
       this.startFields = null;
     }
+    if (this === current) input.bind(this);
   }
 
   onAck(msg) {
@@ -163,6 +183,7 @@ class Session {
       notice(unknown.length ? `This model does not know ${unknown.map((w) => `“${w}”`).join(", ")}: ` +
         "it shows only the words it knows (try the examples above)." : "");
     }
+    if (msg.of === "live") input.onLiveAck(msg);
     // The server also sends `state`; this keeps the buttons right if it comes later.
     const after = { start: "active", resume: "active", pause: "paused" }[msg.of];
     if (after) this.setState(after);
@@ -206,6 +227,7 @@ class Session {
 
   setState(state) {
     this.state = state;
+    if (state === "closed") input.unbind(this);
     if (this === current) render();
   }
 
@@ -378,7 +400,7 @@ function start() {
   notice("");
   if (current && current.open && current.state === "created") {
     current.startClick = performance.now();
-    current.send("start", fields, `start “${short(prompt)}”`);
+    current.sendStart(fields);
     return;
   }
   if (current) current.close();
