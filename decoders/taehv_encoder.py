@@ -177,8 +177,11 @@ def frames_from_uint8(frames: np.ndarray, device, dtype) -> torch.Tensor:
     ``to_uint8``): every streaming encoder's input."""
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 [T, H, W, 3]; got {frames.dtype} {tuple(frames.shape)}")
-    tensor = torch.from_numpy(np.ascontiguousarray(frames)).to(device)
-    return tensor.permute(3, 0, 1, 2).unsqueeze(0).to(dtype).mul_(2.0 / 255.0).sub_(1.0)
+    tensor = torch.from_numpy(np.ascontiguousarray(frames))
+    if torch.device(device).type == "cuda":
+        # From pinned memory without blocking: a pageable copy would make the host wait for every queued kernel.
+        tensor = tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.permute(3, 0, 1, 2).unsqueeze(0).to(device, dtype).mul_(2.0 / 255.0).sub_(1.0)
 
 
 class TAEHVStreamingEncoder:

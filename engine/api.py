@@ -233,6 +233,8 @@ class Engine:
     @property
     def input_refusal(self) -> str | None:
         """Why this engine takes no image, clip or live input (its codec cannot encode); None when it does."""
+        if not self.config.video_input:
+            return "this server takes no pictures or video input (video_input is off in its configuration)"
         runner = self.runner
         if runner is not None and runner.encoder is None:
             return (f"this server cannot encode pictures: its video decoder ({self.config.resolved_video_decoder}) "

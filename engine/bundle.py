@@ -91,7 +91,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
     decoder = _video_decoder(config, preset, vae, trained)
-    encoder = _video_encoder(config, preset, vae, trained)
+    encoder = _video_encoder(config, preset, vae, trained) if config.video_input else None
     scale = decoder.spatial_upscale  # pixels per latent pixel, from the decoder's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the codec's {scale}x spatial compression")

@@ -150,6 +150,11 @@ class EngineConfig(BaseModel):
     deadline_tolerance_s: float = Field(
         default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"
     )
+    video_input: bool = Field(
+        default=True,
+        description="build the codec's encoder for pictures and live input (each session reserves its encoder state: "
+        "1.07 GiB at 832x480 bf16 for the Wan VAE); off: pictures are refused (input_unsupported)",
+    )
     live_input_fps: float = Field(
         default=30.0, gt=0, le=240, description="live input frames a session takes per second; more are dropped unread"
     )

@@ -101,8 +101,9 @@ def estimate_weight_bytes(config: EngineConfig) -> int:
 
 
 def estimate_decoder_session_bytes(config: EngineConfig) -> int:
-    """One session's streaming Wan-VAE decoder state, from the VAE's config on the meta device (0 for
-    another decoder, or when the model directory's VAE config cannot be read: the loader names it)."""
+    """One session's streaming Wan-VAE decoder state (and encoder state, with video input on), from the VAE's config
+    on the meta device (0 for another decoder, or when the model directory's VAE config cannot be read: the loader
+    names it)."""
     from diffusers import AutoencoderKLWan
 
     from decoders.video import WanStreamingDecoder
@@ -116,9 +117,16 @@ def estimate_decoder_session_bytes(config: EngineConfig) -> int:
         except (OSError, ValueError):
             return 0
     with torch.device("meta"):
-        decoder = WanStreamingDecoder(AutoencoderKLWan.from_config(vae_config), fast_path=False)
+        vae = AutoencoderKLWan.from_config(vae_config)
+        decoder = WanStreamingDecoder(vae, fast_path=False)
     # A VAE without a recorded figure is measured by a decode that, on the meta device, only propagates shapes.
-    return decoder.declared_state_bytes(config.resolved_height, config.resolved_width, config.torch_dtype)
+    size = (config.resolved_height, config.resolved_width, config.torch_dtype)
+    total = decoder.declared_state_bytes(*size)
+    if config.video_input:  # every session reserves its live-input encoder state too
+        from decoders.video_encode import WanStreamingEncoder
+
+        total += WanStreamingEncoder(vae).declared_state_bytes(*size)
+    return total
 
 
 def estimate_kv_session_bytes(config: EngineConfig) -> int:

@@ -234,6 +234,7 @@ def test_client_exits_with_the_servers_message_when_start_is_refused(tmp_path, s
 def test_one_session_that_does_not_fit_in_memory_is_refused_before_building():
     from engine.config import EngineConfig
     from decoders.video import WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32
+    from decoders.video_encode import WAN_2_1_VAE_ENCODER_BYTES_PER_PIXEL_FP32
     from engine.memory import (
         InsufficientMemory,
         check_fits_in_memory,
@@ -246,7 +247,11 @@ def test_one_session_that_does_not_fit_in_memory_is_refused_before_building():
     # 1.3B geometry in float32 at 832x480, estimated on the meta device (nothing allocated):
     # 30 layers x 2 x 1560 tokens x 12 heads x 128 x 4 bytes per latent frame, 18 resident + 512 text tokens
     assert estimate_kv_session_bytes(config) == (18 * 1560 + 512) * 30 * 2 * 12 * 128 * 4
-    assert estimate_decoder_session_bytes(config) == round(WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32 * 832 * 480)
+    # The decoder's cache, and the live-input encoder's (its cache + at most 3 waiting frames of 3 channels).
+    encoder = round(WAN_2_1_VAE_ENCODER_BYTES_PER_PIXEL_FP32 * 832 * 480) + 3 * 3 * 832 * 480 * 4
+    assert estimate_decoder_session_bytes(config) == round(WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32 * 832 * 480) + encoder
+    without_input = EngineConfig(preset="wan2.1-1.3b", random_weights=True, video_input=False)
+    assert estimate_decoder_session_bytes(without_input) == round(WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32 * 832 * 480)
     assert 1.4e9 * 4 < estimate_weight_bytes(config) < 1.6e9 * 4  # ~1.42 B parameters (DiT + VAE)
     with pytest.raises(InsufficientMemory, match="not enough memory for preset wan2.1-1.3b"):
         check_fits_in_memory(config, available=8 * 2**30)
