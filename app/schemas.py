@@ -442,7 +442,7 @@ class SessionDetail(Snapshot):
     last_timings: SessionTimings | None
     time_to_first_chunk_ms: float | None
     close_reason: str | None
-    input: SessionInput
+    input: SessionInput | None = Field(default=None, description="pictures and video in (null from an older worker)")
 
 
 class PromptRequest(Strict):
