@@ -436,9 +436,11 @@ class Runner:
         # input's frame carries one frame of silence, which goes out with that block's sound.
         device_session.audio_samples_to_trim = 0
         if self.audio_decoder is not None:
-            silence = torch.zeros(self.audio_decoder.channels, self.audio_samples_per_frame)
-            carry = device_session.audio_carry
-            device_session.audio_carry = silence if carry is None else torch.cat([carry.cpu(), silence], dim=1)
+            carry = device_session.audio_carry  # a reset's flushed tail comes first, on its own device
+            silence = torch.zeros(self.audio_decoder.channels, self.audio_samples_per_frame,
+                                  device=None if carry is None else carry.device,
+                                  dtype=torch.float32 if carry is None else carry.dtype)
+            device_session.audio_carry = silence if carry is None else torch.cat([carry, silence], dim=1)
         started = now_ms()
         return _QueuedOutput(
             frames=frames, audio=None, block_index=device_session.progress.block_index, started_at=started,
