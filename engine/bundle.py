@@ -26,7 +26,7 @@ from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
-from engine.models.trained import trained_weights
+from engine.models.trained import TrainedWeights, trained_weights
 
 log = logging.getLogger("arstream.bundle")
 
@@ -143,7 +143,9 @@ def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> F
 VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
 
 
-def _video_decoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoDecoder:
+def _video_decoder(
+    config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained: TrainedWeights | None
+) -> VideoDecoder:
     """The configured streaming video decoder; compiled steady state on CUDA unless switched off.
 
     ``vae``: the Wan VAE (a model directory's, or a Wan preset's random one), None for a preset with its
