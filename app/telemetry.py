@@ -36,8 +36,14 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.time_to_first_chunk = Histogram(
-            "arstream_time_to_first_chunk_seconds", "Start accepted to the first media segment sent.",
+            "arstream_time_to_first_chunk_seconds",
+            "Arrival of a socket's start (or, for a session started on attach, the socket's acceptance) to the "
+            "session's first media segment sent.",
             buckets=FIRST_CHUNK_BUCKETS_S, registry=self.registry,
+        )
+        self.stream_open = Histogram(
+            "arstream_stream_open_seconds", "Stream socket accepted to its session message and init segment sent.",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.encode = Histogram(
             "arstream_encode_seconds", "Encoding one block into a media segment.",

@@ -211,6 +211,8 @@ class EngineCore:
             self._evict(plan)
         if len(record.controls) >= MAX_PENDING_CONTROLS:
             raise TooManyControls("too many controls waiting for this session; slow down")
+        if projected.state is SessionState.CREATED and new_state is SessionState.ACTIVE:
+            record.start_requested_at = time.monotonic()  # `start`, or the attach a deferred start waits for
         record.controls.append(control)
         self.wake.set()
         return new_state
