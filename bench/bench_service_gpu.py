@@ -3,7 +3,8 @@
 Starts `arstream serve` as a subprocess with the server arguments given after `--` (passed through unchanged),
 records the start-up time to `/readyz`, then runs cases, each on an idle engine (no KV block in use):
 - `first_after_ready`: the very first session after `/readyz`, pacing off (stalls from a shape seen for the first
-  time after readiness show here and nowhere else);
+  time after readiness, or from anything the first socket opens, show here and nowhere else; every client sends
+  `start` as soon as its socket is open, so time to first media counts the stream's opening too);
 - `transitions`: one paced session that gets `reset`, then a `recache` prompt change, then a second paced session
   joins; the chunk gaps after each event are reported (warm-up must have covered those shapes);
 - `n{N}_pace_{on,off}` for each N of `--concurrency`: N `websockets` clients start together and stream for
@@ -327,7 +328,9 @@ def headline(result: dict) -> dict:
     out: dict = {"ready_s": (result.get("startup") or {}).get("ready_s")}
     first = cases.get("first_after_ready")
     if first:
-        out["first_session"] = {k: first["summary"][k] for k in ("fps_steady_min", "worst_gap_ms", "gaps_over_1_5x")}
+        out["first_session"] = {k: first["summary"].get(k) for k in (
+            "time_to_first_media_ms_max", "connect_to_first_media_ms_max", "fps_steady_min", "worst_gap_ms",
+            "gaps_over_1_5x")}
     realtime = [case["sessions_asked"] for name, case in cases.items()
                 if name.endswith("_pace_on") and case["summary"]["refused"] == 0 and case["summary"]["served"]
                 and case["summary"]["deadline_misses"] == 0 and case["summary"]["gaps_over_1_5x"] == 0]
