@@ -441,8 +441,11 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                     "idle_before": idle, "summary": case_summary(sessions), "sessions": sessions,
                     "gpu": sampler.summary(),
                     # The server's own view: its counters over the case, and its gauges at the end.
+                    # (with the histograms' sums and counts: the server's own time to first media and stream
+                    # opening over the case, beside the client's)
                     "server_counters": {name: round(after[name] - before.get(name, 0.0), 3) for name in after
-                                        if name.endswith("_total") and after[name] != before.get(name, 0.0)},
+                                        if name.endswith(("_total", "_seconds_sum", "_seconds_count"))
+                                        and after[name] != before.get(name, 0.0)},
                     "server_gauges": {name: value for name, value in after.items() if name in GAUGES},
                 }
                 print(f"{case['name']}: {json.dumps(result['cases'][case['name']]['summary'])}", file=sys.stderr)
