@@ -23,43 +23,12 @@ import time
 
 import torch
 
+from engine.models.random_text import UMT5_TINY as TINY
+from engine.models.random_text import UMT5_XXL
+from engine.models.random_text import random_umt5 as build
 from engine.models.text_graphs import GraphedTextEncoder
 
-# Wan 2.1's text encoder (google/umt5-xxl's encoder), as its config.json gives it.
-UMT5_XXL = dict(
-    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-    dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, scalable_attention=True,
-    tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
-)
-TINY = {**UMT5_XXL, "vocab_size": 1000, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def build(geometry: dict, device: torch.device, dtype: torch.dtype):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    config = UMT5Config(**geometry)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = UMT5EncoderModel(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 1:  # RMS norm scales
-                parameter.fill_(1.0)
-            elif "relative_attention_bias" in name:
-                parameter.normal_(0.0, 0.1, generator=generator)
-            elif "embed" in name or "shared" in name:
-                parameter.normal_(0.0, 1.0, generator=generator)
-            else:  # keeps activations in range through 24 layers
-                parameter.normal_(0.0, parameter.shape[1] ** -0.5, generator=generator)
-    return model.eval()
 
 
 def set_attention(model, name: str) -> str:

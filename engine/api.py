@@ -102,6 +102,7 @@ class Engine:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, core.runner.execute, StepPlan(finished=core.take_finished()))
             await loop.run_in_executor(self._executor, core.runner.close_all, reason)
+            core.conditioning.close()
         self._executor.shutdown(wait=True)
 
     def not_ready(self) -> NotReady | None:
