@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from engine.admission import Admission, plan_admission
 from engine.conditioning import Conditioning
 from engine.config import EngineConfig
@@ -44,6 +46,7 @@ from engine.controls import (
     Start,
     applied,
 )
+from engine.device_memory import allocator_limit_bytes
 from engine.errors import (
     CapacityFull,
     NoRealtimeCapacity,
@@ -590,4 +593,12 @@ class EngineCore:
                 r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE
             ),
             session_deadline_misses=tuple(r.deadline_misses for r in live),
+            **self._device_memory(),
         )
+
+    def _device_memory(self) -> dict[str, int | None]:
+        device = torch.device(self.config.device)
+        if device.type != "cuda":
+            return {}
+        return {"device_memory_peak_bytes": torch.cuda.max_memory_reserved(device),
+                "device_memory_limit_bytes": allocator_limit_bytes(self.config)}
