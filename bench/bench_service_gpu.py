@@ -49,7 +49,8 @@ WARM_CHUNKS = 3  # the engine reference's throwaway session
 # Server gauges worth keeping with each case, where this server version has them.
 GAUGES = ("arstream_session_capacity", "arstream_live_session_capacity", "arstream_realtime_admission",
           "arstream_block_cost_seconds", "arstream_realtime_utilisation", "arstream_kv_blocks_total",
-          "arstream_session_deadline_misses_max", "arstream_live_sessions_below_realtime")
+          "arstream_session_deadline_misses_max", "arstream_live_sessions_below_realtime",
+          "arstream_device_memory_peak_bytes", "arstream_device_memory_limit_bytes")
 PROMPT = "a red fox running through fresh snow, golden hour, cinematic"
 OTHER_PROMPT = "a lighthouse on a cliff at night, waves crashing, moonlight"
 

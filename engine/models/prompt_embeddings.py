@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -144,8 +145,13 @@ class PromptEmbeddings:
                 cached = self._cache.get(prompt)
             if cached is not None:
                 return cached
+            started = time.perf_counter()
             embedding = self.encoder.encode([prompt])
             self.encodes += 1
+        # Never the prompt itself: its length and the encode's time (the CPU encoder's cost shows here).
+        log.info("prompt encoded", extra={"prompt_length": len(prompt), "background": self.background,
+                                          "encode_thread": threading.current_thread().name,
+                                          "encode_ms": round((time.perf_counter() - started) * 1000.0, 1)})
         self._store(prompt, embedding)
         return embedding
 

@@ -11,6 +11,9 @@ Its tokenizer is word-level over a small built-in vocabulary (a word is one toke
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from engine.models.loading import UMT5TextEncoder
@@ -22,6 +25,7 @@ UMT5_XXL = dict(
     dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, scalable_attention=True,
     tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
 )
+DRAW_CHUNK_ELEMENTS = 2**24  # rows drawn per generator
 # The same code path at toy size (tests, and the text-encode bench on a CPU).
 UMT5_TINY = {**UMT5_XXL, "vocab_size": 1000, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 
@@ -68,17 +72,33 @@ def random_umt5(geometry: dict, device: torch.device | str, dtype: torch.dtype, 
     finally:
         torch.set_default_dtype(previous)
     model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(seed)
+    # to_empty gives every parameter its own storage: tie the token embedding back (one table, as loaded).
+    model.encoder.embed_tokens.weight = model.shared.weight
+    draws = []  # (rows of a parameter, std): each drawn from its own generator, so threads may share the work
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if parameter.ndim == 1:  # RMS norm scales
                 parameter.fill_(1.0)
-            elif "relative_attention_bias" in name:
-                parameter.normal_(0.0, 0.1, generator=generator)
+                continue
+            if "relative_attention_bias" in name:
+                std = 0.1
             elif "embed" in name or "shared" in name:
-                parameter.normal_(0.0, 1.0, generator=generator)
+                std = 1.0
             else:  # keeps activations in range through 24 layers
-                parameter.normal_(0.0, parameter.shape[1] ** -0.5, generator=generator)
+                std = parameter.shape[1] ** -0.5
+            rows = max(1, DRAW_CHUNK_ELEMENTS // parameter.shape[1])
+            draws.extend((parameter[start:start + rows], std) for start in range(0, parameter.shape[0], rows))
+
+    def draw(index: int) -> None:
+        part, std = draws[index]
+        generator = torch.Generator(device=device).manual_seed(seed * 1_000_003 + index)
+        with torch.no_grad():
+            part.normal_(0.0, std, generator=generator)
+
+    # CPU draws are serial per tensor: 5.7 B of them would take a minute on one core.
+    workers = 1 if device.type == "cuda" else min(16, os.cpu_count() or 1)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="umt5-init") as pool:
+        list(pool.map(draw, range(len(draws))))
     return model.eval()
 
 
