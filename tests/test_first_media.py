@@ -12,14 +12,11 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from engine.api import Engine, NotReady
 from engine.controls import Start
-from engine.core import EngineCore
-from engine.plan import StepPlan
-from engine.startup import build_engine
-from tests.engine_helpers import small_config
+from tests.engine_helpers import run_async as run
+from tests.engine_helpers import small_config, stepped_core
 from tests.testclient_ws import hello, next_chunk
 
 
@@ -78,10 +75,6 @@ def test_readiness_comes_after_the_media_encoders_were_opened_at_the_service_siz
         assert warmup.probe_s >= 0 and warmup.stream_s > 0
 
 
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
-
-
 def test_engine_is_not_ready_until_its_owners_warm_up_finished_and_a_failed_one_fails_the_start():
     async def scenario():
         entered, release = asyncio.Event(), asyncio.Event()
@@ -124,25 +117,14 @@ def test_the_engines_time_to_first_chunk_counts_from_the_start_request_not_the_t
     held_s = 0.3
 
     async def scenario():
-        config = small_config()
-        executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-device")
-        built = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
-        core = EngineCore(config, built, executor)
-        try:
+        async with stepped_core(small_config()) as core:
             record = core.admit(seed=1, pace=False, negative_prompt="", prompt=None, start_on_attach=False)
-            queue = record.queue
             core.submit(record.session_id, Start(prompt="a lighthouse"))
             await asyncio.sleep(held_s)  # no tick yet: the engine was busy, say
             assert await core.step()
             await core.delivered()
-            chunk = await queue.get()
+            chunk = await record.queue.get()
             return record.time_to_first_chunk_ms, chunk.timings
-        finally:
-            core.finish_all("test")
-            await core.drain()
-            await asyncio.get_running_loop().run_in_executor(
-                executor, core.runner.execute, StepPlan(finished=core.take_finished()))
-            executor.shutdown(wait=True)
 
     ttfc_ms, timings = run(scenario())
     # The wait for the tick, then at least the block's own denoise and decode.

@@ -7,7 +7,6 @@ the engine's tiny text encoder, behind a gate where a test must hold an encode (
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import pytest
@@ -17,7 +16,9 @@ from engine.api import Engine
 from engine.errors import TooManyControls
 from engine.models.prompt_embeddings import EncodeQueueFull, PromptEmbeddings
 from engine.models.text_encoder import TinyTextEncoder
+from tests.engine_helpers import run_async as run
 from tests.engine_helpers import small_config
+from tests.engine_helpers import take_chunks as take
 
 TEXT_LEN, TEXT_DIM = 16, 8
 ENTRY_BYTES = TEXT_LEN * TEXT_DIM * 4  # one prompt's [1, text_len, text_dim] float32
@@ -96,19 +97,6 @@ def test_background_requests_are_bounded_and_ready_once_encoded_or_failed():
     finally:
         encoder.gate.set()
         embeddings.close()
-
-
-def run(coroutine):
-    return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
-
-
-async def take(engine: Engine, session_id: str, count: int) -> list:
-    chunks = []
-    async for chunk in engine.chunks(session_id):
-        chunks.append(chunk)
-        if len(chunks) == count:
-            return chunks
-    raise AssertionError("the session ended")
 
 
 def test_a_slow_prompt_encode_holds_back_only_its_own_session_and_a_second_session_hits_the_cache():

@@ -43,17 +43,18 @@ _WORDS = (
 ).split()
 
 
-def word_tokenizer():
-    """Word-level, T5's conventions: ``<pad>`` = 0, ``</s>`` = 1 after the tokens, ``<unk>`` = 2."""
+def word_tokenizer(words: list[str] | tuple[str, ...] = _WORDS):
+    """Word-level over ``words`` (split at whitespace, lower-cased), T5's conventions: ``<pad>`` = 0, ``</s>`` = 1
+    after the tokens, ``<unk>`` = 2."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     vocabulary = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-    for word in _WORDS:
+    for word in words:
         vocabulary.setdefault(word, len(vocabulary))
     tokenizer = Tokenizer(models.WordLevel(vocabulary, unk_token="<unk>"))
     tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
 
