@@ -5,6 +5,11 @@ Two tasks share the socket:
     pump      registry.chunks(id) ──▶ encode (worker thread) ──▶ `chunk` JSON + ONE binary segment
     receiver  client JSON ──▶ validate ──▶ registry control ──▶ `ack` (+ `state`) or `error`
 
+The receiver listens from the moment the socket is accepted and stamps each message's arrival, but
+handles none before `session` and the init segment are out. So a client may send `start` at once, and
+time to first media (`arstream_time_to_first_chunk_seconds`) counts from when that `start` arrived,
+whatever held the socket's opening up (`arstream_stream_open_seconds` times the opening itself).
+
 The pump asks the engine for chunk N+1 only after chunk N's segment was handed to the socket; the
 engine starts block N+1 only then, so a block's media is on the wire before the next block is made,
 and a client that reads slowly holds back only its own session. Sends are serialised by one lock,
@@ -165,6 +170,10 @@ class StreamConnection:
         self._replace_requested = asyncio.Event()
         self._receiver_idle = asyncio.Event()  # set while waiting for a message, not while handling one
         self._send_lock = asyncio.Lock()
+        self._opened = asyncio.Event()  # set once `session` and the init segment are out: messages are handled after
+        self._clock = service.clock
+        self._accepted_at = self._clock()  # the socket was accepted and its session found just before
+        self._first_media_from: float | None = None  # arrival of this socket's `start` (None: it sent none)
         settings = service.settings
         self._bucket = TokenBucket(settings.control_rate_per_s, settings.control_burst)
         self._media: MediaEncoder | None = None
@@ -199,7 +208,8 @@ class StreamConnection:
         service.metrics.connections_open += 1
         service.metrics.connections_total += 1
         tasks: list[asyncio.Task] = []
-        receiver: asyncio.Task | None = None
+        # Listening from now on: a message sent before the opening is out is stamped when it arrives.
+        receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
         outcome = "disconnected"
         try:
             # Nothing else may reach the client before `session` and the init segment.
@@ -215,10 +225,11 @@ class StreamConnection:
                     await self._close_socket(CLOSE_UNKNOWN_SESSION, "unknown session")
                     return
                 await self._hello()
+            self._opened.set()
+            service.metrics.stream_open.observe(self._clock() - self._accepted_at)
             if self._replace_requested.is_set():
                 raise _Replaced()
             pump = asyncio.create_task(self._pump(), name="arstream-pump")
-            receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
             replaced = asyncio.create_task(self._replace_requested.wait())
             tasks = [pump, replaced, receiver]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -243,7 +254,9 @@ class StreamConnection:
             service.registry.detach(self.session_id, self)
             service.metrics.connections_open -= 1
             try:
-                if receiver is not None:
+                if not self._opened.is_set():
+                    receiver.cancel()  # it handles nothing before the opening, which will not come now
+                else:
                     try:
                         # Let a control being handled finish, so its ack is not lost (e.g. `close`).
                         with contextlib.suppress(TimeoutError):
@@ -252,7 +265,7 @@ class StreamConnection:
                         receiver.cancel()
                 for task in self._background:
                     task.cancel()
-                await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+                await asyncio.gather(receiver, *tasks, *self._background, return_exceptions=True)
                 await self._finish(outcome)
             finally:
                 service.connections.discard(self)
@@ -376,9 +389,11 @@ class StreamConnection:
         self._chunks_sent += 1
         metrics = self.service.metrics
         metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
-        session = self._attachment.session
-        if chunk.index == 0 and session.started_at is not None:
-            metrics.time_to_first_chunk.observe(time.monotonic() - session.started_at)
+        if chunk.index == 0:
+            # From the arrival of the `start` this socket sent; a session that started when it attached
+            # (created over REST with a prompt) from the socket's acceptance.
+            origin = self._first_media_from if self._first_media_from is not None else self._accepted_at
+            metrics.time_to_first_chunk.observe(self._clock() - origin)
 
     async def _hand_over(self, chunk: Chunk, segment: bytes, encode_s: float) -> ChunkMessage:
         """The `chunk` message and its segment, back to back under the send lock."""
@@ -409,16 +424,18 @@ class StreamConnection:
         while True:
             self._receiver_idle.set()
             message = await self.websocket.receive()
+            arrived = self._clock()
             self._receiver_idle.clear()
             if message["type"] == "websocket.disconnect":
                 return "disconnected"
+            await self._opened.wait()  # nothing is answered before `session` and the init segment
             text, data = message.get("text"), message.get("bytes")
             if text is not None:
                 # Cheap bound first: a character is at least one byte.
                 if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
                     return "too_big"
                 try:
-                    await self._handle_text(text)
+                    await self._handle_text(text, arrived)
                 except ClientGone:
                     raise
                 except Exception:
@@ -430,7 +447,8 @@ class StreamConnection:
                     return "too_big"
                 await self._send_error(ProtocolError("bad_json", "binary messages are not accepted; send JSON text"))
 
-    async def _handle_text(self, text: str) -> None:
+    async def _handle_text(self, text: str, arrived: float) -> None:
+        """``arrived``: when the message came in (the service's clock)."""
         allowed = self._bucket.allow()
         try:
             message = parse_client_message(text)
@@ -450,6 +468,8 @@ class StreamConnection:
             code = "session_closed" if error.code == "unknown_session" else error.code
             await self._send_error(ProtocolError(code, error.message, message.id))
             return
+        if isinstance(message, StartMessage):
+            self._first_media_from = arrived
         unknown = None
         if isinstance(message, (StartMessage, PromptMessage)):
             unknown = list(self.service.registry.unknown_words(message.prompt) or ()) or None

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from engine.bundle import ModelBundle
@@ -62,8 +62,13 @@ class Engine:
         self.geometry: Geometry = geometry_for(config, config.resolved_width, config.resolved_height)
 
     # --- lifetime -------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Build the models and pools on the device thread, warm up, start ticking."""
+    async def start(self, before_ready: Callable[[Geometry], Awaitable[None]] | None = None) -> None:
+        """Build the models and pools on the device thread, warm up, start ticking.
+
+        ``before_ready(geometry)``: the owner's own warm-up for this geometry (the service's media encoders),
+        awaited before readiness turns true, so a first session never pays for it; its failure is a start
+        failure like the build's.
+        """
         try:
             built = await asyncio.get_running_loop().run_in_executor(
                 self._executor, build_engine, self.config, self._bundle
@@ -73,6 +78,8 @@ class Engine:
             self._core = EngineCore(self.config, built, self._executor, draining=lambda: self.draining)
             self._loop = EngineLoop(self._core)
             self._loop.start()
+            if before_ready is not None:
+                await before_ready(self.geometry)
         except BaseException as error:  # not ready for good: readiness says so
             self.start_error = error
             raise
@@ -95,6 +102,7 @@ class Engine:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, core.runner.execute, StepPlan(finished=core.take_finished()))
             await loop.run_in_executor(self._executor, core.runner.close_all, reason)
+            core.conditioning.close()
         self._executor.shutdown(wait=True)
 
     def not_ready(self) -> NotReady | None:

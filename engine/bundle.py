@@ -24,6 +24,7 @@ from engine.models.fp8_linear import FP8Conversion, quantize_linears
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
+from engine.models.random_text import random_umt5_text_encoder
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
 from engine.models.trained import TrainedWeights, trained_weights
@@ -62,6 +63,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
             causal_weights=config.causal_weights,
             text_len=preset.text_len,
             text_encoder_graphs=config.cuda_graphs,
+            text_encoder_device=config.resolved_text_encoder_device,
         )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
@@ -80,6 +82,11 @@ def build_models(config: EngineConfig) -> ModelBundle:
             vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
         if trained:
             text_encoder = trained.text_encoder()
+        elif config.random_text_encoder == "umt5-xxl":
+            text_encoder = random_umt5_text_encoder(
+                config.resolved_text_encoder_device, config.torch_dtype, text_len=preset.text_len,
+                seed=config.seed + 5, cuda_graphs=config.cuda_graphs,
+            )
         else:
             text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     fp8 = _quantize_dit(transformer, config)
@@ -109,6 +116,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         window_frames=config.window_frames,
         guidance_scale=config.guidance_scale,
         cuda_graphs=config.cuda_graphs,
+        text_encode_in_background=config.resolved_text_encode_in_background,
     )
     if causal.fp8_attention:
         mirror_bytes = sum(workspace.fp8.nbytes for workspace in pipeline.context_kv.values())

@@ -100,6 +100,8 @@ class EngineCounters:
     queue_depths: tuple[int, ...]  # chunks waiting per open session (no ids: an id is a capability)
     session_frames_per_second: tuple[float, ...]  # per active session, in no particular order
     session_deadline_misses: tuple[int, ...]  # per open live session
+    device_memory_peak_bytes: int | None = None  # CUDA: the most torch's allocator has held since start
+    device_memory_limit_bytes: int | None = None  # CUDA under gpu_memory_gib: the allocator's cap
 
 
 @dataclass(frozen=True)
