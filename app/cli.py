@@ -51,6 +51,9 @@ _ENGINE_FLAGS = {
     "blocks_in_flight": "blocks_in_flight",
     "warmup_blocks": "warmup_blocks",
     "detach_grace_s": "detach_grace_s",
+    "gpu_memory_gib": "gpu_memory_gib",
+    "text_encoder": "text_encoder_device",
+    "random_text_encoder": "random_text_encoder",
 }
 _SERVICE_FLAGS = ("host", "port", "environment", "allowed_origins", "log_format", "max_sessions_per_client")
 _FLAG_OF_FIELD = {field: "--" + flag.replace("_", "-") for flag, field in _ENGINE_FLAGS.items()}
@@ -154,6 +157,15 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
     option("--guidance", type=float, default=1.0, env="ARSTREAM_ENGINE__GUIDANCE_SCALE",
            help="classifier-free guidance scale; > 1 runs a second, unconditional branch")
     option("--cpu-threads", type=int, default=None, help="torch intra-op threads (default: half the cores on cpu)")
+    option("--gpu-memory-gib", type=float, default=None, metavar="GIB",
+           help="device memory the engine may use, as on a card of this size (e.g. 24): the allocator is capped, the "
+                "text encoder runs on the CPU, and a setup where not even one session fits is refused (docs/MODELS.md)")
+    option("--text-encoder", default="auto", choices=["auto", "device", "cpu"], env="ARSTREAM_ENGINE__TEXT_ENCODER_DEVICE",
+           help="where the text encoder runs: cpu keeps its weights off the GPU (prompts encoded off the device "
+                "thread, each cached); auto = cpu with --gpu-memory-gib, else the engine's device")
+    option("--random-text-encoder", default="tiny", choices=["tiny", "umt5-xxl"],
+           help="with --random-weights: umt5-xxl builds Wan's 5.7 B-parameter text encoder with random weights "
+                "(a real model's memory and encode time, for benchmarks)")
     option("--no-audio", dest="audio", action="store_false", default=True, env="ARSTREAM_ENGINE__AUDIO=false",
            help="no audio track, even when the preset makes audio")
 

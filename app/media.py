@@ -15,6 +15,7 @@ thread at a time per object.
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Iterable, Sequence
@@ -141,6 +142,36 @@ def _first_working_audio_encoder(preferred: tuple[str, ...], sample_rate: int, c
         except Exception as exc:  # noqa: BLE001
             failures.append(f"{name}: {exc}")
     raise RuntimeError("no usable audio encoder; tried " + "; ".join(failures))
+
+
+@dataclass(frozen=True)
+class EncoderWarmup:
+    """What :func:`warm_up_encoders` did, and how long each part took (for the start-up log)."""
+
+    video_encoder: str
+    audio_encoder: str | None
+    probe_s: float  # finding the encoders by opening them (the first socket paid this before the warm-up)
+    stream_s: float  # opening one stream at the service's size and encoding one block through it
+
+
+def warm_up_encoders(width: int, height: int, fps: int, frames: int, audio: AudioSpec | None = None) -> EncoderWarmup:
+    """Detect the encoders and push one block of ``frames`` through a stream at the service's size, so the
+    first socket finds everything opened once before.
+
+    Why: detection opens each preferred encoder in turn, and the first of them, ``h264_nvenc``, fails on a
+    GPU without NVENC (H100/H200) only after FFmpeg has loaded the driver's encode library and made a CUDA
+    context for it. Cached after the first call, that cost otherwise falls on the first socket, between its
+    session being created and its ``session`` message. Synchronous: run it in a worker thread.
+    """
+    started = time.perf_counter()
+    video = open_h264_encoder_name()
+    audio_name = open_audio_encoder_name(audio.encoders, audio.sample_rate, audio.channels) if audio else None
+    probed = time.perf_counter()
+    stream = FragmentedMp4Stream(width, height, fps, audio=audio)
+    rgb = np.random.default_rng(0).integers(0, 256, (frames, height, width, 3), dtype=np.uint8)
+    stream.encode_block(rgb)
+    stream.close()
+    return EncoderWarmup(video, audio_name, probed - started, time.perf_counter() - probed)
 
 
 # --- validation -----------------------------------------------------------------------------------

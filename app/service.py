@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
+from app.media import AudioSpec, EncoderWarmup, warm_up_encoders
 from app.memory import FreedMemoryReleaser
 from app.registry import SessionRegistry
 from app.settings import Settings
@@ -45,6 +47,10 @@ class Service:
         self.input_pool = ThreadPoolExecutor(1, thread_name_prefix="arstream-input")
         self.connections: set[OpenSocket] = set()
         self.freed_memory = FreedMemoryReleaser()  # ended sockets ask it to return freed memory to the OS
+        self.media_warmup: EncoderWarmup | None = None  # set once the encoders were opened at start-up
+        # The clock the stream sockets time first media and stream opening with (monotonic seconds; tests give
+        # their own, so a timing property is checked without depending on the machine's speed).
+        self.clock: Callable[[], float] = time.monotonic
         self.exit_code = 0
         self.on_engine_dead: Callable[[], None] | None = None  # the CLI stops the server with it
         self._supervisor: asyncio.Task | None = None
@@ -92,7 +98,7 @@ class Service:
                 self.on_engine_dead()
 
     async def start(self) -> None:
-        await self.engine.start()
+        await self.engine.start(before_ready=self._warm_up_media)
         self._supervisor = asyncio.get_running_loop().create_task(self._supervise(), name="arstream-supervisor")
         geometry = self.engine.geometry
         log.info(
@@ -107,6 +113,23 @@ class Service:
                 "auth": self.settings.auth_enabled,
                 "environment": self.settings.environment,
             },
+        )
+
+    async def _warm_up_media(self, geometry: Geometry) -> None:
+        """Open the media encoders once before the engine reports ready: detecting them (and the first
+        stream's open and encode at this size) is otherwise paid by the first socket (``app.media``)."""
+        audio = None
+        if geometry.audio_sample_rate:
+            audio = AudioSpec(sample_rate=geometry.audio_sample_rate, channels=geometry.audio_channels or 2)
+        warmup = await asyncio.get_running_loop().run_in_executor(
+            self.encoder_pool, warm_up_encoders, geometry.width, geometry.height, geometry.fps,
+            geometry.pixel_frames_per_block, audio,
+        )
+        self.media_warmup = warmup
+        log.info(
+            "media encoders warmed",
+            extra={"video_encoder": warmup.video_encoder, "audio_encoder": warmup.audio_encoder,
+                   "probe_ms": round(warmup.probe_s * 1000.0, 1), "stream_ms": round(warmup.stream_s * 1000.0, 1)},
         )
 
     async def drain(self) -> None:

@@ -5,6 +5,11 @@ Two tasks share the socket:
     pump      registry.chunks(id) ──▶ encode (worker thread) ──▶ `chunk` JSON + ONE binary segment
     receiver  client JSON ──▶ validate ──▶ registry control ──▶ `ack` (+ `state`) or `error`
 
+The receiver listens from the moment the socket is accepted and stamps each message's arrival, but
+handles none before `session` and the init segment are out. So a client may send `start` at once, and
+time to first media (`arstream_time_to_first_chunk_seconds`) counts from when that `start` arrived,
+whatever held the socket's opening up (`arstream_stream_open_seconds` times the opening itself).
+
 The pump asks the engine for chunk N+1 only after chunk N's segment was handed to the socket; the
 engine starts block N+1 only then, so a block's media is on the wire before the next block is made,
 and a client that reads slowly holds back only its own session. Sends are serialised by one lock,
@@ -172,6 +177,10 @@ class StreamConnection:
         self._replace_requested = asyncio.Event()
         self._receiver_idle = asyncio.Event()  # set while waiting for a message, not while handling one
         self._send_lock = asyncio.Lock()
+        self._opened = asyncio.Event()  # set once `session` and the init segment are out: messages are handled after
+        self._clock = service.clock
+        self._accepted_at = self._clock()  # the socket was accepted and its session found just before
+        self._first_media_from: float | None = None  # arrival of this socket's `start` (None: it sent none)
         settings = service.settings
         self._bucket = TokenBucket(settings.control_rate_per_s, settings.control_burst)
         self._media: MediaEncoder | None = None
@@ -207,7 +216,8 @@ class StreamConnection:
         service.metrics.connections_open += 1
         service.metrics.connections_total += 1
         tasks: list[asyncio.Task] = []
-        receiver: asyncio.Task | None = None
+        # Listening from now on: a message sent before the opening is out is stamped when it arrives.
+        receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
         outcome = "disconnected"
         try:
             # Nothing else may reach the client before `session` and the init segment.
@@ -223,10 +233,11 @@ class StreamConnection:
                     await self._close_socket(CLOSE_UNKNOWN_SESSION, "unknown session")
                     return
                 await self._hello()
+            self._opened.set()
+            service.metrics.stream_open.observe(self._clock() - self._accepted_at)
             if self._replace_requested.is_set():
                 raise _Replaced()
             pump = asyncio.create_task(self._pump(), name="arstream-pump")
-            receiver = asyncio.create_task(self._receive(), name="arstream-receiver")
             replaced = asyncio.create_task(self._replace_requested.wait())
             tasks = [pump, replaced, receiver]
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -251,7 +262,9 @@ class StreamConnection:
             service.registry.detach(self.session_id, self)
             service.metrics.connections_open -= 1
             try:
-                if receiver is not None:
+                if not self._opened.is_set():
+                    receiver.cancel()  # it handles nothing before the opening, which will not come now
+                else:
                     try:
                         # Let a control being handled finish, so its ack is not lost (e.g. `close`).
                         with contextlib.suppress(TimeoutError):
@@ -260,7 +273,7 @@ class StreamConnection:
                         receiver.cancel()
                 for task in self._background:
                     task.cancel()
-                await asyncio.gather(*tasks, *self._background, return_exceptions=True)
+                await asyncio.gather(receiver, *tasks, *self._background, return_exceptions=True)
                 await self._finish(outcome)
             finally:
                 service.connections.discard(self)
@@ -384,9 +397,11 @@ class StreamConnection:
         self._chunks_sent += 1
         metrics = self.service.metrics
         metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
-        session = self._attachment.session
-        if chunk.index == 0 and session.started_at is not None:
-            metrics.time_to_first_chunk.observe(time.monotonic() - session.started_at)
+        if chunk.index == 0:
+            # From the arrival of the `start` this socket sent; a session that started when it attached
+            # (created over REST with a prompt) from the socket's acceptance.
+            origin = self._first_media_from if self._first_media_from is not None else self._accepted_at
+            metrics.time_to_first_chunk.observe(self._clock() - origin)
 
     async def _hand_over(self, chunk: Chunk, segment: bytes, encode_s: float) -> ChunkMessage:
         """The `chunk` message and its segment, back to back under the send lock."""
@@ -416,15 +431,18 @@ class StreamConnection:
         while True:
             self._receiver_idle.set()
             message = await self.websocket.receive()
+            arrived = self._clock()
             self._receiver_idle.clear()
-            outcome = await self._handle(message)
+            outcome = await self._handle(message, arrived)
             if outcome is not None:
                 return outcome
 
-    async def _handle(self, message: dict) -> str | None:
-        """One client message; an outcome when the receiver must end."""
+    async def _handle(self, message: dict, arrived: float) -> str | None:
+        """One client message (``arrived``: when it came in, the service's clock); an outcome when the receiver
+        must end."""
         if message["type"] == "websocket.disconnect":
             return "disconnected"
+        await self._opened.wait()  # nothing is answered before `session` and the init segment
         text, data = message.get("text"), message.get("bytes")
         if text is None:
             if len(data or b"") > self.service.settings.inputs.max_binary_bytes:
@@ -437,9 +455,10 @@ class StreamConnection:
             if len(text) > max_bytes or len(text.encode("utf-8", "surrogatepass")) > max_bytes:
                 return "too_big"
             try:
-                text = await self._guarded(self._handle_text(text))
+                text = await self._guarded(self._handle_text(text, arrived))
             except ReceiverEnds as instead:
                 return instead.outcome
+            arrived = self._clock()  # a text message that came where announced bytes were due: handled now
         return None
 
     async def _guarded(self, handling):
@@ -456,9 +475,9 @@ class StreamConnection:
             await self._send_error(ProtocolError("internal", "the message could not be handled"))
         return None
 
-    async def _handle_text(self, text: str) -> str | None:
-        """Handle one text message; returns a text message that came where announced bytes were expected
-        (it is handled next)."""
+    async def _handle_text(self, text: str, arrived: float) -> str | None:
+        """Handle one text message (``arrived``: when it came in, the service's clock); returns a text message
+        that came where announced bytes were expected (it is handled next)."""
         allowed = self._bucket.allow()
         try:
             message = parse_client_message(text)
@@ -487,6 +506,8 @@ class StreamConnection:
             code = "session_closed" if error.code == "unknown_session" else error.code
             await self._send_error(ProtocolError(code, error.message, message.id))
             return leftover
+        if isinstance(message, StartMessage):
+            self._first_media_from = arrived
         unknown = None
         if isinstance(message, (StartMessage, PromptMessage)):
             unknown = list(self.service.registry.unknown_words(message.prompt) or ()) or None

@@ -36,8 +36,14 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.time_to_first_chunk = Histogram(
-            "arstream_time_to_first_chunk_seconds", "Start accepted to the first media segment sent.",
+            "arstream_time_to_first_chunk_seconds",
+            "Arrival of a socket's start (or, for a session started on attach, the socket's acceptance) to the "
+            "session's first media segment sent.",
             buckets=FIRST_CHUNK_BUCKETS_S, registry=self.registry,
+        )
+        self.stream_open = Histogram(
+            "arstream_stream_open_seconds", "Stream socket accepted to its session message and init segment sent.",
+            buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.encode = Histogram(
             "arstream_encode_seconds", "Encoding one block into a media segment.",
@@ -127,6 +133,12 @@ class _Snapshot:
         for outcome, count in sorted((engine.input_frames or {}).items()):
             inputs.add_metric([outcome], count)
         yield inputs
+        if engine.device_memory_peak_bytes is not None:
+            yield _gauge("arstream_device_memory_peak_bytes", "The most device memory torch's allocator has held.",
+                         engine.device_memory_peak_bytes)
+            limit = engine.device_memory_limit_bytes
+            yield _gauge("arstream_device_memory_limit_bytes", "The allocator's cap under gpu_memory_gib (NaN: none).",
+                         limit if limit is not None else float("nan"))
         depths = engine.queue_depths
         yield _gauge("arstream_queue_depth_total", "Chunks waiting for their consumer, all sessions.", sum(depths))
         yield _gauge("arstream_queue_depth_max", "Chunks waiting for their consumer, worst session.",

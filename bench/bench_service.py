@@ -1,8 +1,9 @@
 """Benchmark the web service as a real client sees it; prints ONE JSON line.
 
 Starts `arstream serve` (tiny preset on CPU by default) and, over WebSockets:
-- time to first chunk: `start` sent -> first media segment received (client clock), median of N sessions,
-  each on an idle engine (the previous session's last block finished);
+- time to first chunk: `start` sent (as soon as the socket is open, before `session` arrives) -> first media
+  segment received (client clock), median of N sessions, each on an idle engine (the previous session's last
+  block finished);
 - steady frames/s with pacing off: frames received per second after the first chunk;
 - encode ms per chunk (the server's `timings.encode_ms`);
 - decode end -> segment on the wire: the block's decode end (`started_at + denoise_ms + decode_ms`) to
@@ -92,10 +93,12 @@ async def engine_idle(url: str, timeout_s: float = 30.0) -> None:
 async def one_session(url: str, chunks: int, seed: int) -> dict:
     """Start a session with pacing off and receive ``chunks`` chunks; return raw observations."""
     async with connect(f"{url}/v1/stream", compression=None, max_size=2**26) as ws:
-        json.loads(await ws.recv())
-        await ws.recv()  # init segment
+        # `start` as soon as the socket is open, before `session`: whatever the server does to open the stream
+        # counts in the time to first chunk, as it does for a viewer.
         sent = time.time() * 1000.0
         await ws.send(json.dumps({"type": "start", "prompt": "benchmark", "seed": seed, "options": {"pace": False}}))
+        json.loads(await ws.recv())
+        await ws.recv()  # init segment
         observed, pending = [], None
         while len(observed) < chunks:
             message = await ws.recv()

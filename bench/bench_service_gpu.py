@@ -3,7 +3,8 @@
 Starts `arstream serve` as a subprocess with the server arguments given after `--` (passed through unchanged),
 records the start-up time to `/readyz`, then runs cases, each on an idle engine (no KV block in use):
 - `first_after_ready`: the very first session after `/readyz`, pacing off (stalls from a shape seen for the first
-  time after readiness show here and nowhere else);
+  time after readiness, or from anything the first socket opens, show here and nowhere else; every client sends
+  `start` as soon as its socket is open, so time to first media counts the stream's opening too);
 - `transitions`: one paced session that gets `reset`, then a `recache` prompt change, then a second paced session
   joins; the chunk gaps after each event are reported (warm-up must have covered those shapes);
 - `n{N}_pace_{on,off}` for each N of `--concurrency`: N `websockets` clients start together and stream for
@@ -48,7 +49,8 @@ WARM_CHUNKS = 3  # the engine reference's throwaway session
 # Server gauges worth keeping with each case, where this server version has them.
 GAUGES = ("arstream_session_capacity", "arstream_live_session_capacity", "arstream_realtime_admission",
           "arstream_block_cost_seconds", "arstream_realtime_utilisation", "arstream_kv_blocks_total",
-          "arstream_session_deadline_misses_max", "arstream_live_sessions_below_realtime")
+          "arstream_session_deadline_misses_max", "arstream_live_sessions_below_realtime",
+          "arstream_device_memory_peak_bytes", "arstream_device_memory_limit_bytes")
 PROMPT = "a red fox running through fresh snow, golden hour, cinematic"
 OTHER_PROMPT = "a lighthouse on a cliff at night, waves crashing, moonlight"
 
@@ -327,7 +329,9 @@ def headline(result: dict) -> dict:
     out: dict = {"ready_s": (result.get("startup") or {}).get("ready_s")}
     first = cases.get("first_after_ready")
     if first:
-        out["first_session"] = {k: first["summary"][k] for k in ("fps_steady_min", "worst_gap_ms", "gaps_over_1_5x")}
+        out["first_session"] = {k: first["summary"].get(k) for k in (
+            "time_to_first_media_ms_max", "connect_to_first_media_ms_max", "fps_steady_min", "worst_gap_ms",
+            "gaps_over_1_5x")}
     realtime = [case["sessions_asked"] for name, case in cases.items()
                 if name.endswith("_pace_on") and case["summary"]["refused"] == 0 and case["summary"]["served"]
                 and case["summary"]["deadline_misses"] == 0 and case["summary"]["gaps_over_1_5x"] == 0]
@@ -438,8 +442,11 @@ def run(args: argparse.Namespace, server_args: list[str]) -> dict:
                     "idle_before": idle, "summary": case_summary(sessions), "sessions": sessions,
                     "gpu": sampler.summary(),
                     # The server's own view: its counters over the case, and its gauges at the end.
+                    # (with the histograms' sums and counts: the server's own time to first media and stream
+                    # opening over the case, beside the client's)
                     "server_counters": {name: round(after[name] - before.get(name, 0.0), 3) for name in after
-                                        if name.endswith("_total") and after[name] != before.get(name, 0.0)},
+                                        if name.endswith(("_total", "_seconds_sum", "_seconds_count"))
+                                        and after[name] != before.get(name, 0.0)},
                     "server_gauges": {name: value for name, value in after.items() if name in GAUGES},
                 }
                 print(f"{case['name']}: {json.dumps(result['cases'][case['name']]['summary'])}", file=sys.stderr)

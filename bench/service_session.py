@@ -1,14 +1,16 @@
 """One benchmark client of the stream socket, and what its observations say.
 
-`run_session` is a plain `websockets` client that follows the wire protocol: it waits for `session` and the init
-segment, sends `start`, records every `chunk` message with the arrival time of its media segment, may send
+`run_session` is a plain `websockets` client that follows the wire protocol: it sends `start` as soon as the socket
+is open (the protocol lets a client send before `session` arrives; a viewer's click is what starts the clock, so
+nothing the server does while opening the stream is left out), then reads `session` and the init segment, records every `chunk` message with the arrival time of its media segment, may send
 controls at set times (`reset`, `prompt`), and at its stop time sends `close` and waits for `closed`. A socket
 refused at once (capacity, warming up, draining) is recorded as a refusal with its reason, close code and
 `retry_after_s` when the server gives one.
 
 `session_stats` turns one record into the figures a viewer would care about (all times on the client's clock,
 except the server's own timings from the `chunk` messages):
-- time to first media: `start` sent -> the first media segment received;
+- time to first media: `start` sent (right after the socket opened) -> the first media segment received; and from
+  before the connect (`connect_to_first_media_ms`: the handshake and the stream's opening too);
 - frames/s after the first chunk (steady) and from `start` (overall);
 - chunk gaps: arrival to arrival of consecutive segments; the worst, and how many exceed 1.5x the nominal chunk
   duration (the most common chunk's frames / fps; a short opening chunk does not set it);
@@ -57,6 +59,7 @@ class ObservedSession:
     label: str
     pace: bool
     video: dict | None = None  # the `session` message's video info (codec, width, height, fps)
+    connect_started: float | None = None  # monotonic seconds, before the connect
     start_sent: float | None = None  # monotonic seconds
     chunks: list[ChunkSeen] = field(default_factory=list)
     events: list[tuple[str, float]] = field(default_factory=list)  # (what, monotonic seconds when sent)
@@ -83,6 +86,7 @@ async def run_session(
     """One session from connect to `closed`. ``stop_at`` is monotonic seconds; ``actions`` are (seconds after
     `start`, message) controls sent while streaming; ``keep_media`` keeps the bytes for :func:`media_check`."""
     record = ObservedSession(label=label, pace=pace, media=[] if keep_media else None)
+    record.connect_started = time.monotonic()
     try:
         async with connect(f"{base_url}/v1/stream", compression=None, max_size=2**26, open_timeout=HELLO_TIMEOUT_S,
                            close_timeout=5) as ws:
@@ -99,16 +103,21 @@ async def run_session(
 
 
 async def _stream(ws, record: ObservedSession, *, pace, seed, prompt, stop_at, actions) -> None:
+    # `start` at once, not after `session`: a server that is slow to open the stream shows in the time to first media.
+    start_sent = time.monotonic()
+    try:
+        await ws.send(json.dumps({"type": "start", "prompt": prompt, "seed": seed, "options": {"pace": pace}}))
+    except ConnectionClosed:
+        pass  # refused at once: the refusal is still there to read
     hello = json.loads(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S))
     if hello.get("type") != "session":
         await _read_refusal(ws, record, hello)
         return
+    record.start_sent = start_sent
     record.video = hello.get("video")
     init = await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S)
     if record.media is not None:
         record.media.append(init)
-    record.start_sent = time.monotonic()
-    await ws.send(json.dumps({"type": "start", "prompt": prompt, "seed": seed, "options": {"pace": pace}}))
     controls = asyncio.create_task(_send_controls(ws, record, actions))
     pending: dict | None = None
     try:
@@ -230,6 +239,8 @@ def session_stats(record: ObservedSession, default_fps: int = 16) -> dict:
                for name in ("queued_ms", "denoise_ms", "decode_ms", "encode_ms")}
     out.update(
         time_to_first_media_ms=round((first - record.start_sent) * 1000.0, 1),
+        connect_to_first_media_ms=(round((first - record.connect_started) * 1000.0, 1)
+                                   if record.connect_started is not None else None),
         opening_stall_ms=opening_stall_ms,
         fps_steady=round(sum(c.frames for c in chunks[1:]) / span_s, 2) if span_s > 0 else None,
         fps_overall=round(out["frames"] / (chunks[-1].received - record.start_sent), 2),
@@ -300,6 +311,8 @@ def case_summary(sessions: list[dict]) -> dict:
         "fps_steady_min": min(steady) if steady else None,
         "fps_steady_sum": round(sum(steady), 2) if steady else None,
         "time_to_first_media_ms_max": _max(s["time_to_first_media_ms"] for s in served),
+        "connect_to_first_media_ms_max": _max(s["connect_to_first_media_ms"] for s in served
+                                              if s.get("connect_to_first_media_ms") is not None),
         "worst_gap_ms": _max(s["worst_gap_ms"] for s in served if s.get("worst_gap_ms") is not None),
         "gaps_over_1_5x": sum(s.get("gaps_over_1_5x", 0) for s in served),
         "deadline_misses": sum(s.get("deadline_misses", 0) for s in served),

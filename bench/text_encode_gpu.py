@@ -23,43 +23,12 @@ import time
 
 import torch
 
+from engine.models.random_text import UMT5_TINY as TINY
+from engine.models.random_text import UMT5_XXL
+from engine.models.random_text import random_umt5 as build
 from engine.models.text_graphs import GraphedTextEncoder
 
-# Wan 2.1's text encoder (google/umt5-xxl's encoder), as its config.json gives it.
-UMT5_XXL = dict(
-    vocab_size=256384, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-    relative_attention_num_buckets=32, relative_attention_max_distance=128, feed_forward_proj="gated-gelu",
-    dense_act_fn="gelu_new", is_gated_act=True, layer_norm_epsilon=1e-6, scalable_attention=True,
-    tie_word_embeddings=False, pad_token_id=0, eos_token_id=1, dropout_rate=0.0,
-)
-TINY = {**UMT5_XXL, "vocab_size": 1000, "d_model": 64, "d_kv": 16, "d_ff": 128, "num_layers": 2, "num_heads": 4}
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def build(geometry: dict, device: torch.device, dtype: torch.dtype):
-    from transformers import UMT5Config, UMT5EncoderModel
-
-    config = UMT5Config(**geometry)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device("meta"):
-            model = UMT5EncoderModel(config)
-    finally:
-        torch.set_default_dtype(previous)
-    model = model.to_empty(device=device)
-    generator = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 1:  # RMS norm scales
-                parameter.fill_(1.0)
-            elif "relative_attention_bias" in name:
-                parameter.normal_(0.0, 0.1, generator=generator)
-            elif "embed" in name or "shared" in name:
-                parameter.normal_(0.0, 1.0, generator=generator)
-            else:  # keeps activations in range through 24 layers
-                parameter.normal_(0.0, parameter.shape[1] ** -0.5, generator=generator)
-    return model.eval()
 
 
 def set_attention(model, name: str) -> str:
@@ -113,10 +82,21 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--attention", default="sdpa,eager", help="implementations to time, first is the headline")
+    parser.add_argument("--padded", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time Wan's call on all --tokens positions (the reference; slow on a CPU)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="build only this many of the geometry's layers (a small machine); the encode time is "
+                             "also reported scaled to all of them (`encode_ms_median_scaled`)")
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (CPU)")
     args = parser.parse_args()
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
-    geometry = UMT5_XXL if args.geometry == "xxl" else TINY
+    geometry = dict(UMT5_XXL if args.geometry == "xxl" else TINY)
+    full_layers = geometry["num_layers"]
+    if args.layers is not None:
+        geometry["num_layers"] = args.layers
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
 
     began = time.perf_counter()
     model = build(geometry, device, dtype)
@@ -140,11 +120,12 @@ def main() -> None:
                 return model(input_ids=i, attention_mask=m).last_hidden_state
 
             tokens, states = time_encode(eager, ids[:, :n], mask[:, :n], device, args.runs, args.warmup)
-            padded, reference = time_encode(eager, ids, mask, device, args.runs, args.warmup)
-            reference = reference[:, :n]
-            padded_states[name] = reference
-            results[name] = {"used": used, **tokens, "padded_reference": padded,
-                             "max_rel_error_vs_padded": relative(states, reference)}
+            results[name] = {"used": used, **tokens}
+            if args.padded:
+                padded, reference = time_encode(eager, ids, mask, device, args.runs, args.warmup)
+                reference = reference[:, :n]
+                padded_states[name] = reference
+                results[name].update(padded_reference=padded, max_rel_error_vs_padded=relative(states, reference))
             if device.type == "cuda":  # the engine's path: the prompt's tokens padded to a bucket, one graph replay
                 graphed = GraphedTextEncoder(eager, args.tokens, device)
                 timed, replayed = time_encode(graphed, ids[:, :n], mask[:, :n], device, args.runs, args.warmup)
@@ -172,7 +153,11 @@ def main() -> None:
         "tokens": args.tokens,
         "prompt_tokens": args.prompt_tokens,
         "runs": args.runs,
+        "layers": geometry["num_layers"],
+        "threads": torch.get_num_threads(),
         "encode_ms_median": headline.get("encode_ms_median"),
+        "encode_ms_median_scaled": (round(headline["encode_ms_median"] * full_layers / geometry["num_layers"], 1)
+                                    if headline.get("encode_ms_median") is not None else None),
         "padded_encode_ms_median": headline.get("padded_reference", {}).get("encode_ms_median"),
         "graphs_encode_ms_median": headline.get("graphs", {}).get("encode_ms_median"),
         "by_attention": results,

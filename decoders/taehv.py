@@ -228,7 +228,8 @@ class TAEHVDecoder(nn.Module):
                 flat = layer(x.flatten(0, 1))
             x = flat.view(batch, -1, *flat.shape[1:])
         if self.config.patch_size > 1:
-            x = F.pixel_shuffle(x.flatten(0, 1), self.config.patch_size).view(x.shape[0], x.shape[1], -1, *x.shape[3:])
+            shuffled = F.pixel_shuffle(x.flatten(0, 1), self.config.patch_size)
+            x = shuffled.view(batch, -1, *shuffled.shape[1:])
         if self.config.colour_shortcut:  # every frame grown from a latent gets that latent's colours
             shortcut = colour_shortcut(latents.transpose(1, 2).flatten(0, 1), self.config.spatial_upscale)
             x = x + shortcut.view(batch, count, *shortcut.shape[1:]).repeat_interleave(self.config.frames_per_latent, dim=1)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -64,8 +64,13 @@ class Engine:
         self.geometry: Geometry = geometry_for(config, config.resolved_width, config.resolved_height)
 
     # --- lifetime -------------------------------------------------------------------------------
-    async def start(self) -> None:
-        """Build the models and pools on the device thread, warm up, start ticking."""
+    async def start(self, before_ready: Callable[[Geometry], Awaitable[None]] | None = None) -> None:
+        """Build the models and pools on the device thread, warm up, start ticking.
+
+        ``before_ready(geometry)``: the owner's own warm-up for this geometry (the service's media encoders),
+        awaited before readiness turns true, so a first session never pays for it; its failure is a start
+        failure like the build's.
+        """
         try:
             built = await asyncio.get_running_loop().run_in_executor(
                 self._executor, build_engine, self.config, self._bundle
@@ -75,6 +80,8 @@ class Engine:
             self._core = EngineCore(self.config, built, self._executor, draining=lambda: self.draining)
             self._loop = EngineLoop(self._core)
             self._loop.start()
+            if before_ready is not None:
+                await before_ready(self.geometry)
         except BaseException as error:  # not ready for good: readiness says so
             self.start_error = error
             raise
@@ -97,6 +104,7 @@ class Engine:
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, core.runner.execute, StepPlan(finished=core.take_finished()))
             await loop.run_in_executor(self._executor, core.runner.close_all, reason)
+            core.conditioning.close()
         self._executor.shutdown(wait=True)
 
     def not_ready(self) -> NotReady | None:
@@ -233,8 +241,9 @@ class Engine:
     @property
     def input_refusal(self) -> str | None:
         """Why this engine takes no image, clip or live input (its codec cannot encode); None when it does."""
-        if not self.config.video_input:
-            return "this server takes no pictures or video input (video_input is off in its configuration)"
+        if not self.config.resolved_video_input:
+            why = "the default under gpu_memory_gib" if self.config.video_input is None else "its configuration"
+            return f"this server takes no pictures or video input (video_input is off: {why})"
         runner = self.runner
         if runner is not None and runner.encoder is None:
             return (f"this server cannot encode pictures: its video decoder ({self.config.resolved_video_decoder}) "

@@ -26,9 +26,10 @@ from engine.models.fp8_linear import FP8Conversion, quantize_linears
 from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
+from engine.models.random_text import random_umt5_text_encoder
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
-from engine.models.trained import trained_weights
+from engine.models.trained import TrainedWeights, trained_weights
 
 log = logging.getLogger("arstream.bundle")
 
@@ -66,6 +67,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
             causal_weights=config.causal_weights,
             text_len=preset.text_len,
             text_encoder_graphs=config.cuda_graphs,
+            text_encoder_device=config.resolved_text_encoder_device,
         )
         transformer, vae, text_encoder = loaded.transformer, loaded.vae, loaded.text_encoder
     else:
@@ -84,6 +86,11 @@ def build_models(config: EngineConfig) -> ModelBundle:
             vae = cast_keeping_fp32_modules(vae, config.torch_dtype).eval()
         if trained:
             text_encoder = trained.text_encoder()
+        elif config.random_text_encoder == "umt5-xxl":
+            text_encoder = random_umt5_text_encoder(
+                config.resolved_text_encoder_device, config.torch_dtype, text_len=preset.text_len,
+                seed=config.seed + 5, cuda_graphs=config.cuda_graphs,
+            )
         else:
             text_encoder = TinyTextEncoder(transformer.config.text_dim, preset.text_len, seed=config.seed)
     fp8 = _quantize_dit(transformer, config)
@@ -91,7 +98,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
     decoder = _video_decoder(config, preset, vae, trained)
-    encoder = _video_encoder(config, preset, vae, trained) if config.video_input else None
+    encoder = _video_encoder(config, preset, vae, trained) if config.resolved_video_input else None
     scale = decoder.spatial_upscale  # pixels per latent pixel, from the decoder's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the codec's {scale}x spatial compression")
@@ -114,6 +121,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         window_frames=config.window_frames,
         guidance_scale=config.guidance_scale,
         cuda_graphs=config.cuda_graphs,
+        text_encode_in_background=config.resolved_text_encode_in_background,
     )
     if causal.fp8_attention:
         mirror_bytes = sum(workspace.fp8.nbytes for workspace in pipeline.context_kv.values())
@@ -149,7 +157,9 @@ def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> F
 VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
 
 
-def _video_decoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoDecoder:
+def _video_decoder(
+    config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained: TrainedWeights | None
+) -> VideoDecoder:
     """The configured streaming video decoder; compiled steady state on CUDA unless switched off.
 
     ``vae``: the Wan VAE (a model directory's, or a Wan preset's random one), None for a preset with its

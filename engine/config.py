@@ -32,7 +32,8 @@ PRESETS_WITHOUT_WEIGHTS = frozenset({"wan2.1-1.3b"})
 
 FP8_LINEAR = frozenset({"linear", "all"})  # fp8 values that convert the block linears
 FP8_ATTENTION = frozenset({"attention", "all"})  # fp8 values that run self-attention through the FP8 kernel
-FP8_MIN_CAPABILITY = (8, 9)  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
+FP8_MIN_CAPABILITY = (8, 9)
+UMT5_XXL_WIDTH = 4096  # Wan's text encoder's d_model, the DiT's text_dim  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
 
 
 def fp8_attention_refusal(value: str, device: str, capability: tuple[int, int] | None, interpreter: bool) -> str | None:
@@ -141,6 +142,33 @@ class EngineConfig(BaseModel):
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
     )
+    gpu_memory_gib: float | None = Field(
+        default=None,
+        gt=0,
+        le=4096,
+        description="on CUDA, the device memory the engine may use, in GiB, as on a card of that size: torch's "
+        "allocator is capped at it less the CUDA context's allowance, the session pools are sized within it, the "
+        "text encoder runs on the CPU (text_encoder_device=auto), and a configuration in which not even one "
+        "session fits is refused at start-up (docs/MODELS.md)",
+    )
+    text_encoder_device: Literal["auto", "device", "cpu"] = Field(
+        default="auto",
+        description="where the text encoder runs: device = the engine's device; cpu = the CPU, new prompts encoded "
+        "off the device thread and each prompt's embedding cached (its ~11 GB off a small card); auto = cpu when "
+        "gpu_memory_gib is set, else device",
+    )
+    text_encode_in_background: bool | None = Field(
+        default=None,
+        description="encode a new prompt on its own thread as soon as it arrives and open the session (or change "
+        "its prompt) once it is encoded, other sessions streaming meanwhile; None: when the text encoder is on "
+        "the CPU beside a CUDA engine",
+    )
+    random_text_encoder: Literal["tiny", "umt5-xxl"] = Field(
+        default="tiny",
+        description="with random_weights: the text encoder to build: tiny = a seeded byte embedding; umt5-xxl = "
+        "Wan's UMT5-XXL geometry with random weights (5.7 B parameters: a real model's memory and encode time, "
+        "for benchmarks)",
+    )
     realtime_admission: bool = Field(
         default=True, description="admit a live (paced) session only while every live session keeps real time"
     )
@@ -150,10 +178,11 @@ class EngineConfig(BaseModel):
     deadline_tolerance_s: float = Field(
         default=0.05, ge=0.0, le=5.0, description="a live chunk emitted this much after its playback time counts as a miss"
     )
-    video_input: bool = Field(
-        default=True,
+    video_input: bool | None = Field(
+        default=None,
         description="build the codec's encoder for pictures and live input (each session reserves its encoder state: "
-        "1.07 GiB at 832x480 bf16 for the Wan VAE); off: pictures are refused (input_unsupported)",
+        "1.07 GiB at 832x480 bf16 for the Wan VAE); off: pictures are refused (input_unsupported); None: on, except "
+        "under gpu_memory_gib (a small card keeps that memory for sessions)",
     )
     live_input_fps: float = Field(
         default=30.0, gt=0, le=240, description="live input frames a session takes per second; more are dropped unread"
@@ -233,6 +262,15 @@ class EngineConfig(BaseModel):
                 f"preset {self.preset} has no Wan VAE (its codec is a TAEHV-class encoder and decoder); "
                 "video_decoder=wan needs a Wan preset or a model directory"
             )
+        if self.gpu_memory_gib is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"gpu_memory_gib caps a CUDA device's memory; this engine runs on {self.device}")
+        if self.random_text_encoder != "tiny":
+            text_dim = get_preset(self.preset).transformer_config.get("text_dim")
+            if not self.random_weights or self.model_dir is not None or text_dim != UMT5_XXL_WIDTH:
+                raise ValueError(
+                    f"random_text_encoder={self.random_text_encoder} is for the random weights of a preset whose DiT "
+                    f"reads {UMT5_XXL_WIDTH}-wide text (wan2.1-1.3b with random_weights, no model_dir)"
+                )
         if self.causal_weights is not None and self.model_dir is None:
             raise ValueError("causal_weights needs model_dir (the VAE, text encoder and transformer config come from it)")
         if self.preset in PRESETS_WITHOUT_WEIGHTS and self.model_dir is None and not self.random_weights:
@@ -263,12 +301,31 @@ class EngineConfig(BaseModel):
         return "wan" if self.model_dir is not None else get_preset(self.preset).video_codec
 
     @property
+    def resolved_video_input(self) -> bool:
+        if self.video_input is not None:
+            return self.video_input
+        return self.gpu_memory_gib is None
+
+    @property
     def resolved_live_input_buffer_frames(self) -> int:
         """A block's frames plus one latent frame's: input jitter up to a latent frame drops nothing, and the
         input's latency stays near one block."""
         if self.live_input_buffer_frames is not None:
             return self.live_input_buffer_frames
         return 4 * self.frames_per_block + 4
+
+    @property
+    def resolved_text_encoder_device(self) -> str:
+        """The device the text encoder runs on."""
+        if self.text_encoder_device == "cpu" or (self.text_encoder_device == "auto" and self.gpu_memory_gib is not None):
+            return "cpu"
+        return self.device
+
+    @property
+    def resolved_text_encode_in_background(self) -> bool:
+        if self.text_encode_in_background is not None:
+            return self.text_encode_in_background
+        return self.resolved_text_encoder_device == "cpu" and self.device.startswith("cuda")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -29,7 +29,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+import torch
+
 from engine.admission import Admission, plan_admission
+from engine.conditioning import Conditioning
 from engine.config import EngineConfig
 from engine.controls import (
     Attach,
@@ -43,6 +46,7 @@ from engine.controls import (
     Start,
     applied,
 )
+from engine.device_memory import allocator_limit_bytes
 from engine.errors import (
     CapacityFull,
     NoRealtimeCapacity,
@@ -76,6 +80,7 @@ class EngineCore:
         self.runner = built.runner
         self.kv = built.runner.kv_manager
         self.unknown_words = built.runner.pipeline.text_encoder.unknown_words  # what the model cannot read
+        self.conditioning = Conditioning(built.runner.pipeline.embeddings, config.kv_branch_names)
         self.capacity = built.capacity
         self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
@@ -132,6 +137,7 @@ class EngineCore:
         )
         self.records[session_id] = record
         if prompt is not None:
+            self.conditioning.request(prompt, negative_prompt, self.wake)
             start = Start(prompt=prompt)
             if start_on_attach:
                 record.prompt = prompt  # known now (its length is reported), generated once a consumer attaches
@@ -214,6 +220,11 @@ class EngineCore:
             self._evict(plan)
         if len(record.controls) >= MAX_PENDING_CONTROLS:
             raise TooManyControls("too many controls waiting for this session; slow down")
+        if isinstance(control, (Start, SetPrompt)):
+            negative = control.negative_prompt if control.negative_prompt is not None else projected.negative_prompt
+            self.conditioning.request(control.prompt, negative, self.wake)
+        if projected.state is SessionState.CREATED and new_state is SessionState.ACTIVE:
+            record.start_requested_at = time.monotonic()  # `start`, or the attach a deferred start waits for
         record.controls.append(control)
         self.wake.set()
         return new_state
@@ -285,6 +296,7 @@ class EngineCore:
             block_cost=self.cost_of,
             control_cost=self._control_cost,
             backlog_s=max(0.0, self._device_free_at - now) if self._completing else 0.0,
+            conditioning_ready=self.conditioning.ready,
         )
         if plan.empty:
             return False
@@ -660,4 +672,12 @@ class EngineCore:
                 r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE
             ),
             session_deadline_misses=tuple(r.deadline_misses for r in live),
+            **self._device_memory(),
         )
+
+    def _device_memory(self) -> dict[str, int | None]:
+        device = torch.device(self.config.device)
+        if device.type != "cuda":
+            return {}
+        return {"device_memory_peak_bytes": torch.cuda.max_memory_reserved(device),
+                "device_memory_limit_bytes": allocator_limit_bytes(self.config)}

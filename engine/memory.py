@@ -97,7 +97,33 @@ def estimate_weight_bytes(config: EngineConfig) -> int:
     with torch.device("meta"):
         codec = AutoencoderKLWan(**preset.vae_config) if preset.vae_config is not None else TAEHVDecoder(preset.codec_decoder)
         modules = [WanTransformer3DModel(**preset.transformer_config), codec]
-    return sum(p.numel() for module in modules for p in module.parameters()) * element
+    return sum(p.numel() for module in modules for p in module.parameters()) * element + estimate_text_encoder_bytes(config)
+
+
+def estimate_text_encoder_bytes(config: EngineConfig) -> int:
+    """The text encoder's weights in the engine's dtype (0 for the tiny presets' host-side lookups)."""
+    element = torch.empty((), dtype=config.torch_dtype).element_size()
+    if config.model_dir is not None:
+        files = sorted((Path(config.model_dir) / "text_encoder").glob("*.safetensors"))
+        return sum(_safetensors_elements(f) for f in files) * element
+    if config.random_text_encoder == "umt5-xxl":
+        from engine.models.random_text import UMT5_XXL, parameter_bytes
+
+        return parameter_bytes(UMT5_XXL, config.torch_dtype)
+    return 0
+
+
+def check_text_encoder_fits_host(config: EngineConfig, available: int | None = None) -> None:
+    """A text encoder that runs on the CPU beside a GPU engine must fit in the host's memory."""
+    if torch.device(config.device).type == "cpu" or config.resolved_text_encoder_device != "cpu":
+        return  # a CPU engine's own check counts it with the rest
+    available = available_memory_bytes() if available is None else available
+    needed = estimate_text_encoder_bytes(config)
+    if available is not None and needed and available - needed < CPU_RESERVE_MIN_BYTES:
+        raise InsufficientMemory(
+            f"the text encoder on the CPU needs ~{_gib(needed)} of host memory (+ {_gib(CPU_RESERVE_MIN_BYTES)} "
+            f"reserve), {_gib(available)} available; use --text-encoder device (with room for it on the GPU)"
+        )
 
 
 def estimate_decoder_session_bytes(config: EngineConfig) -> int:
@@ -122,7 +148,7 @@ def estimate_decoder_session_bytes(config: EngineConfig) -> int:
     # A VAE without a recorded figure is measured by a decode that, on the meta device, only propagates shapes.
     size = (config.resolved_height, config.resolved_width, config.torch_dtype)
     total = decoder.declared_state_bytes(*size)
-    if config.video_input:  # every session reserves its live-input encoder state too
+    if config.resolved_video_input:  # every session reserves its live-input encoder state too
         from decoders.video_encode import WanStreamingEncoder
 
         total += WanStreamingEncoder(vae).declared_state_bytes(*size)

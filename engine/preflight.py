@@ -6,15 +6,19 @@ this torch cannot use, a preset without weights, a missing model directory, a ba
 mistake costs one line on the terminal instead of minutes of loading and gigabytes of memory:
 the model directory's parts, their config files and that weights files are there (none is read), the
 causal weights file,
-and whether the weights and one session fit in the memory the CPU has.
+whether the weights and one session fit in the memory the CPU has, and under ``gpu_memory_gib`` whether they
+fit on the device at all (``engine/device_memory.py``).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+
 from engine.config import EngineConfig
-from engine.memory import check_fits_in_memory
+from engine.device_memory import check_fits_on_device
+from engine.memory import check_fits_in_memory, check_text_encoder_fits_host
 from engine.models.loading import ModelLoadError, check_model_dir
 
 
@@ -31,3 +35,6 @@ def check_before_build(config: EngineConfig) -> None:
     if config.causal_weights is not None and not Path(config.causal_weights).is_file():
         raise ModelLoadError(f"causal weights {config.causal_weights}: no such file")
     check_fits_in_memory(config)
+    if torch.device(config.device).type == "cuda":
+        check_fits_on_device(config)  # under gpu_memory_gib: the resident parts and one session
+        check_text_encoder_fits_host(config)

@@ -92,13 +92,15 @@ class Scheduler:
         block_cost: Callable[[SessionRecord], float],
         control_cost: Callable[[SessionWork], float],
         backlog_s: float = 0.0,
+        conditioning_ready: Callable[[str, str], bool] = lambda prompt, negative_prompt: True,
     ) -> StepPlan:
         """``backlog_s``: expected device seconds of work dispatched earlier and not yet done (this tick runs
-        after it)."""
+        after it). ``conditioning_ready(prompt, negative_prompt)``: whether a prompt's embeddings are there (a
+        session opens, or changes its prompt, only then; with text encoded in the background)."""
         start = now + backlog_s
         candidates = []
         for session in sessions:
-            work = self._work_for(session, now)
+            work = self._work_for(session, now, conditioning_ready)
             if work is None:
                 continue
             extra = control_cost(work)
@@ -158,15 +160,21 @@ class Scheduler:
                 return False
         return True
 
-    def _work_for(self, session: SessionRecord, now: float) -> SessionWork | None:
+    def _work_for(
+        self, session: SessionRecord, now: float, conditioning_ready: Callable[[str, str], bool]
+    ) -> SessionWork | None:
         if session.state not in (SessionState.ACTIVE, SessionState.PAUSED) or session.prompt is None:
             return None
         open_request = None
         if not session.opened_on_device:
+            if not conditioning_ready(session.prompt, session.negative_prompt):
+                return None  # its prompt is still being encoded: nothing of it runs before that
             open_request = OpenSession(session.seed, session.prompt, session.negative_prompt, session.start_context)
         # The open already carries the current prompt and a fresh start.
         reset = session.pending_reset and open_request is None
         prompt = session.pending_prompt if open_request is None else None
+        if prompt is not None and not conditioning_ready(prompt.prompt, prompt.negative_prompt):
+            prompt = None  # the session goes on with its current prompt until the new one is encoded
         run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now)
         if open_request is None and not reset and prompt is None and not run:
             return None

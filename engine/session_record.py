@@ -39,7 +39,8 @@ class SessionRecord:
     created_at_epoch: float = field(default_factory=time.time)
     last_active: float = field(default_factory=time.monotonic)
     detached_at: float | None = None
-    started_at: float | None = None  # monotonic, when `start` was applied
+    start_requested_at: float | None = None  # monotonic, when the control that starts it was submitted
+    started_at: float | None = None  # monotonic, when `start` was applied (at the tick after it was submitted)
     ended_at: float | None = None
     close_reason: str | None = None
     error: str | None = None
@@ -107,8 +108,10 @@ class SessionRecord:
         or an attach re-anchors it; any other is a deadline miss (returned) when it comes more than
         ``tolerance_s`` after its playback time. Best-effort sessions have no deadlines."""
         if self.playback_anchor is None:
-            if self.started_at is not None:
-                self.time_to_first_chunk_ms = (now - self.started_at) * 1000.0
+            # From the request, not the tick that applied it: the wait for that tick is part of first media.
+            origin = self.start_requested_at if self.start_requested_at is not None else self.started_at
+            if origin is not None:
+                self.time_to_first_chunk_ms = (now - origin) * 1000.0
             self.playback_anchor = now - pts / fps
             return False
         if self.reanchor:

@@ -16,14 +16,14 @@ import torch
 from engine.bundle import ModelBundle, build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, KVSpec
-from engine.memory import cpu_session_budget
+from engine.device_memory import DEVICE_RESERVE_BYTES, allocator_limit_bytes, estimate_device_memory, refusal
+from engine.memory import InsufficientMemory, cpu_session_budget
 from engine.runner import Runner, runner_for
 from engine.status import Geometry
 
 log = logging.getLogger("arstream.engine")
 
 ACTIVATION_MARGIN = 1.25  # headroom over the measured activation peak (allocator fragmentation)
-DEVICE_RESERVE_BYTES = 2 * 2**30  # CUDA context, cuBLAS/cuDNN workspaces, encoder buffers
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,10 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         threads = max(1, (os.cpu_count() or 2) // 2)
     if threads is not None:
         torch.set_num_threads(threads)
+    limit = allocator_limit_bytes(config)
+    if limit is not None:  # as on a card of gpu_memory_gib: the allocator refuses beyond it, the build included
+        device = torch.device(config.device)
+        torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(device).total_memory, device)
     bundle = bundle or build_models(config)
     spec = bundle.pipeline.kv_spec()
     decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
@@ -76,14 +80,17 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         decoder_bytes += bundle.encoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
     per_session_bytes = spec.session_bytes + decoder_bytes
     budget = config.kv_memory_budget_bytes
+    activation_peak = None
     if budget is None and torch.device(config.device).type == "cuda":
-        budget = _cuda_budget(config, bundle, spec)
+        budget, activation_peak = _cuda_budget(config, bundle, spec)
     elif budget is None and torch.device(config.device).type == "cpu":
         budget = cpu_session_budget()  # what the host has available now, less a reserve
     capacity = config.max_sessions
     if budget is not None:
         capacity = min(capacity, budget // per_session_bytes)
     if capacity < 1:
+        if config.gpu_memory_gib is not None:
+            raise InsufficientMemory(refusal(config, estimate_device_memory(config), activation_peak))
         raise ValueError(
             f"the memory budget holds no session: one needs {per_session_bytes} bytes "
             f"(KV {spec.session_bytes}, decoder {decoder_bytes}), budget {budget}"
@@ -109,12 +116,13 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     return built
 
 
-def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> int:
-    """Free device memory left for sessions after a warm-up measured peak activation memory.
+def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> tuple[int, int]:
+    """Free device memory left for sessions after a warm-up measured peak activation memory, and that peak.
 
     One probe session runs a block with its own pool; what the step
     allocated beyond the resident tensors is the activation peak, kept free
-    (with a margin) for every later step.
+    (with a margin) for every later step. Under ``gpu_memory_gib`` the free memory is what the allocator's
+    cap leaves, not what the card has.
     """
     device = torch.device(config.device)
     torch.cuda.synchronize(device)
@@ -127,7 +135,11 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> int
     del probe
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
+    limit = allocator_limit_bytes(config)
+    if limit is not None:
+        free = min(free, limit - torch.cuda.memory_reserved(device))
     staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
     budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
-    log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget})
-    return max(budget, 0)
+    log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget,
+                                          "allocator_limit": limit})
+    return max(budget, 0), activation_peak

@@ -118,6 +118,8 @@ class EngineCounters:
     encoder_state_bytes: int = 0  # all sessions together
     input_frames: dict[str, int] | None = None  # live frames over every session's life: received, used, dropped, invalid
     live_input_sessions: int = 0  # open sessions with live input on
+    device_memory_peak_bytes: int | None = None  # CUDA: the most torch's allocator has held since start
+    device_memory_limit_bytes: int | None = None  # CUDA under gpu_memory_gib: the allocator's cap
 
 
 @dataclass(frozen=True)

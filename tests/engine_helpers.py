@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
 
 from engine.config import EngineConfig
@@ -40,3 +44,38 @@ def assert_lively(frames) -> None:
     tensor = torch.as_tensor(frames, dtype=torch.float32)
     assert torch.isfinite(tensor).all()
     assert tensor.std() > 1.0, "frames are (nearly) constant"
+
+
+def run_async(coroutine, timeout_s: float = 120.0):
+    """Run one test scenario to its end on a fresh event loop (bounded: a hang fails the test)."""
+    return asyncio.run(asyncio.wait_for(coroutine, timeout=timeout_s))
+
+
+async def take_chunks(engine, session_id: str, count: int) -> list:
+    """The session's next ``count`` chunks (fails if the session ends first)."""
+    chunks = []
+    async for chunk in engine.chunks(session_id):
+        chunks.append(chunk)
+        if len(chunks) == count:
+            return chunks
+    raise AssertionError("the session ended")
+
+
+@contextlib.asynccontextmanager
+async def stepped_core(config: EngineConfig):
+    """An engine core stepped by the test itself (no engine loop): what runs when is the test's choice."""
+    from engine.core import EngineCore
+    from engine.plan import StepPlan
+    from engine.startup import build_engine
+
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-device")
+    built = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
+    core = EngineCore(config, built, executor)
+    try:
+        yield core
+    finally:
+        core.finish_all("test")
+        await core.drain()
+        await asyncio.get_running_loop().run_in_executor(
+            executor, core.runner.execute, StepPlan(finished=core.take_finished()))
+        executor.shutdown(wait=True)

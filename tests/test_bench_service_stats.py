@@ -78,3 +78,46 @@ def test_a_refused_session_reports_its_refusal_and_the_case_counts_it():
     summary = case_summary([served, refused])
     assert summary["refused"] == 1 and summary["served"] == 1
     assert summary["fps_steady_sum"] == served["fps_steady"]
+
+
+def test_the_client_sends_start_before_session_so_a_slow_stream_opening_counts_in_first_media():
+    """Against a server that opens its stream only once `start` came (a slow opening, held ``HOLD_S``): the
+    client must not wait for `session` first, and the hold must show in its time to first media."""
+    import asyncio
+    import json
+    import time
+
+    from websockets.asyncio.server import serve
+
+    from service_session import run_session
+
+    hold_s = 0.3
+    first_messages = []
+
+    async def server(ws):
+        try:
+            first_messages.append(json.loads(await asyncio.wait_for(ws.recv(), 5.0))["type"])
+        except TimeoutError:
+            return  # the client waited for `session`: it gets nothing
+        await asyncio.sleep(hold_s)  # the stream's opening
+        await ws.send(json.dumps({"type": "session", "session_id": "s", "state": "created", "video": {"fps": FPS}}))
+        await ws.send(b"init")
+        await ws.send(json.dumps({"type": "chunk", "index": 0, "pts": 0, "frames": 12, "timings": {}}))
+        await ws.send(b"segment")
+        async for message in ws:
+            if json.loads(message)["type"] == "close":
+                await ws.send(json.dumps({"type": "closed", "reason": "client"}))
+                return
+
+    async def scenario():
+        async with serve(server, "127.0.0.1", 0) as listening:
+            port = listening.sockets[0].getsockname()[1]
+            return await run_session(f"ws://127.0.0.1:{port}", label="s", pace=False, seed=0, prompt="a fox",
+                                     stop_at=time.monotonic() + hold_s + 0.5)
+
+    record = asyncio.run(asyncio.wait_for(scenario(), 30))
+    stats = session_stats(record)
+    assert first_messages == ["start"]
+    assert stats["chunks"] == 1 and stats["closed_reason"] == "client"
+    assert stats["time_to_first_media_ms"] >= hold_s * 1000.0
+    assert stats["connect_to_first_media_ms"] >= stats["time_to_first_media_ms"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -18,9 +17,7 @@ import torch
 
 from engine.api import Engine
 from engine.core import EngineCore
-from engine.plan import StepPlan
-from engine.startup import build_engine
-from tests.engine_helpers import small_config
+from tests.engine_helpers import small_config, stepped_core
 
 
 def run(coroutine):
@@ -56,18 +53,8 @@ def test_two_in_flight_streams_the_same_chunks_as_one():
 async def core_with_two_in_flight():
     """An engine core with two blocks in flight, stepped by the test itself (no engine loop): a tick's works
     stay in flight until the test waits for their delivery, so what is on the device is the test's choice."""
-    config = small_config(window_frames=3, blocks_in_flight=2)
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-device")
-    built = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
-    core = EngineCore(config, built, executor)
-    try:
+    async with stepped_core(small_config(window_frames=3, blocks_in_flight=2)) as core:
         yield core
-    finally:
-        core.finish_all("test")
-        await core.drain()
-        await asyncio.get_running_loop().run_in_executor(
-            executor, core.runner.execute, StepPlan(finished=core.take_finished()))
-        executor.shutdown(wait=True)
 
 
 def best_effort(core: EngineCore, seed: int, prompt: str):

@@ -19,7 +19,6 @@ import torch
 from diffusers import AutoencoderKLWan, WanTransformer3DModel
 from pydantic import ValidationError
 from safetensors.torch import load_file, save_file
-from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
 from decoders.video import WanStreamingDecoder
@@ -37,6 +36,7 @@ from engine.models.loading import (
 )
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+from engine.models.random_text import word_tokenizer
 from engine.models.schedule import shifted_sigmas
 from engine.plan import OpenSession, SessionWork, StepPlan
 from engine.runner import Runner
@@ -111,14 +111,7 @@ class TinyParts:
 
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A word-level tokenizer with T5's conventions: ``</s>`` after the tokens, ``<pad>`` = 0."""
-    vocab = {"<pad>": 0, "</s>": 1, "<unk>": 2}
-    for word in WORDS:
-        vocab.setdefault(word, len(vocab))
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tokenizer.normalizer = normalizers.Lowercase()
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+    return word_tokenizer(WORDS)
 
 
 @pytest.fixture(scope="module")

@@ -150,3 +150,18 @@ def test_the_codec_file_layout_loads_each_half_alone(tmp_path):
     again = TinyCodec(TINY_CODEC_ENCODER, TINY_CODEC_DECODER)
     again.load_state_dict(tensors)
     assert all(torch.equal(again.state_dict()[key], value) for key, value in tensors.items())
+
+
+def test_the_tiny_preset_streams_through_its_own_codec_and_refuses_the_wan_vae():
+    from engine.bundle import build_models
+    from engine.config import EngineConfig
+
+    trained = build_models(EngineConfig(warmup_blocks=0, audio=False)).decoder
+    random = build_models(EngineConfig(warmup_blocks=0, audio=False, random_weights=True)).decoder
+    assert isinstance(trained, TAEHVStreamingDecoder) and isinstance(random, TAEHVStreamingDecoder)
+    assert trained.model.config == TINY_CODEC_DECODER
+    latents = torch.ones(1, 16, 1, 2, 2)
+    assert not torch.equal(trained.denormalize(latents), latents)  # the codec's latent statistics, undone
+    assert random.denormalize(latents) is latents
+    with pytest.raises(ValueError, match="no Wan VAE"):
+        EngineConfig(video_decoder="wan")

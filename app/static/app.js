@@ -12,7 +12,7 @@ const LATENCY_KEEP = 30;      // chunks in the latency median
 const LOG_MAX = 80;
 // Shown in the empty prompt box; Start with the box left empty generates it (and puts it in the box).
 // One the built-in tiny model can show (its caption grammar); any model reads it.
-const EXAMPLE_PROMPT = "a red circle bouncing on a blue background";
+const EXAMPLE_PROMPT = "a green triangle orbiting on a black background";
 
 const $ = (id) => document.getElementById(id);
 const ui = {

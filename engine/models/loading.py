@@ -127,16 +127,19 @@ def load_model_dir(
     causal_weights: str | Path | None = None,
     text_len: int = TEXT_ENCODER_MAX_TOKENS,
     text_encoder_graphs: bool = False,
+    text_encoder_device: torch.device | str | None = None,
 ) -> LoadedModels:
     """Load ``model_dir`` (and ``causal_weights`` in place of its transformer weights) for ``device`` / ``dtype``;
-    ``text_encoder_graphs``: CUDA graphs for the text encoder (on a CUDA device)."""
+    ``text_encoder_graphs``: CUDA graphs for the text encoder (on a CUDA device); ``text_encoder_device``: where
+    the text encoder runs (default ``device``; the CPU keeps its weights off a small GPU)."""
     model_dir = Path(model_dir)
     device = torch.device(device)
+    text_device = device if text_encoder_device is None else torch.device(text_encoder_device)
     check_device_dtype(device, dtype)
     configs = check_model_dir(model_dir)
     transformer = load_transformer(model_dir, dtype, causal_weights)
     vae = load_vae(model_dir, dtype)
-    text_encoder = load_text_encoder(model_dir, dtype, device, text_len=text_len, cuda_graphs=text_encoder_graphs)
+    text_encoder = load_text_encoder(model_dir, dtype, text_device, text_len=text_len, cuda_graphs=text_encoder_graphs)
     log.info(
         "model directory loaded",
         extra={

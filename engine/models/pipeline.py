@@ -21,7 +21,7 @@ and progress to every call, which is the binding.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -33,11 +33,11 @@ from engine.models.causal_wan import CausalWanTransformer
 from engine.models.context_kv import ContextKV
 from engine.models.forward_graphs import GraphedForwards
 from engine.models.latents import BlockLatents
+from engine.models.prompt_embeddings import PromptEmbeddings
 from engine.models.text_encoder import TextEncoder
 
 PromptPolicy = Literal["soft", "recache", "reset"]
 TEXT_CACHE = "text"
-PROMPT_EMBEDDING_CACHE_SIZE = 64
 
 
 @dataclass
@@ -106,10 +106,13 @@ class CausalWanPipeline:
         guidance_scale: float = 1.0,
         gather_history_once: bool = True,
         cuda_graphs: bool = False,
+        text_encode_in_background: bool = False,
     ) -> None:
         """``gather_history_once``: gather (and rotate) a block's history once for its forwards
         (:class:`ContextKV`); ``False`` gathers it in every forward, the reference path. ``cuda_graphs``:
-        replay each forward shape as a CUDA graph (needs the gathered history; :class:`GraphedForwards`)."""
+        replay each forward shape as a CUDA graph (needs the gathered history; :class:`GraphedForwards`).
+        ``text_encode_in_background``: new prompts are encoded on their own thread once requested
+        (:class:`PromptEmbeddings`; for a slow encoder, e.g. on the CPU beside a GPU)."""
         if not sigmas or sigmas[0] != 1.0:
             raise ValueError("the first σ must be 1 (a block starts from pure noise)")
         if transformer.fp8_attention and not gather_history_once:
@@ -137,7 +140,7 @@ class CausalWanPipeline:
         self.audio_shape = None
         if transformer.audio is not None:
             self.audio_shape = (1, transformer.audio.audio_dim, frames_per_block * transformer.audio.tokens_per_frame)
-        self._embeddings: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.embeddings = PromptEmbeddings(text_encoder, background=text_encode_in_background)
         self._pool_writes = 0  # bumped by every write into the block pool: a loaded context is stale after one
         self.forwards = GraphedForwards(transformer, enabled=cuda_graphs and gather_history_once)
         self.context_kv: dict[str, ContextKV] = {}
@@ -203,16 +206,8 @@ class CausalWanPipeline:
 
     # --- conditioning -----------------------------------------------------
     def embed(self, prompt: str) -> torch.Tensor:
-        """Text embeddings of one prompt, cached (bounded LRU)."""
-        cached = self._embeddings.get(prompt)
-        if cached is None:
-            cached = self.text_encoder.encode([prompt])
-            self._embeddings[prompt] = cached
-            if len(self._embeddings) > PROMPT_EMBEDDING_CACHE_SIZE:
-                self._embeddings.popitem(last=False)
-        else:
-            self._embeddings.move_to_end(prompt)
-        return cached
+        """Text embeddings of one prompt, cached (:class:`PromptEmbeddings`, bounded)."""
+        return self.embeddings.get(prompt)
 
     def _texts(self, prompt: str, negative_prompt: str) -> dict[str, torch.Tensor]:
         texts = {"cond": self.embed(prompt)}

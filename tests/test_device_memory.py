@@ -1,0 +1,111 @@
+"""The 24 GiB mode's memory arithmetic and refusals, from configs alone (no GPU here, nothing allocated).
+
+A CUDA config cannot be validated on a CPU-only torch, so the configs below are built without validation
+(``model_construct``); what validation itself refuses is tested with real ``EngineConfig`` calls.
+"""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from engine.config import EngineConfig
+from engine.device_memory import (
+    CUDA_CONTEXT_BYTES,
+    DEVICE_RESERVE_BYTES,
+    allocator_limit_bytes,
+    check_fits_on_device,
+    estimate_device_memory,
+    refusal,
+)
+from engine.memory import InsufficientMemory, check_text_encoder_fits_host
+
+GIB = 2**30
+H200_BYTES = 150_000_000_000  # what CUDA reports for an H200, near enough
+
+
+def cuda_1_3b(**fields) -> EngineConfig:
+    values = {"preset": "wan2.1-1.3b", "device": "cuda", "dtype": "bfloat16", "random_weights": True,
+              "random_text_encoder": "umt5-xxl", "gpu_memory_gib": 24.0, **fields}
+    return EngineConfig.model_construct(**values)
+
+
+# Wan2.1-1.3B at 832x480 in bf16: 30 layers, 12 heads of 128, 1560 tokens per latent frame (60 x 104 latent / 2x2).
+LAYER_TOKEN_BYTES = 30 * 2 * 12 * 128 * 2  # K and V of one token in every layer
+FRAME_BYTES = 1560 * LAYER_TOKEN_BYTES  # one latent frame: 274.2 MiB
+TEXT_BYTES = 512 * LAYER_TOKEN_BYTES  # one prompt's text K/V
+DECODER_STATE_BYTES_MIB = 1801.1  # the Wan VAE's streaming state at 832x480 bf16, as the H200 measured it
+LATENT_FRAME_BYTES = 16 * 60 * 104 * 4  # float32
+
+
+def test_the_standard_1_3b_parts_add_up_from_the_geometry():
+    estimate = estimate_device_memory(cuda_1_3b())
+    assert FRAME_BYTES == 287_539_200
+    session_without_decoder = 18 * FRAME_BYTES + TEXT_BYTES + (18 + 2 * 3) * LATENT_FRAME_BYTES
+    assert round((estimate.session - session_without_decoder) / 2**20, 1) == DECODER_STATE_BYTES_MIB
+    assert estimate.workspace == 21 * FRAME_BYTES + 3 * FRAME_BYTES + TEXT_BYTES  # context, staging, spare text slot
+    assert round(estimate.weights / 1e9, 2) == 3.09  # 1.42 B DiT + 127 M VAE parameters, 2 bytes each
+    assert round(estimate.text_encoder / 1e9, 2) == 11.36  # UMT5-XXL's encoder: 5.68 B parameters
+    assert not estimate.text_encoder_on_device  # the cap sends it to the CPU
+    assert estimate.reserve == CUDA_CONTEXT_BYTES + DEVICE_RESERVE_BYTES
+    # FP8 attention adds the e4m3 mirror: K and V at one byte, V's rows padded to 16 keys.
+    fp8 = estimate_device_memory(cuda_1_3b(fp8="attention"))
+    assert fp8.workspace - estimate.workspace == 30 * 12 * 128 * (32_760 + 32_768) + 16 * 30 * 12
+    # The fast window with TAEHV: 3 + 6 + 3 frames of context, 9 resident, a small decoder state.
+    fast = estimate_device_memory(cuda_1_3b(window_frames=6, video_decoder="taehv"))
+    assert fast.workspace == 12 * FRAME_BYTES + 3 * FRAME_BYTES + TEXT_BYTES
+    assert fast.session == 9 * FRAME_BYTES + TEXT_BYTES + (9 + 6) * LATENT_FRAME_BYTES
+
+
+def test_24_gib_holds_one_standard_session_only_with_the_text_encoder_on_the_cpu():
+    on_cpu = estimate_device_memory(cuda_1_3b())
+    on_device = estimate_device_memory(cuda_1_3b(text_encoder_device="device"))
+    assert on_device.text_encoder_on_device and on_device.resident - on_cpu.resident == on_cpu.text_encoder
+    assert on_cpu.sessions_fitting(24 * GIB) == 1
+    assert on_device.sessions_fitting(24 * GIB) == 0
+    assert on_cpu.sessions_fitting(24 * GIB, activation_peak=6 * GIB) == 0  # a measured peak can still refuse
+    check_fits_on_device(cuda_1_3b(), device_total_bytes=H200_BYTES)
+    with pytest.raises(InsufficientMemory) as refused:
+        check_fits_on_device(cuda_1_3b(text_encoder_device="device"), device_total_bytes=H200_BYTES)
+    message = str(refused.value)
+    assert "gpu_memory_gib 24 holds not even one session at 832x480" in message
+    assert "text encoder 10.58 GiB on the device" in message and "--text-encoder cpu" in message
+    # Without a cap nothing is checked here: the pools are sized from the free memory after the warm-up.
+    check_fits_on_device(cuda_1_3b(gpu_memory_gib=None, text_encoder_device="device"), device_total_bytes=1)
+
+
+def test_a_cap_beyond_the_device_or_below_one_session_is_refused_naming_every_part():
+    with pytest.raises(InsufficientMemory, match=r"gpu_memory_gib 24: the device has 15\.00 GiB"):
+        check_fits_on_device(cuda_1_3b(), device_total_bytes=15 * GIB)
+    with pytest.raises(InsufficientMemory) as refused:
+        check_fits_on_device(cuda_1_3b(gpu_memory_gib=16.0), device_total_bytes=H200_BYTES)
+    message = str(refused.value)
+    for part in ("weights 2.88 GiB", "text encoder on the CPU", "workspaces 6.51 GiB", "one session 6.68 GiB",
+                 "reserve 2.50 GiB", "a smaller --window-frames", "TAEHV"):
+        assert part in message, part
+    after_build = refusal(cuda_1_3b(), estimate_device_memory(cuda_1_3b()), activation_peak=7 * GIB)
+    assert "the measured activation peak 7.00 GiB" in after_build
+    assert allocator_limit_bytes(cuda_1_3b()) == 24 * GIB - CUDA_CONTEXT_BYTES
+    assert allocator_limit_bytes(cuda_1_3b(gpu_memory_gib=None)) is None
+
+
+def test_the_text_encoder_runs_on_the_cpu_under_a_cap_and_must_fit_in_host_memory():
+    assert cuda_1_3b().resolved_text_encoder_device == "cpu"
+    assert cuda_1_3b().resolved_text_encode_in_background
+    assert cuda_1_3b(gpu_memory_gib=None).resolved_text_encoder_device == "cuda"
+    assert not cuda_1_3b(gpu_memory_gib=None).resolved_text_encode_in_background
+    assert cuda_1_3b(gpu_memory_gib=None, text_encoder_device="cpu").resolved_text_encoder_device == "cpu"
+    assert cuda_1_3b(text_encoder_device="device").resolved_text_encoder_device == "cuda"
+    assert not EngineConfig(text_encoder_device="cpu").resolved_text_encode_in_background  # a CPU engine: inline
+    check_text_encoder_fits_host(cuda_1_3b(), available=32 * GIB)
+    with pytest.raises(InsufficientMemory, match=r"text encoder on the CPU needs ~10\.6 GiB of host memory"):
+        check_text_encoder_fits_host(cuda_1_3b(), available=8 * GIB)
+
+
+def test_a_gpu_cap_on_the_cpu_and_the_umt5_encoder_for_a_tiny_preset_are_refused():
+    with pytest.raises(ValidationError, match="gpu_memory_gib caps a CUDA device's memory"):
+        EngineConfig(gpu_memory_gib=24)
+    with pytest.raises(ValidationError, match="random_text_encoder=umt5-xxl is for the random weights"):
+        EngineConfig(random_weights=True, random_text_encoder="umt5-xxl")
+    with pytest.raises(ValidationError, match="random_text_encoder=umt5-xxl"):
+        EngineConfig(preset="wan2.1-1.3b", random_text_encoder="umt5-xxl")  # no random weights
