@@ -58,6 +58,12 @@ def geometry_for(config: EngineConfig, width: int, height: int, bundle: ModelBun
     )
 
 
+def indexed_cuda_device(name: str) -> torch.device:
+    """`name` with its index: torch's per-process memory fraction refuses a bare "cuda" (the current device)."""
+    device = torch.device(name)
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> BuiltEngine:
     """Everything the core drives; call on the device thread."""
     threads = config.cpu_threads
@@ -69,7 +75,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         torch.set_num_threads(threads)
     limit = allocator_limit_bytes(config)
     if limit is not None:  # as on a card of gpu_memory_gib: the allocator refuses beyond it, the build included
-        device = torch.device(config.device)
+        device = indexed_cuda_device(config.device)
         torch.cuda.set_per_process_memory_fraction(limit / torch.cuda.get_device_properties(device).total_memory, device)
     bundle = bundle or build_models(config)
     spec = bundle.pipeline.kv_spec()

@@ -7,6 +7,7 @@ A CUDA config cannot be validated on a CPU-only torch, so the configs below are 
 from __future__ import annotations
 
 import pytest
+import torch
 from pydantic import ValidationError
 
 from engine.config import EngineConfig
@@ -19,6 +20,7 @@ from engine.device_memory import (
     refusal,
 )
 from engine.memory import InsufficientMemory, check_text_encoder_fits_host
+from engine.startup import indexed_cuda_device
 
 GIB = 2**30
 H200_BYTES = 150_000_000_000  # what CUDA reports for an H200, near enough
@@ -109,3 +111,11 @@ def test_a_gpu_cap_on_the_cpu_and_the_umt5_encoder_for_a_tiny_preset_are_refused
         EngineConfig(random_weights=True, random_text_encoder="umt5-xxl")
     with pytest.raises(ValidationError, match="random_text_encoder=umt5-xxl"):
         EngineConfig(preset="wan2.1-1.3b", random_text_encoder="umt5-xxl")  # no random weights
+
+
+def test_the_allocator_cap_names_an_indexed_device():
+    # torch's per-process memory fraction refuses a bare "cuda" (the first H200 run of the 24 GiB mode exited 3
+    # on it); an explicit index is kept as given, and a bare one becomes the current device's.
+    assert indexed_cuda_device("cuda:1") == torch.device("cuda", 1)
+    if torch.cuda.is_available():
+        assert indexed_cuda_device("cuda").index == torch.cuda.current_device()
