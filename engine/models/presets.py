@@ -17,14 +17,14 @@ from decoders.taehv_encoder import TAEHVEncoderConfig
 # world (world/, train/, docs/TINY_MODEL.md); random_weights gives seeded ones.
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
-    "num_attention_heads": 2,
+    "num_attention_heads": 4,
     "attention_head_dim": 32,
     "in_channels": 16,
     "out_channels": 16,
     "text_dim": 32,
     "freq_dim": 32,
-    "ffn_dim": 128,
-    "num_layers": 2,
+    "ffn_dim": 512,
+    "num_layers": 3,
     "cross_attn_norm": True,
     "qk_norm": "rms_norm_across_heads",
     "eps": 1e-6,
