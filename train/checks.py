@@ -98,7 +98,8 @@ def shape_score(frames: np.ndarray, shape: str) -> float:
 
 
 def motion_scores(chunks: list[np.ndarray]) -> dict[str, float]:
-    """Centroid speed (px/s, median over frames) and the largest jump at a chunk boundary vs inside chunks."""
+    """Centroid speed (px/s, median over frames), how far the centroid strays from its mean position (px), and
+    the largest jump at a chunk boundary vs inside chunks."""
     centroids, boundary = [], []
     for chunk in chunks:
         for i, frame in enumerate(chunk):
@@ -115,6 +116,7 @@ def motion_scores(chunks: list[np.ndarray]) -> dict[str, float]:
         "max_step_inside_px": float(inside.max()) if inside.size else float("nan"),
         "max_step_boundary_px": float(across.max()) if across.size else float("nan"),
         "tracked_frames": float(valid.mean()),
+        "max_offset_px": float(np.nanmax(np.linalg.norm(xy - np.nanmean(xy, axis=0), axis=1))) if valid.any() else float("nan"),
     }
 
 

@@ -44,8 +44,9 @@ def main(argv: list[str] | None = None) -> int:
         s = checks.motion_scores(checks.stream(bundle, Scene("square", "white", motion, "black").caption, 0, 5).frames)
         rows.append((
             f"motion: white square {motion}",
-            f"{s['speed_px_s']:.1f} px/s; jump at chunk edge {s['max_step_boundary_px']:.1f} vs in-chunk {s['max_step_inside_px']:.1f} px; tracked {s['tracked_frames']:.2f}",
-            "< 3 px/s" if motion == "still" else ">= 10 px/s, edge <= 2 x in-chunk",
+            f"{s['speed_px_s']:.1f} px/s, strays {s['max_offset_px']:.1f} px from its mean position; "
+            f"jump at chunk edge {s['max_step_boundary_px']:.1f} vs in-chunk {s['max_step_inside_px']:.1f} px; tracked {s['tracked_frames']:.2f}",
+            "strays <= 3 px" if motion == "still" else ">= 10 px/s, edge <= 2 x in-chunk",
         ))
 
     old, new = Scene("circle", "red", "drifting", "black").caption, Scene("circle", "green", "drifting", "black").caption
