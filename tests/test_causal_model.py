@@ -14,7 +14,7 @@ from engine.kv_cache import KVCacheManager
 from engine.models.attention import DenseContext, GatheredContext, PagedContext
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.latents import BlockLatents
-from engine.models.presets import TINY_TRANSFORMER_CONFIG
+from tests.engine_helpers import SMALL_TRANSFORMER_CONFIG
 from engine.models.reference import reference_generate
 from engine.models.schedule import model_timesteps, shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
@@ -31,10 +31,10 @@ def test_schedule_is_the_shift_5_warp_of_the_design():
 
 def test_causal_forward_matches_diffusers_forward_with_per_token_timesteps():
     torch.manual_seed(0)
-    plain = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    plain = WanTransformer3DModel(**SMALL_TRANSFORMER_CONFIG).eval()
     causal = CausalWanTransformer(copy.deepcopy(plain), latent_height=LATENT_H, latent_width=LATENT_W)
     latents = torch.randn(1, 16, 3, LATENT_H, LATENT_W)
-    text = TinyTextEncoder(TINY_TRANSFORMER_CONFIG["text_dim"]).encode(["a cat on a wall"])
+    text = TinyTextEncoder(SMALL_TRANSFORMER_CONFIG["text_dim"]).encode(["a cat on a wall"])
     frame_timesteps = torch.tensor([[0.0, 500.0, 937.5]])
     per_token = frame_timesteps.repeat_interleave(causal.tokens_per_frame, dim=1)
 
@@ -135,6 +135,7 @@ def test_attention_after_eviction_equals_dense_attention_over_expected_frames():
         assert (gathered - dense).abs().max() < 1e-5
 
 
+@pytest.mark.usefixtures("every_core")
 def test_session_of_2000_frames_keeps_pool_usage_and_positions_bounded():
     """Hours-long sessions: resident KV stays sink + window and positions stay in the rotary range."""
     config, bundle = build_small(height=16, width=16, sink_frames=3, window_frames=6)
@@ -172,12 +173,12 @@ def test_audio_tokens_share_the_blocks_context_and_match_the_reference():
     from engine.models.schedule import shifted_sigmas
 
     torch.manual_seed(1)
-    plain = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
-    inner = TINY_TRANSFORMER_CONFIG["num_attention_heads"] * TINY_TRANSFORMER_CONFIG["attention_head_dim"]
+    plain = WanTransformer3DModel(**SMALL_TRANSFORMER_CONFIG).eval()
+    inner = SMALL_TRANSFORMER_CONFIG["num_attention_heads"] * SMALL_TRANSFORMER_CONFIG["attention_head_dim"]
     audio = AudioTokenProjections(audio_dim=8, inner_dim=inner, tokens_per_frame=20)
     causal = CausalWanTransformer(plain, latent_height=LATENT_H, latent_width=LATENT_W, audio=audio)
     assert causal.tokens_per_frame == 4 * 3 + 20
-    encoder = TinyTextEncoder(TINY_TRANSFORMER_CONFIG["text_dim"])
+    encoder = TinyTextEncoder(SMALL_TRANSFORMER_CONFIG["text_dim"])
     pipeline = CausalWanPipeline(
         causal, encoder, sigmas=shifted_sigmas([1000, 750, 500, 250], 5.0), frames_per_block=3,
         sink_frames=3, window_frames=15,

@@ -219,9 +219,9 @@ def test_model_construction_refuses_what_the_kernel_cannot_run(monkeypatch):
     from diffusers import WanTransformer3DModel
 
     from engine.models.causal_wan import CausalWanTransformer
-    from engine.models.presets import TINY_TRANSFORMER_CONFIG
+    from tests.engine_helpers import SMALL_TRANSFORMER_CONFIG
 
-    model = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).to(torch.bfloat16)
+    model = WanTransformer3DModel(**SMALL_TRANSFORMER_CONFIG).to(torch.bfloat16)
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         CausalWanTransformer(model, latent_height=6, latent_width=8, fp8_attention=True)
     assert CausalWanTransformer(model, latent_height=6, latent_width=8).fp8_attention is False

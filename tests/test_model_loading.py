@@ -35,7 +35,8 @@ from engine.models.loading import (
     read_causal_state_dict,
 )
 from engine.models.pipeline import CausalWanPipeline
-from engine.models.presets import TINY_TRANSFORMER_CONFIG, TINY_VAE_CONFIG
+from engine.models.presets import TINY_VAE_CONFIG
+from tests.engine_helpers import SMALL_TRANSFORMER_CONFIG
 from engine.models.random_text import word_tokenizer
 from engine.models.schedule import shifted_sigmas
 from engine.plan import OpenSession, SessionWork, StepPlan
@@ -117,13 +118,13 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
 @pytest.fixture(scope="module")
 def parts() -> TinyParts:
     torch.manual_seed(11)
-    transformer = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    transformer = WanTransformer3DModel(**SMALL_TRANSFORMER_CONFIG).eval()
     torch.manual_seed(12)
     vae = AutoencoderKLWan(**TINY_VAE_CONFIG).eval()
     torch.manual_seed(13)
     tokenizer = tiny_tokenizer()
     umt5_config = UMT5Config(
-        vocab_size=len(tokenizer), d_model=TINY_TRANSFORMER_CONFIG["text_dim"], d_kv=8, d_ff=64, num_layers=2,
+        vocab_size=len(tokenizer), d_model=SMALL_TRANSFORMER_CONFIG["text_dim"], d_kv=8, d_ff=64, num_layers=2,
         num_heads=4, relative_attention_num_buckets=8, relative_attention_max_distance=32, dropout_rate=0.0,
         feed_forward_proj="gated-gelu", pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
     )
@@ -238,7 +239,7 @@ def test_model_dir_loads_back_to_the_in_memory_model(model_dir, parts):
 
 def test_text_embeddings_are_zero_after_the_tokens_and_long_prompts_truncate(model_dir, caplog):
     encoder = load_text_encoder(model_dir, torch.float32)
-    assert (encoder.text_len, encoder.text_dim) == (512, TINY_TRANSFORMER_CONFIG["text_dim"])
+    assert (encoder.text_len, encoder.text_dim) == (512, SMALL_TRANSFORMER_CONFIG["text_dim"])
     short = encoder.encode(["a red fox"])  # 3 words + </s>
     assert short.shape == (1, 512, 32) and short.dtype == torch.float32 and short.device.type == "cpu"
     assert (short[0, :4].abs().sum(dim=1) > 0).all()
@@ -345,7 +346,7 @@ def test_original_format_causal_weights_map_to_diffusers_names(model_dir, tmp_pa
         assert torch.equal(loaded[diffusers_name], ema[original]), original
 
     # the whole model: a diffusers forward equals one of a model filled from the expected names
-    expected = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG).eval()
+    expected = WanTransformer3DModel(**SMALL_TRANSFORMER_CONFIG).eval()
     expected.load_state_dict({d: ema[o] for o, d, _ in ORIGINAL_KEYS}, strict=True)
     generator = torch.Generator().manual_seed(3)
     latents = torch.randn(1, 16, 2, 6, 8, generator=generator)
@@ -467,7 +468,7 @@ def test_model_dir_errors_name_the_missing_or_broken_part(model_dir, tmp_path):
 
     # weights of another shape than transformer/config.json says
     wrong = linked_model_dir(model_dir, tmp_path / "wrong", skip=("transformer",))
-    WanTransformer3DModel(**{**TINY_TRANSFORMER_CONFIG, "ffn_dim": 96}).save_pretrained(wrong / "transformer")
+    WanTransformer3DModel(**{**SMALL_TRANSFORMER_CONFIG, "ffn_dim": 96}).save_pretrained(wrong / "transformer")
     (wrong / "transformer" / "config.json").write_text(json.dumps(transformer_config))
     fails(wrong, "expected shape torch.Size([128")  # ffn.net.0.proj's weight or bias, 96 rows in the file
 
