@@ -400,9 +400,11 @@ class EngineCore:
     def _took_input(self, record: SessionRecord, pending: PendingWork) -> None:
         """The live frames a dispatched block took leave the session's buffer (known at dispatch)."""
         if pending.live_first_seq is not None and pending.input_frames_taken and record.live is not None:
-            used = record.live.consume(pending.live_first_seq, pending.input_frames_taken)
+            used, dropped = record.live.consume(pending.live_first_seq, pending.input_frames_taken)
             record.inputs.frames_used += used
+            record.inputs.frames_dropped += dropped
             self.input_totals["used"] += used
+            self.input_totals["dropped"] += dropped
         if pending.context_frames is not None:
             record.inputs.context_frames = pending.context_frames
 

@@ -9,6 +9,9 @@ limit or hold up anyone else::
 
 A block takes the oldest frames it needs; frames are numbered so that the frames it took, and only those,
 leave the buffer, even when newer ones arrived (and older ones were dropped) while it was being planned.
+Offered frames that a full buffer pushes out before the block's take is known are not counted yet: the
+block has its copies, so the ones it took count as used, the rest as dropped (on a GPU the dispatch holds
+the host for much of a block, while a full second of frames can arrive).
 The engine never waits for a frame: a block that finds too few repeats the last one it has (the runner's).
 """
 
@@ -48,6 +51,8 @@ class LiveInput:
         self._refilled_at: float | None = None
         self._waiting: deque[tuple[int, np.ndarray]] = deque()
         self._next_seq = 0
+        self._offered_until = 0  # frames numbered below this were offered to a block whose take is not known yet
+        self._pushed_out_offered: list[int] = []  # ... of them, the ones a full buffer pushed out meanwhile
 
     def admit(self, now: float) -> bool:
         """Whether a frame arriving at ``now`` (monotonic seconds) is within the rate; takes a token if so."""
@@ -60,11 +65,15 @@ class LiveInput:
         return True
 
     def push(self, frame: np.ndarray) -> int:
-        """Add a decoded frame; returns how many old frames were dropped to make room (0 or 1)."""
+        """Add a decoded frame; returns how many old frames were dropped to make room (0 or 1; an offered frame
+        pushed out is counted by :meth:`consume`)."""
         dropped = 0
         if len(self._waiting) >= self.capacity:
-            self._waiting.popleft()
-            dropped = 1
+            seq, _ = self._waiting.popleft()
+            if seq < self._offered_until and len(self._pushed_out_offered) < self.capacity:
+                self._pushed_out_offered.append(seq)
+            else:
+                dropped = 1
         self._waiting.append((self._next_seq, frame))
         self._next_seq += 1
         return dropped
@@ -73,16 +82,23 @@ class LiveInput:
         """Up to ``limit`` of the oldest waiting frames, for the next block (nothing leaves the buffer)."""
         frames = [frame for _, frame in list(self._waiting)[:limit]]
         first_seq = self._waiting[0][0] if self._waiting else self._next_seq
+        self._offered_until = max(self._offered_until, first_seq + len(frames))
         return LiveFrames(first_step=self.first_step, frames=tuple(frames), first_seq=first_seq)
 
-    def consume(self, first_seq: int, taken: int) -> int:
-        """Remove the ``taken`` frames numbered from ``first_seq`` that are still waiting; returns how many were."""
-        removed = 0
-        while self._waiting and self._waiting[0][0] < first_seq + taken:
+    def consume(self, first_seq: int, taken: int) -> tuple[int, int]:
+        """The block took the ``taken`` frames numbered from ``first_seq``: those still waiting leave. Returns
+        (used, dropped): the frames it took, waiting or pushed out since the offer, and the offered frames
+        pushed out that it did not take."""
+        end = first_seq + taken
+        used = sum(first_seq <= seq < end for seq in self._pushed_out_offered)
+        dropped = len(self._pushed_out_offered) - used
+        self._pushed_out_offered.clear()
+        self._offered_until = end
+        while self._waiting and self._waiting[0][0] < end:
             if self._waiting[0][0] >= first_seq:
-                removed += 1
+                used += 1
             self._waiting.popleft()
-        return removed
+        return used, dropped
 
     @property
     def waiting(self) -> int:
