@@ -58,7 +58,8 @@ def main() -> None:
                 encodes.append({k: entry.get(k) for k in ("encode_ms", "background", "encode_thread", "prompt_length")})
             elif entry.get("event") == "cuda memory budget":
                 budget = {k: round(entry[k] / MIB, 1) if isinstance(entry.get(k), (int, float)) else entry.get(k)
-                          for k in ("free", "activation_peak", "budget", "allocator_limit")}
+                          for k in ("free", "activation_peak", "budget", "allocator_limit", "resident_with_probe_pool",
+                                    "allocated_after_probe", "reserved_after_probe")}
     out["prompt_encodes"] = encodes
     out["cuda_memory_budget_mib"] = budget
     paced = out.get("n1_pace_on") or {}

@@ -146,6 +146,11 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> tup
         free = min(free, limit - torch.cuda.memory_reserved(device))
     staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
     budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
+    # What the build and the probe hold before any session: tensors (allocated) and the allocator's reserve
+    # beyond them (CUDA graph pools stay reserved after empty_cache). The 24 GiB run found 5.8 GiB more held
+    # than the weights and workspaces explain (docs/BENCHMARKS.md); these say where it is.
     log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget,
-                                          "allocator_limit": limit})
+                                          "allocator_limit": limit, "resident_with_probe_pool": resident,
+                                          "allocated_after_probe": torch.cuda.memory_allocated(device),
+                                          "reserved_after_probe": torch.cuda.memory_reserved(device)})
     return max(budget, 0), activation_peak
