@@ -1,0 +1,195 @@
+"""Where the Wan VAE's streaming decode spends a block: time, work and achieved TFLOP/s per decoder stage.
+
+Prints ONE JSON line. One session's streaming decode as the engine runs it (``WanStreamingDecoder``, one
+latent frame per call on the causal cache): an opening chunk, warm-up blocks, then timed steady blocks of
+``--latent-frames`` latent frames. Each stage of ``vae.decoder`` (conv_in, mid_block, up_blocks.N, norm_out,
+conv_out) is timed with hooks (CUDA events on a GPU, a synchronised clock on the CPU) and its FLOPs are counted
+with torch's FlopCounterMode over one steady block. The whole block is also timed without hooks (the reference
+the stage times must add up to), and with ``--compile`` through the engine's compiled steady state too.
+
+    python bench/vae_decode_stages.py --device cuda --dtype bfloat16                 # 832x480, issue 23
+    python bench/vae_decode_stages.py --height 96 --width 160 --blocks 1 --warmup 1   # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from diffusers import AutoencoderKLWan
+from torch.utils.flop_counter import FlopCounterMode
+
+from decoders.video import WanStreamingDecoder
+from engine.models.presets import WAN_2_1_VAE_CONFIG
+
+
+def stages(decoder: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """The decoder's top-level stages in run order, by their module names (the head: norm_out, conv_out)."""
+    named = {"conv_in": decoder.conv_in, "mid_block": decoder.mid_block}
+    for index, block in enumerate(decoder.up_blocks):
+        named[f"up_blocks.{index}"] = block
+    named["norm_out"] = decoder.norm_out
+    named["conv_out"] = decoder.conv_out
+    return named
+
+
+class StageTimer:
+    """Forward pre/post hooks that time each stage; on CUDA with events read once per block."""
+
+    def __init__(self, named: dict[str, torch.nn.Module], device: torch.device) -> None:
+        self.device = device
+        self.pending: list[tuple[str, object, object]] = []
+        self.ms: dict[str, list[float]] = defaultdict(list)
+        self.handles = []
+        for name, module in named.items():
+            self.handles.append(module.register_forward_pre_hook(self._start(name)))
+            self.handles.append(module.register_forward_hook(self._stop(name)))
+        self._open: dict[str, object] = {}
+
+    def _now(self):
+        if self.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def _start(self, name):
+        def hook(module, args):
+            self._open[name] = self._now()
+        return hook
+
+    def _stop(self, name):
+        def hook(module, args, output):
+            self.pending.append((name, self._open.pop(name), self._now()))
+        return hook
+
+    def collect(self) -> dict[str, float]:
+        """Per-stage milliseconds of what ran since the last call, summed over the block's frames."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        block: dict[str, float] = defaultdict(float)
+        for name, start, stop in self.pending:
+            block[name] += start.elapsed_time(stop) if self.device.type == "cuda" else (stop - start) * 1000
+        self.pending.clear()
+        for name, value in block.items():
+            self.ms[name].append(value)
+        return block
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def stage_flops(decoder: WanStreamingDecoder, named: dict[str, torch.nn.Module], latents, state) -> dict[str, int]:
+    """FLOPs per stage over one block's decode (FlopCounterMode's per-module counts, by stage prefix)."""
+    with FlopCounterMode(display=False) as counter:
+        decoder.decode_chunk(latents, state)
+    counts = counter.get_flop_counts()
+    out = {}
+    for name in named:
+        total = 0
+        for module_name, ops in counts.items():
+            parts = module_name.split(".")
+            # FlopCounterMode names modules from the outermost one it saw (e.g. "WanDecoder3d.up_blocks.0").
+            if ".".join(parts[1:]) == name:
+                total = sum(ops.values())
+        out[name] = total
+    out["whole"] = sum(counts.get("Global", {}).values())
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--height", type=int, default=480)
+    parser.add_argument("--width", type=int, default=832)
+    parser.add_argument("--latent-frames", type=int, default=3, help="latent frames a block (3: 12 video frames)")
+    parser.add_argument("--warmup", type=int, default=3, help="steady blocks before timing (cuDNN's choices)")
+    parser.add_argument("--blocks", type=int, default=5, help="timed steady blocks")
+    parser.add_argument("--compile", action="store_true", help="also time the engine's compiled steady state")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    vae = AutoencoderKLWan(**WAN_2_1_VAE_CONFIG).to(device, dtype).eval()
+    decoder = WanStreamingDecoder(vae, fast_path=False)  # the device's path: diffusers' causal conv3d
+    h, w = args.height // 8, args.width // 8
+    latents = lambda: torch.randn(1, vae.config.z_dim, args.latent_frames, h, w, device=device, dtype=dtype)  # noqa: E731
+
+    state = decoder.new_state("bench")
+    decoder.decode_chunk(latents(), state)  # the opening chunk
+    for _ in range(args.warmup):
+        decoder.decode_chunk(latents(), state)
+    sync(device)
+
+    whole = []  # the reference: the block without hooks
+    for _ in range(args.blocks):
+        started = time.perf_counter()
+        decoder.decode_chunk(latents(), state)
+        sync(device)
+        whole.append((time.perf_counter() - started) * 1000)
+
+    named = stages(vae.decoder)
+    timer = StageTimer(named, device)
+    for _ in range(args.blocks):
+        decoder.decode_chunk(latents(), state)
+        timer.collect()
+    timer.remove()
+    flops = stage_flops(decoder, named, latents(), state)
+
+    table = {}
+    for name in named:
+        ms = statistics.median(timer.ms[name]) if timer.ms[name] else float("nan")
+        table[name] = {"ms": round(ms, 2), "gflop": round(flops[name] / 1e9, 1),
+                       "tflop_s": round(flops[name] / (ms / 1000) / 1e12, 1) if ms == ms and ms > 0 else None}
+    whole_ms = statistics.median(whole)
+    result = {
+        "bench": "vae_decode_stages",
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "dtype": args.dtype,
+        "size": [args.width, args.height],
+        "latent_frames_per_block": args.latent_frames,
+        "video_frames_per_block": 4 * args.latent_frames,
+        "block_ms_median": round(whole_ms, 2),
+        "block_ms_all": [round(v, 2) for v in whole],
+        "block_tflop": round(flops["whole"] / 1e12, 2),
+        "block_tflop_s": round(flops["whole"] / (whole_ms / 1000) / 1e12, 1),
+        "stages": table,
+        "stages_ms_sum": round(sum(v["ms"] for v in table.values() if v["ms"] == v["ms"]), 2),
+    }
+    if args.compile:
+        compiled = WanStreamingDecoder(vae, fast_path=False, compile_steady_state=True)
+        state = compiled.new_state("compiled")
+        compiled.decode_chunk(latents(), state)
+        for _ in range(args.warmup + 2):  # the steady state starts after a few frames, then compiles
+            compiled.decode_chunk(latents(), state)
+        sync(device)
+        times = []
+        for _ in range(args.blocks):
+            started = time.perf_counter()
+            compiled.decode_chunk(latents(), state)
+            sync(device)
+            times.append((time.perf_counter() - started) * 1000)
+        result["compiled_block_ms_median"] = round(statistics.median(times), 2)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
