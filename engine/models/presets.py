@@ -15,6 +15,8 @@ from decoders.taehv_encoder import TAEHVEncoderConfig
 # The embedded default: the same architecture class as Wan2.1 at toy size, so it
 # runs live on a 2-core CPU. Its shipped weights were trained on the procedural
 # world (world/, train/, docs/TINY_MODEL.md); random_weights gives seeded ones.
+# Width and depth: 2 layers of 2 heads stopped learning (its loss flat over two training rounds); 3 layers of
+# 4 heads with an FFN of 512 learned the world and streams ~33 frames/s on the 2-core CPU (docs/BENCHMARKS.md).
 TINY_TRANSFORMER_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
     "num_attention_heads": 4,
