@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.bundle import ModelBundle, build_models
+from engine.models import presets
 from engine.models.presets import TINY_TRANSFORMER_CONFIG
 from engine.runner import Runner, runner_for
 
@@ -26,6 +28,18 @@ SMALL = {"height": 48, "width": 64}
 # (loading, causal == full sequence, FP8 against bf16), not what the shipped weights show: the same code at
 # a quarter of the preset's CPU time.
 SMALL_TRANSFORMER_CONFIG = {**TINY_TRANSFORMER_CONFIG, "num_attention_heads": 2, "ffn_dim": 128, "num_layers": 2}
+
+
+@contextlib.contextmanager
+def small_dit_tiny_preset():
+    """The tiny preset with SMALL_TRANSFORMER_CONFIG's DiT while the block runs, for tests whose cost, not result,
+    depends on the DiT's size (random weights only: the shipped weights are the preset's size)."""
+    original = presets.PRESETS["tiny"]
+    presets.PRESETS["tiny"] = dataclasses.replace(original, transformer_config=SMALL_TRANSFORMER_CONFIG)
+    try:
+        yield
+    finally:
+        presets.PRESETS["tiny"] = original
 
 
 def small_config(**overrides) -> EngineConfig:

@@ -40,9 +40,10 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _run(fp8: str, blocks: int = BLOCKS, **overrides):
-    from tests.engine_helpers import build_small
+    from tests.engine_helpers import build_small, small_dit_tiny_preset
 
-    _, bundle = build_small(dtype="bfloat16", fp8=fp8, **GEOMETRY, **overrides)
+    with small_dit_tiny_preset():  # the interpreted kernel's time grows with heads and layers; its error does not
+        _, bundle = build_small(dtype="bfloat16", fp8=fp8, **GEOMETRY, **overrides)
     pipeline = bundle.pipeline
     device = pipeline.transformer.device
     kv = KVCacheManager(pipeline.kv_spec(), 1, device.type).open_session("s")
