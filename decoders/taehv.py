@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoders.latent_stats import LatentStats
 from decoders.video import frames_to_uint8, frames_to_uint8_tensor
 
 log = logging.getLogger("arstream.taehv")
@@ -140,6 +141,16 @@ class MemoryBlock(nn.Module):
     def forward(self, x: torch.Tensor, past: torch.Tensor) -> torch.Tensor:
         return self.act(self.conv(torch.cat([x, past], 1)) + self.skip(x))
 
+    def stream(self, x: torch.Tensor, previous: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Frames ``x`` (``[T, C, h, w]``) that follow ``previous`` (the stage's input one frame earlier; None,
+        zeros, at a stream's start) -> the block's output and the memory to carry: ``x``'s last frame."""
+        if previous is None:
+            previous = torch.zeros_like(x[:1])
+        past = torch.cat([previous, x[:-1]]) if x.shape[0] > 1 else previous
+        # A slice of a multi-frame input would keep all its frames resident: copy the last one.
+        kept = x[-1:].clone() if x.shape[0] > 1 else x
+        return self(x, past), kept
+
 
 class TemporalGrow(nn.Module):
     """1x1 conv to ``stride`` channel groups, each group one output frame (earliest first)."""
@@ -193,13 +204,8 @@ class TAEHVDecoder(nn.Module):
         new_memory: list[torch.Tensor] = []
         for layer in self.decoder:
             if isinstance(layer, MemoryBlock):
-                previous = memory[len(new_memory)]
-                if previous is None:
-                    previous = torch.zeros_like(x[:1])
-                past = torch.cat([previous, x[:-1]]) if x.shape[0] > 1 else previous
-                # A slice of a multi-frame input would keep all its frames resident: copy the last one.
-                new_memory.append(x[-1:].clone() if x.shape[0] > 1 else x)
-                x = layer(x, past)
+                x, kept = layer.stream(x, memory[len(new_memory)])
+                new_memory.append(kept)
             else:
                 x = layer(x)
                 if channels_last and isinstance(layer, TemporalGrow):
@@ -302,14 +308,7 @@ class TAEHVStreamingDecoder:
         self.dtype = parameter.dtype
         self.channels_last = self.device.type == "cuda" if channels_last is None else bool(channels_last)
         self.startup_frames = config.frames_per_latent - 1
-        if (latents_mean is None) != (latents_std is None):
-            raise ValueError("latents_mean and latents_std come together")
-        self._latent_stats = None
-        if latents_mean is not None:
-            if len(latents_mean) != config.latent_channels or len(latents_std) != config.latent_channels:
-                raise ValueError(f"latent statistics need {config.latent_channels} values each")
-            self._latent_stats = (torch.tensor(latents_mean), torch.tensor(latents_std))
-        self._denormalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._latent_stats = LatentStats.optional(latents_mean, latents_std, config.latent_channels)
         self._compiled = None
         if compile_frames:
             self._compiled = torch.compile(
@@ -341,15 +340,7 @@ class TAEHVStreamingDecoder:
         The identity for the published TAEHV weights (trained on the model's normalised latents); the
         tiny codec's latents were normalised per channel for its DiT, and are scaled back here.
         """
-        if self._latent_stats is None:
-            return latents
-        key = (str(latents.device), latents.dtype)
-        if key not in self._denormalizers:  # on the device once, not a host copy per block
-            mean, std = self._latent_stats
-            self._denormalizers[key] = (mean.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1),
-                                        std.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1))
-        mean, std = self._denormalizers[key]
-        return latents * std + mean
+        return latents if self._latent_stats is None else self._latent_stats.denormalize(latents)
 
     @torch.inference_mode()
     def decode_chunk(self, latents: torch.Tensor, state: TAEHVDecodeState) -> torch.Tensor:

@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from decoders.latent_stats import LatentStats
 from decoders.taehv import MemoryBlock, _conv3x3
 
 FRAMES_PER_LATENT = 4
@@ -203,15 +204,7 @@ class TAEHVStreamingEncoder:
         self.device = parameter.device
         self.dtype = parameter.dtype
         self.memory_block_count = sum(isinstance(layer, MemoryBlock) for layer in model.encoder)
-        if (latents_mean is None) != (latents_std is None):
-            raise ValueError("latents_mean and latents_std come together")
-        channels = model.config.latent_channels
-        self._latent_stats = None
-        if latents_mean is not None:
-            if len(latents_mean) != channels or len(latents_std) != channels:
-                raise ValueError(f"latent statistics need {channels} values each")
-            self._latent_stats = (torch.tensor(latents_mean), torch.tensor(latents_std))
-        self._normalizers: dict[tuple[str, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._latent_stats = LatentStats.optional(latents_mean, latents_std, model.config.latent_channels)
 
     spatial_downscale = 8
     frames_per_latent = FRAMES_PER_LATENT
@@ -238,15 +231,7 @@ class TAEHVStreamingEncoder:
 
     def normalize(self, latents: torch.Tensor) -> torch.Tensor:
         """The encoder's latents -> model space: ``(z - mean) / std`` per channel (the identity without statistics)."""
-        if self._latent_stats is None:
-            return latents
-        key = (str(latents.device), latents.dtype)
-        if key not in self._normalizers:  # on the device once, not a host copy per block
-            mean, std = self._latent_stats
-            self._normalizers[key] = (mean.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1),
-                                      std.to(latents.device, latents.dtype).view(1, -1, 1, 1, 1))
-        mean, std = self._normalizers[key]
-        return (latents - mean) / std
+        return latents if self._latent_stats is None else self._latent_stats.normalize(latents)
 
     def from_uint8(self, frames: np.ndarray) -> torch.Tensor:
         return frames_from_uint8(frames, self.device, self.dtype)
@@ -293,13 +278,8 @@ class TAEHVStreamingEncoder:
         new_memory: list[torch.Tensor] = []
         for layer in self.model.encoder:
             if isinstance(layer, MemoryBlock):
-                previous = memory[len(new_memory)]
-                if previous is None:
-                    previous = torch.zeros_like(x[:1])
-                past = torch.cat([previous, x[:-1]]) if x.shape[0] > 1 else previous
-                # A slice of a multi-frame input would keep all its frames resident: copy the last one.
-                new_memory.append(x[-1:].clone() if x.shape[0] > 1 else x)
-                x = layer(x, past)
+                x, kept = layer.stream(x, memory[len(new_memory)])
+                new_memory.append(kept)
             elif isinstance(layer, TemporalPool):
                 x = layer(x.unsqueeze(0)).squeeze(0)
             else:
