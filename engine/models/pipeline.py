@@ -333,12 +333,17 @@ class CausalWanPipeline:
             raise ValueError(f"a context holds at most {self.sink_frames + self.window_frames} latent frames")
         context = context.to(self.transformer.device, torch.float32)
         for group in BlockLatents.cat_groups(context, self.frames_per_block):
-            for branch in self.branch_names:
-                self.forward_branch(kv, progress, branch, group, 0.0, stage=True)
-            self._pool_writes += 1
-            for branch in self.branch_names:
-                kv.commit(branch, group.frames)
-            self._remember_clean(progress, group)
+            self._commit(kv, progress, group)
+
+    def _commit(self, kv: SessionKVState, progress: SessionProgress, clean: BlockLatents) -> None:
+        """The commit pass: ``clean``'s K/V staged in every branch at t = 0, then committed to the history."""
+        for branch in self.branch_names:
+            self.forward_branch(kv, progress, branch, clean, 0.0, stage=True)
+        # Every branch's forward succeeded: only now does anything enter the cache.
+        self._pool_writes += 1
+        for branch in self.branch_names:
+            kv.commit(branch, clean.frames)
+        self._remember_clean(progress, clean)
 
     def _begin_block(self, progress: SessionProgress) -> None:
         """x of the block's first step: noise, or its input taken to that step's σ (or, at strength 0, x0 itself)."""
@@ -366,13 +371,7 @@ class CausalWanPipeline:
             progress.step_index += 1
             return None
         clean = progress.clean
-        for branch in self.branch_names:
-            self.forward_branch(kv, progress, branch, clean, 0.0, stage=True)
-        # Every branch's forward succeeded: only now does anything enter the cache.
-        self._pool_writes += 1
-        for branch in self.branch_names:
-            kv.commit(branch, clean.frames)
-        self._remember_clean(progress, clean)
+        self._commit(kv, progress, clean)
         progress.block_index += 1
         progress.step_index = 0
         progress.latents = None
