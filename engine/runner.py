@@ -412,9 +412,13 @@ class Runner:
             raise RuntimeError("this engine's video codec cannot encode")
         state = self.encoder.new_state("context")
         try:
-            video = self.encoder.normalize(self.encoder.encode_chunk(self.encoder.from_uint8(frames), state)).float()
+            return self._encode(frames, state)
         finally:
             self.encoder.release(state)
+
+    def _encode(self, frames: np.ndarray, state) -> BlockLatents:
+        """uint8 frames continuing ``state``'s stream -> model-space latents, with silence for their audio."""
+        video = self.encoder.normalize(self.encoder.encode_chunk(self.encoder.from_uint8(frames), state)).float()
         return BlockLatents(video, self._silent_audio(video.shape[2]))
 
     def _silent_audio(self, latent_frames: int) -> torch.Tensor | None:
@@ -463,10 +467,7 @@ class Runner:
             return 0  # nothing has arrived yet: this block comes from the prompt alone
         # Too few arrived: repeat the last frame (the engine never waits for input).
         frames = np.stack(taken + [device_session.last_input_frame] * (need - len(taken)))
-        latents = self.encoder.encode_chunk(self.encoder.from_uint8(frames), device_session.encode_state)
-        video = self.encoder.normalize(latents).float()
-        self.pipeline.set_block_input(progress, BlockLatents(video, self._silent_audio(video.shape[2])),
-                                      live.first_step)
+        self.pipeline.set_block_input(progress, self._encode(frames, device_session.encode_state), live.first_step)
         return len(taken)
 
     def _change_prompt(self, work: SessionWork) -> None:
@@ -585,7 +586,6 @@ class Runner:
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
         return seconds
-
 
     def _warm_inputs(self, session_id: str, run) -> None:
         """An image start (the one-frame commit pass, the encoder's opening group) and two live blocks (its
