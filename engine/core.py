@@ -401,10 +401,8 @@ class EngineCore:
         """The live frames a dispatched block took leave the session's buffer (known at dispatch)."""
         if pending.live_first_seq is not None and pending.input_frames_taken and record.live is not None:
             used, dropped = record.live.consume(pending.live_first_seq, pending.input_frames_taken)
-            record.inputs.frames_used += used
-            record.inputs.frames_dropped += dropped
-            self.input_totals["used"] += used
-            self.input_totals["dropped"] += dropped
+            self._count_input(record, "used", used)
+            self._count_input(record, "dropped", dropped)
         if pending.context_frames is not None:
             record.inputs.context_frames = pending.context_frames
 
@@ -434,12 +432,10 @@ class EngineCore:
             raise SessionClosed("session is closed")
         if record.live is None:
             raise NotLive("live input is off: send a live message first")
-        record.inputs.frames_received += 1
-        self.input_totals["received"] += 1
+        self._count_input(record, "received")
         if record.live.admit(time.monotonic()):
             return True
-        record.inputs.frames_dropped += 1
-        self.input_totals["dropped"] += 1
+        self._count_input(record, "dropped")
         return False
 
     def push_frame(self, session_id: str, frame) -> None:
@@ -447,16 +443,17 @@ class EngineCore:
         record = self.records.get(session_id)
         if record is None or not record.is_open or record.live is None:
             return  # ended or switched off while the frame was decoded: it is simply not used
-        dropped = record.live.push(frame)
-        record.inputs.frames_dropped += dropped
-        self.input_totals["dropped"] += dropped
+        self._count_input(record, "dropped", record.live.push(frame))
         self.wake.set()
 
     def count_invalid_frame(self, session_id: str) -> None:
-        record = self.records.get(session_id)
+        self._count_input(self.records.get(session_id), "invalid")
+
+    def _count_input(self, record: SessionRecord | None, outcome: str, frames: int = 1) -> None:
+        """Live frames by outcome (received, used, dropped, invalid): the session's counter and the engine's."""
         if record is not None:
-            record.inputs.frames_invalid += 1
-        self.input_totals["invalid"] += 1
+            record.inputs.add(outcome, frames)
+        self.input_totals[outcome] += frames
 
     def _account(self, cost: WorkCost) -> None:
         record = self.records.get(cost.session_id)

@@ -35,6 +35,11 @@ class InputCounters:
     frames_invalid: int = 0  # could not be read (the client got `invalid_media` / `media_too_large`)
     context_frames: int = 0  # latent frames of the image or clip the content last started from
 
+    def add(self, outcome: str, frames: int = 1) -> None:
+        """``frames`` more of ``outcome``: received, used, dropped or invalid."""
+        name = f"frames_{outcome}"
+        setattr(self, name, getattr(self, name) + frames)
+
 
 class LiveInput:
     """Live input while it is on: ``first_step`` (the strength on the model's schedule), the waiting frames."""
