@@ -108,6 +108,17 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_blocks(decoder: WanStreamingDecoder, state, latents, blocks: int, device: torch.device) -> list[float]:
+    """Milliseconds of each of ``blocks`` steady block decodes, the device synchronised around each."""
+    times = []
+    for _ in range(blocks):
+        started = time.perf_counter()
+        decoder.decode_chunk(latents(), state)
+        sync(device)
+        times.append((time.perf_counter() - started) * 1000)
+    return times
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -137,12 +148,7 @@ def main() -> None:
         decoder.decode_chunk(latents(), state)
     sync(device)
 
-    whole = []  # the reference: the block without hooks
-    for _ in range(args.blocks):
-        started = time.perf_counter()
-        decoder.decode_chunk(latents(), state)
-        sync(device)
-        whole.append((time.perf_counter() - started) * 1000)
+    whole = time_blocks(decoder, state, latents, args.blocks, device)  # the reference: the block without hooks
 
     named = stages(vae.decoder)
     timer = StageTimer(named, device)
@@ -181,13 +187,7 @@ def main() -> None:
         for _ in range(args.warmup + 2):  # the steady state starts after a few frames, then compiles
             compiled.decode_chunk(latents(), state)
         sync(device)
-        times = []
-        for _ in range(args.blocks):
-            started = time.perf_counter()
-            compiled.decode_chunk(latents(), state)
-            sync(device)
-            times.append((time.perf_counter() - started) * 1000)
-        result["compiled_block_ms_median"] = round(statistics.median(times), 2)
+        result["compiled_block_ms_median"] = round(statistics.median(time_blocks(compiled, state, latents, args.blocks, device)), 2)
     print(json.dumps(result))
 
 
