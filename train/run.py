@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from engine.models.causal_wan import CausalWanTransformer
+from engine.models.trained import TrainedWeights
 from train.audio import train_audio_decoder
 from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_stats_metadata, load_module_file
 from train.data import build_latent_set
@@ -148,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     stats = None
     if continuing:
-        metadata = _codec_metadata(ckpt.directory if (ckpt.directory / "codec.safetensors").exists() else args.init)
-        stats = (json.loads(metadata["latents_mean"]), json.loads(metadata["latents_std"]))
+        shipped = TrainedWeights(ckpt.directory if (ckpt.directory / "codec.safetensors").exists() else args.init)
+        latent = shipped.latent_stats()  # as the engine's decoder reads them
+        stats = (latent["latents_mean"], latent["latents_std"])
     data = build_latent_set(codec, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
                             device=device, stats=stats, seed=3 + 2 * (args.round - 1) if continuing else 3,
                             batch=cfg["data_batch"])
@@ -214,13 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
     _summary(log, ckpt)
     return 0
-
-
-def _codec_metadata(directory: Path) -> dict[str, str]:
-    from safetensors import safe_open
-
-    with safe_open(str(directory / "codec.safetensors"), framework="pt") as handle:
-        return dict(handle.metadata() or {})
 
 
 def _save_image(directory: Path | None, name: str, image: np.ndarray) -> None:
