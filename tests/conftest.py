@@ -58,19 +58,6 @@ def small_engine(**overrides) -> dict:
 
 
 @pytest.fixture
-def every_core():
-    """torch's intra-op threads on every core for one test, then back (the suite runs on one: see
-    tests/engine_helpers.py). For tests that only stream the shipped tiny model in this process, with no
-    server beside it: its 3-layer DiT streams ~1.7x faster on two threads than on one (2-core CPU)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture
 def make_client() -> Iterator[Callable]:
     """``with make_client(engine={...}, **settings) as client:`` — the app under TestClient, lifespan run."""
     from fastapi.testclient import TestClient

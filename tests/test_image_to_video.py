@@ -18,7 +18,6 @@ from train import checks
 from world.grammar import Scene
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.usefixtures("every_core")  # the trained model in this process only, no server
 FRAMES_3S = 48
 MIN_SHARE = 0.8  # of frames, as tests/test_tiny_model.py
 # The seam may be this much larger than the largest frame-to-frame jump inside the generated stream

@@ -17,7 +17,6 @@ from train import checks
 from world.grammar import Scene
 
 torch.set_num_threads(1)
-pytestmark = pytest.mark.usefixtures("every_core")  # the trained model in this process only, no server
 BLOCKS = 4  # 9 + 3 x 12 = 45 frames of input and output
 
 

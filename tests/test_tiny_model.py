@@ -47,7 +47,6 @@ def test_demo_page_offers_the_grammars_example_prompts():
     assert tuple(offered) == EXAMPLE_PROMPTS
 
 
-@pytest.mark.usefixtures("every_core")
 def test_colour_follows_the_prompt_over_the_first_3_seconds(bundle):
     for colour in ("red", "green"):
         prompt = Scene("circle", colour, "bouncing", "blue").caption
@@ -56,7 +55,6 @@ def test_colour_follows_the_prompt_over_the_first_3_seconds(bundle):
         assert scores["background_colour"] >= MIN_SHARE, (prompt, scores)
 
 
-@pytest.mark.usefixtures("every_core")
 def test_shape_is_the_prompted_one_for_every_shape_colour_and_seed(bundle):
     for shape in SHAPES:
         for colour in ("red", "yellow", "white"):
@@ -66,7 +64,6 @@ def test_shape_is_the_prompted_one_for_every_shape_colour_and_seed(bundle):
                 assert share >= MIN_SHARE, (prompt, seed, share)
 
 
-@pytest.mark.usefixtures("every_core")
 def test_moving_prompts_move_still_ones_do_not_and_chunks_join_smoothly(bundle):
     for motion in ("bouncing", "drifting", "orbiting", "still"):
         scores = checks.motion_scores(_stream(bundle, Scene("square", "white", motion, "black").caption).frames)
@@ -78,7 +75,6 @@ def test_moving_prompts_move_still_ones_do_not_and_chunks_join_smoothly(bundle):
             assert scores["max_step_boundary_px"] <= 2 * scores["max_step_inside_px"], (motion, scores)
 
 
-@pytest.mark.usefixtures("every_core")
 @pytest.mark.parametrize("prompt", [
     # None of the other checks' prompts: every object colour, every background, every texture at least once.
     "a yellow triangle drifting on a red checkered background",
@@ -92,7 +88,6 @@ def test_prompts_the_other_checks_do_not_use_show_their_colours(bundle, prompt):
     assert scores["foreground_colour"] >= MIN_SHARE and scores["background_colour"] >= MIN_SHARE, scores
 
 
-@pytest.mark.usefixtures("every_core")
 def test_prompt_change_shows_the_new_colour_within_two_chunks(bundle):
     old = Scene("circle", "red", "drifting", "black").caption
     new = Scene("circle", "green", "drifting", "black").caption
@@ -101,7 +96,6 @@ def test_prompt_change_shows_the_new_colour_within_two_chunks(bundle):
     assert scores["foreground_colour"] >= MIN_SHARE, scores
 
 
-@pytest.mark.usefixtures("every_core")
 @pytest.mark.parametrize("shape", SHAPES)
 def test_audio_is_the_prompted_shapes_tone(bundle, shape):
     result = _stream(bundle, Scene(shape, "white", "bouncing", "blue").caption, chunks=3)
@@ -109,7 +103,6 @@ def test_audio_is_the_prompted_shapes_tone(bundle, shape):
     assert scores["relative_error"] <= 0.05, scores
 
 
-@pytest.mark.usefixtures("every_core")
 @pytest.mark.slow
 def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
     prompt = Scene("circle", "yellow", "orbiting", "blue").caption
