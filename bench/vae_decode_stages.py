@@ -129,6 +129,10 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="steady blocks before timing (cuDNN's choices)")
     parser.add_argument("--blocks", type=int, default=5, help="timed steady blocks")
     parser.add_argument("--compile", action="store_true", help="also time the engine's compiled steady state")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="profile the conv2d path (decoders.video.causal_conv3d_as_conv2d, channels-last) instead")
+    parser.add_argument("--variants", action="store_true",
+                        help="also time whole blocks of each path: conv3d / conv2d, eager / compiled, against conv3d eager")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -138,7 +142,7 @@ def main() -> None:
         torch.backends.cudnn.benchmark = True
     torch.manual_seed(0)
     vae = AutoencoderKLWan(**WAN_2_1_VAE_CONFIG).to(device, dtype).eval()
-    decoder = WanStreamingDecoder(vae, fast_path=False)  # the device's path: diffusers' causal conv3d
+    decoder = WanStreamingDecoder(vae, fast_path=args.fast_path)  # the device's default: diffusers' causal conv3d
     h, w = args.height // 8, args.width // 8
     latents = lambda: torch.randn(1, vae.config.z_dim, args.latent_frames, h, w, device=device, dtype=dtype)  # noqa: E731
 
@@ -179,6 +183,7 @@ def main() -> None:
         "block_tflop_s": round(flops["whole"] / (whole_ms / 1000) / 1e12, 1),
         "stages": table,
         "stages_ms_sum": round(sum(v["ms"] for v in table.values() if v["ms"] == v["ms"]), 2),
+        "path": "conv2d" if args.fast_path else "conv3d",
     }
     if args.compile:
         compiled = WanStreamingDecoder(vae, fast_path=False, compile_steady_state=True)
@@ -188,7 +193,48 @@ def main() -> None:
             compiled.decode_chunk(latents(), state)
         sync(device)
         result["compiled_block_ms_median"] = round(statistics.median(time_blocks(compiled, state, latents, args.blocks, device)), 2)
+    if args.variants:
+        result["variants"] = variants(vae, latents, args.warmup, args.blocks, device)
     print(json.dumps(result))
+
+
+VARIANTS = {"conv3d_eager": (False, False), "conv2d_eager": (True, False),
+            "conv3d_compiled": (False, True), "conv2d_compiled": (True, True)}
+
+
+def variants(vae, latents, warmup: int, blocks: int, device: torch.device) -> dict:
+    """Each path's steady block on the same latents from a fresh session, and its output's largest difference
+    from conv3d eager's (the reference: diffusers' own decoder) on the last block."""
+    torch.manual_seed(1)
+    inputs = [latents() for _ in range(1 + warmup + 2 + blocks)]
+    out, reference = {}, None
+    for name, (fast, compiled) in VARIANTS.items():
+        decoder = WanStreamingDecoder(vae, fast_path=fast, compile_steady_state=compiled)
+        state = decoder.new_state(name)
+        try:
+            for chunk in inputs[: 1 + warmup + 2]:  # the opening chunk, warm-up (and the compile)
+                decoder.decode_chunk(chunk, state)
+            sync(device)
+            times, last = [], None
+            for chunk in inputs[1 + warmup + 2 :]:
+                started = time.perf_counter()
+                last = decoder.decode_chunk(chunk, state)
+                sync(device)
+                times.append((time.perf_counter() - started) * 1000)
+        except Exception as error:  # noqa: BLE001 - a path that fails is a finding, not the end of the run
+            out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
+            continue
+        entry = {"block_ms_median": round(statistics.median(times), 2), "block_ms_min": round(min(times), 2)}
+        if reference is None:
+            reference = last.float()
+        else:
+            entry["max_abs_diff_vs_conv3d_eager"] = round((last.float() - reference).abs().max().item(), 5)
+        if compiled:
+            entry["compiled_calls"] = decoder.steady_state.calls
+            entry["compile_failed"] = decoder.steady_state.failed
+        out[name] = entry
+        del state, decoder
+    return out
 
 
 if __name__ == "__main__":
