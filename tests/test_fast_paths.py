@@ -347,3 +347,27 @@ def test_forgetting_compiled_kernels_compiles_them_again_for_the_next_sizes(monk
     out = kernels._FUSED_GATED_RESIDUAL(y, y, torch.randn(1, 2, 1, 32))
     assert kernels._FUSED_GATED_RESIDUAL._compiled is not None and kernels._FUSED_GATED_RESIDUAL._compiled is not first
     assert out.shape == y.shape
+
+
+def test_the_shared_buffer_does_not_keep_a_finished_sessions_pool_alive():
+    """The engine sizes its session pools after a probe session's manager is dropped (engine/startup.py): a
+    buffer that held the probe's session state kept that whole pool allocated (5.8 GiB on the H200)."""
+    import gc
+    import weakref
+
+    fast, _ = _pipelines(sink_frames=3, window_frames=3)
+    manager, kv, progress = _session(fast, "probe", 1, "a probe")
+    for _ in range(2):  # the second block loads a history into the buffer
+        fast.run_block(kv, progress)
+    assert fast.context_kv["cond"].loads >= 1
+    pool = weakref.ref(kv.pool)
+    kv.close()
+    del manager, kv, progress
+    gc.collect()
+    assert pool() is None
+    # A new session's first load is a load, not a stale hit on the dead session's entry.
+    manager, kv, progress = _session(fast, "next", 1, "a probe")
+    fast.run_block(kv, progress)
+    loads = fast.context_kv["cond"].loads
+    fast.run_block(kv, progress)
+    assert fast.context_kv["cond"].loads == loads + 1

@@ -132,7 +132,7 @@ class ContextKV:
         self._graphs: GraphCache[torch.cuda.CUDAGraph] = GraphCache(
             "history load", self.MAX_GRAPHS, enabled=cuda_graphs and torch.device(device).type == "cuda"
         )
-        self._owner: tuple | None = None  # (kv state, branch, committed frames, pool writes) of the last load
+        self._owner: tuple | None = None  # (kv state's weak reference, branch, frames, pool writes) of the last load
         self.loads = 0
         self.history_tokens = 0  # of the last load
 

@@ -21,6 +21,8 @@ and progress to every call, which is the binding.
 
 from __future__ import annotations
 
+import weakref
+
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -277,7 +279,9 @@ class CausalWanPipeline:
         workspace = self.context_kv.get(branch)
         if workspace is not None:
             # The same ids after the same pool writes hold the same K/V: a block's forwards share one load.
-            owner = (kv, branch, tuple(history_ids), self._pool_writes)
+            # The session by weak reference: the buffer outlives sessions, and must not keep a released one's
+            # state (and through it its manager's whole pool) alive; a dead reference equals no live one.
+            owner = (weakref.ref(kv), branch, tuple(history_ids), self._pool_writes)
             history_tokens = workspace.load(owner, kv.pool, history_ids, cos, sin, self.transformer.kernels.rotate_pairs)
             return GatheredContext(
                 cos=cos, sin=sin, stage=staging, context_kv=workspace.buffer, history_tokens=history_tokens,
