@@ -120,6 +120,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         sink_frames=config.sink_frames,
         window_frames=config.window_frames,
         guidance_scale=config.guidance_scale,
+        gather_history_once=config.resolved_gather_history_once,
         cuda_graphs=config.cuda_graphs,
         text_encode_in_background=config.resolved_text_encode_in_background,
     )

@@ -139,6 +139,13 @@ class EngineConfig(BaseModel):
         description="on CUDA, replay each DiT forward shape and the text encoder (per padded prompt length) as CUDA "
         "graphs (captured at warm-up)",
     )
+    gather_history_once: bool | None = Field(
+        default=None,
+        description="gather (and rotate) a block's attention history once for its forwards into a buffer of one "
+        "session's whole context per KV branch (5.6 GiB for the standard 1.3B window at 832x480; the DiT "
+        "forwards replay as CUDA graphs) instead of in every forward; None: on, except under gpu_memory_gib "
+        "without FP8 attention (a small card keeps that memory for sessions); FP8 attention needs it",
+    )
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
     )
@@ -240,6 +247,10 @@ class EngineConfig(BaseModel):
         # bfloat16 runs on the CPU too (slowly): bf16 and FP8 numerics are checked there against the same weights.
         if self.dtype == "float16" and not self.device.startswith("cuda"):
             raise ValueError(f"dtype {self.dtype} needs a CUDA device; use float32 or bfloat16 on {self.device}")
+        if self.gather_history_once is False and self.fp8 in FP8_ATTENTION:
+            raise ValueError(
+                f"fp8={self.fp8} attends through the gathered history's FP8 mirror: it needs gather_history_once"
+            )
         if self.fp8 != "off" and self.dtype != "bfloat16":
             raise ValueError(
                 f"fp8={self.fp8} needs dtype=bfloat16 (FP8 quantizes a bf16 model's matrix products); "
@@ -305,6 +316,12 @@ class EngineConfig(BaseModel):
         if self.video_input is not None:
             return self.video_input
         return self.gpu_memory_gib is None
+
+    @property
+    def resolved_gather_history_once(self) -> bool:
+        if self.gather_history_once is not None:
+            return self.gather_history_once
+        return self.gpu_memory_gib is None or self.fp8 in FP8_ATTENTION
 
     @property
     def resolved_live_input_buffer_frames(self) -> int:

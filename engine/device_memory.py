@@ -88,7 +88,9 @@ def estimate_device_memory(config: EngineConfig) -> DeviceMemoryEstimate:
         config.resolved_width // VAE_SPATIAL_COMPRESSION // patch_w)
     branches = len(config.kv_branch_names)
     context_tokens = (config.sink_frames + config.window_frames + config.frames_per_block) * tokens_per_frame
-    workspace = branches * layers * 2 * context_tokens * heads * head_dim * element  # ContextKV, per branch
+    workspace = 0
+    if config.resolved_gather_history_once:  # ContextKV, per branch
+        workspace += branches * layers * 2 * context_tokens * heads * head_dim * element
     if config.fp8 in FP8_ATTENTION:  # its e4m3 mirror (docs/FP8.md)
         padded = -(-context_tokens // FP8_V_ROW_ALIGN) * FP8_V_ROW_ALIGN
         workspace += branches * (layers * heads * head_dim * (context_tokens + padded) + 16 * layers * heads)
@@ -125,9 +127,13 @@ def check_fits_on_device(config: EngineConfig, device_total_bytes: int | None = 
         raise InsufficientMemory(refusal(config, estimate))
 
 
-def refusal(config: EngineConfig, estimate: DeviceMemoryEstimate, activation_peak: int | None = None) -> str:
-    """Why ``gpu_memory_gib`` holds no session, with every figure and what would make room."""
+def refusal(config: EngineConfig, estimate: DeviceMemoryEstimate, activation_peak: int | None = None,
+            out_of_memory: str | None = None) -> str:
+    """Why ``gpu_memory_gib`` holds no session, with every figure and what would make room. ``out_of_memory``:
+    the allocator's own message where the build's probe or warm-up ran out of memory under the cap."""
     measured = "" if activation_peak is None else f", the measured activation peak {_gib(activation_peak)}"
+    if out_of_memory is not None:
+        measured += f"; the warm-up ran out of memory under the cap ({out_of_memory.split('. ')[0]})"
     hints = ["a smaller --window-frames", "--height/--width"]
     if config.resolved_video_decoder == "wan":
         hints.insert(1, "the TAEHV decoder (ARSTREAM_ENGINE__VIDEO_DECODER=taehv)")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -88,7 +90,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     budget = config.kv_memory_budget_bytes
     activation_peak = None
     if budget is None and torch.device(config.device).type == "cuda":
-        budget, activation_peak = _cuda_budget(config, bundle, spec)
+        with refused_when_out_of_memory(config, lambda: activation_peak):
+            budget, activation_peak = _cuda_budget(config, bundle, spec)
     elif budget is None and torch.device(config.device).type == "cpu":
         budget = cpu_session_budget()  # what the host has available now, less a reserve
     capacity = config.max_sessions
@@ -106,7 +109,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
-    warmup = runner.warmup(config.warmup_blocks) if config.warmup_blocks else []
+    with refused_when_out_of_memory(config, lambda: activation_peak):
+        warmup = runner.warmup(config.warmup_blocks) if config.warmup_blocks else []
     built = BuiltEngine(
         runner=runner,
         capacity=int(capacity),
@@ -120,6 +124,23 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         extra={"capacity": built.capacity, "warmup_block_ms": [round(s * 1000, 1) for s in warmup]},
     )
     return built
+
+
+@contextmanager
+def refused_when_out_of_memory(config: EngineConfig, activation_peak: Callable[[], int | None]) -> Iterator[None]:
+    """Under ``gpu_memory_gib``, the allocator refusing the probe or the warm-up is the cap holding no session:
+    say so with every figure (:func:`~engine.device_memory.refusal`), not with the allocator's traceback.
+    The runner reports a session's failure as text, so the warm-up's out-of-memory arrives as a message."""
+    try:
+        yield
+    except (torch.OutOfMemoryError, RuntimeError) as error:
+        text = str(error)
+        if config.gpu_memory_gib is None or not (isinstance(error, torch.OutOfMemoryError) or "OutOfMemoryError" in text):
+            raise
+        cause = text[text.find("CUDA out of memory"):] if "CUDA out of memory" in text else text
+        raise InsufficientMemory(
+            refusal(config, estimate_device_memory(config), activation_peak(), out_of_memory=cause)
+        ) from error
 
 
 def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> tuple[int, int]:

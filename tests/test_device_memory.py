@@ -41,7 +41,7 @@ LATENT_FRAME_BYTES = 16 * 60 * 104 * 4  # float32
 
 
 def test_the_standard_1_3b_parts_add_up_from_the_geometry():
-    estimate = estimate_device_memory(cuda_1_3b())
+    estimate = estimate_device_memory(cuda_1_3b(gather_history_once=True))
     assert FRAME_BYTES == 287_539_200
     session_without_decoder = 18 * FRAME_BYTES + TEXT_BYTES + (18 + 2 * 3) * LATENT_FRAME_BYTES
     assert round((estimate.session - session_without_decoder) / 2**20, 1) == DECODER_STATE_BYTES_MIB
@@ -54,21 +54,39 @@ def test_the_standard_1_3b_parts_add_up_from_the_geometry():
     fp8 = estimate_device_memory(cuda_1_3b(fp8="attention"))
     assert fp8.workspace - estimate.workspace == 30 * 12 * 128 * (32_760 + 32_768) + 16 * 30 * 12
     # The fast window with TAEHV: 3 + 6 + 3 frames of context, 9 resident, a small decoder state.
-    fast = estimate_device_memory(cuda_1_3b(window_frames=6, video_decoder="taehv"))
+    fast = estimate_device_memory(cuda_1_3b(window_frames=6, video_decoder="taehv", gather_history_once=True))
     assert fast.workspace == 12 * FRAME_BYTES + 3 * FRAME_BYTES + TEXT_BYTES
     assert fast.session == 9 * FRAME_BYTES + TEXT_BYTES + (9 + 6) * LATENT_FRAME_BYTES
 
 
+def test_under_a_cap_the_history_is_gathered_in_every_forward_unless_fp8_attention_needs_the_buffer():
+    # The gathered context is one session's whole context again (21 frames): a 24 GiB card keeps it for sessions
+    # (docs/MODELS.md); FP8 attention reads its mirror, so it keeps both; no cap, no change.
+    assert not cuda_1_3b().resolved_gather_history_once
+    assert cuda_1_3b(fp8="attention").resolved_gather_history_once
+    assert cuda_1_3b(gpu_memory_gib=None).resolved_gather_history_once
+    assert cuda_1_3b(gather_history_once=True).resolved_gather_history_once
+    per_forward, gathered = estimate_device_memory(cuda_1_3b()), estimate_device_memory(cuda_1_3b(gather_history_once=True))
+    assert gathered.workspace - per_forward.workspace == 21 * FRAME_BYTES  # 5.62 GiB
+    assert per_forward.workspace == 3 * FRAME_BYTES + TEXT_BYTES
+    with pytest.raises(ValidationError, match="fp8=attention attends through the gathered history's FP8 mirror"):
+        EngineConfig(dtype="bfloat16", fp8="attention", gather_history_once=False)
+
+
 def test_24_gib_holds_one_standard_session_only_with_the_text_encoder_on_the_cpu():
-    on_cpu = estimate_device_memory(cuda_1_3b())
-    on_device = estimate_device_memory(cuda_1_3b(text_encoder_device="device"))
+    on_cpu = estimate_device_memory(cuda_1_3b(gather_history_once=True))
+    on_device = estimate_device_memory(cuda_1_3b(text_encoder_device="device", gather_history_once=True))
     assert on_device.text_encoder_on_device and on_device.resident - on_cpu.resident == on_cpu.text_encoder
     assert on_cpu.sessions_fitting(24 * GIB) == 1
     assert on_device.sessions_fitting(24 * GIB) == 0
     assert on_cpu.sessions_fitting(24 * GIB, activation_peak=6 * GIB) == 0  # a measured peak can still refuse
+    # Gathering in every forward leaves room for the 5.72 GiB activation peak the H200 measured (with the buffer:
+    # refused after the warm-up, docs/BENCHMARKS.md).
+    assert estimate_device_memory(cuda_1_3b()).sessions_fitting(24 * GIB, activation_peak=int(1.25 * 5.72 * GIB)) == 1
     check_fits_on_device(cuda_1_3b(), device_total_bytes=H200_BYTES)
     with pytest.raises(InsufficientMemory) as refused:
-        check_fits_on_device(cuda_1_3b(text_encoder_device="device"), device_total_bytes=H200_BYTES)
+        check_fits_on_device(cuda_1_3b(text_encoder_device="device", gather_history_once=True),
+                             device_total_bytes=H200_BYTES)
     message = str(refused.value)
     assert "gpu_memory_gib 24 holds not even one session at 832x480" in message
     assert "text encoder 10.58 GiB on the device" in message and "--text-encoder cpu" in message
@@ -80,7 +98,7 @@ def test_a_cap_beyond_the_device_or_below_one_session_is_refused_naming_every_pa
     with pytest.raises(InsufficientMemory, match=r"gpu_memory_gib 24: the device has 15\.00 GiB"):
         check_fits_on_device(cuda_1_3b(), device_total_bytes=15 * GIB)
     with pytest.raises(InsufficientMemory) as refused:
-        check_fits_on_device(cuda_1_3b(gpu_memory_gib=16.0), device_total_bytes=H200_BYTES)
+        check_fits_on_device(cuda_1_3b(gpu_memory_gib=16.0, gather_history_once=True), device_total_bytes=H200_BYTES)
     message = str(refused.value)
     for part in ("weights 2.88 GiB", "text encoder on the CPU", "workspaces 6.51 GiB", "one session 6.68 GiB",
                  "reserve 2.50 GiB", "a smaller --window-frames", "TAEHV"):
@@ -119,3 +137,32 @@ def test_the_allocator_cap_names_an_indexed_device():
     assert indexed_cuda_device("cuda:1") == torch.device("cuda", 1)
     if torch.cuda.is_available():
         assert indexed_cuda_device("cuda").index == torch.cuda.current_device()
+
+
+def test_the_engine_builds_the_history_path_the_config_resolves():
+    from engine.bundle import build_models
+
+    per_forward = build_models(EngineConfig(gather_history_once=False)).pipeline
+    assert per_forward.context_kv == {} and not per_forward.forwards.enabled
+    assert set(build_models(EngineConfig()).pipeline.context_kv) == {"cond"}
+
+
+def test_running_out_of_memory_in_the_warm_up_under_a_cap_is_the_refusal_with_every_figure():
+    from engine.startup import refused_when_out_of_memory
+
+    # What the H200 said when --fp8 attention's probe block met the 24 GiB cap (the runner's failure text).
+    oom = RuntimeError("warmup failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 586.00 MiB. GPU 0 "
+                       "has a total capacity of 139.80 GiB of which 115.95 GiB is free.")
+    with pytest.raises(InsufficientMemory) as refused:
+        with refused_when_out_of_memory(cuda_1_3b(fp8="attention"), lambda: 5 * GIB):
+            raise oom
+    message = str(refused.value)
+    assert message.startswith("gpu_memory_gib 24 holds not even one session at 832x480: weights 2.88 GiB")
+    assert "the measured activation peak 5.00 GiB" in message
+    assert "the warm-up ran out of memory under the cap (CUDA out of memory" in message
+    assert "Tried to allocate" not in message  # its first sentence only
+    for config, error in ((cuda_1_3b(gpu_memory_gib=None), oom), (cuda_1_3b(), RuntimeError("warmup failed: bad"))):
+        with pytest.raises(RuntimeError) as passed:  # no cap, or another failure: as it was
+            with refused_when_out_of_memory(config, lambda: None):
+                raise error
+        assert passed.value is error
