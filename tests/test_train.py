@@ -1,4 +1,5 @@
-"""Training mechanics: the teacher-forced forward is the engine's block forward, the word encoder, the sampler's targets."""
+"""Training mechanics: the teacher-forced forward is the engine's block forward, the word encoder, the sampler's targets,
+the continuation stage's history is the engine's opening context and a continuation round runs."""
 
 import numpy as np
 import torch
@@ -7,7 +8,7 @@ from engine.models.latents import BlockLatents
 from engine.models.text_encoder import WordTextEncoder
 from tests.engine_helpers import build_small
 from train.data import LatentSet
-from train.dit import Sampler, _forward, block_flow, teacher_forced_flow, text_kv
+from train.dit import Sampler, _forward, block_flow, history_mask, teacher_forced_flow, text_kv
 from world.grammar import VOCABULARY
 
 
@@ -92,3 +93,57 @@ def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_i
     assert update_mismatch(params, optimizer, step, step) < 1e-5
     assert update_mismatch(params, optimizer, step, lambda: step(lr=3e-3)) > 0.3
     assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_block_flow_after_a_short_context_is_the_engines_first_block_after_commit_context():
+    """An image or clip start commits its latents in groups of 3 from frame 0 (4 frames: 3 + 1); the continuation
+    stage's dense forward must give the first block what the engine's paged forward gives it."""
+    from engine.kv_cache import KVCacheManager
+
+    _, bundle = build_small(sink_frames=3, window_frames=6)
+    pipeline = bundle.pipeline
+    causal = pipeline.transformer
+    generator = torch.Generator().manual_seed(1)
+    per = causal.audio_tokens_per_frame
+    _, channels, _, height, width = pipeline.latent_shape
+    audio_channels = pipeline.audio_shape[1]
+    context = BlockLatents(torch.randn(1, channels, 4, height, width, generator=generator), torch.zeros(1, audio_channels, 4 * per))
+    x = BlockLatents(torch.randn(1, channels, 3, height, width, generator=generator),
+                     torch.randn(1, audio_channels, 3 * per, generator=generator))
+    kv = KVCacheManager(pipeline.kv_spec(), 1, "cpu").open_session("context")
+    progress = pipeline.new_progress(0, "a red circle bouncing on a blue background")
+    with torch.no_grad():
+        pipeline.commit_context(kv, progress, context)
+        engine = pipeline.forward_branch(kv, progress, "cond", x, 625.0, stage=False)
+        dense = block_flow(causal, context, x, 625.0, text_kv(causal, progress.text["cond"]))
+    torch.testing.assert_close(dense.video, engine.video.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dense.audio, engine.audio.float(), atol=1e-4, rtol=1e-4)
+    whole = torch.arange(7).repeat_interleave(2) // 3
+    assert not torch.equal(history_mask(4, 7, 2, "cpu"), whole.unsqueeze(1) >= whole.unsqueeze(0))  # not 0-2, 3-5, 6
+    whole = torch.arange(9).repeat_interleave(2) // 3
+    assert torch.equal(history_mask(6, 9, 2, "cpu"), whole.unsqueeze(1) >= whole.unsqueeze(0))
+
+
+def test_a_toy_continuation_round_runs_the_cont_stage_alone_from_the_shipped_weights(tmp_path, monkeypatch):
+    """train.run's flags for the GPU call (--only dit --round 3 --init the shipped weights, only cont_s), at --toy
+    size on the CPU, without the codec's and the DiT's read-back checks (their own code, ~12 s here)."""
+    import json
+
+    from train import codec, run
+
+    monkeypatch.setattr(codec, "reconstruction_report", lambda *a, **k: ([], None))
+    monkeypatch.setattr(codec, "print_report", lambda *a, **k: None)
+    monkeypatch.setattr(run, "_sample_check", lambda *a, **k: None)
+    ckpt = tmp_path / "ckpt"
+    assert run.main([
+        "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
+        "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
+        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,dit_lr=2e-4,data_clips=2,max_steps=6,cont_mix=0.5",
+    ]) == 0
+    stages = json.loads((ckpt / "state.json").read_text())["stages"]
+    assert stages["cont3"] == {"done": True, "steps": 6}
+    assert all(stages[name]["steps"] == 0 for name in ("tf3", "fewstep3", "rollout3"))
+    assert {p.name for p in ckpt.iterdir()} >= {"transformer.safetensors", "audio_tokens.safetensors", "text_encoder.safetensors"}
+    assert not (ckpt / "codec.safetensors").exists()  # the shipped codec and its latent statistics stay
+    logged = (tmp_path / "train.log").read_text()
+    assert "cont3 step=" in logged and "cont3r step=" in logged  # both kinds of step ran

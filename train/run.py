@@ -8,11 +8,15 @@
 and its check, which is a gate: the DiT gets no time unless colour,
 background and shape read back in enough frames (train.codec.GATE;
 ``--no-gate`` overrides). Then the latent set, the DiT (teacher forcing,
-few-step, rollout) from scratch, then a sampled check of the DiT (sessions
+few-step, rollout; and continuation when ``cont_s`` > 0) from scratch, then a sampled check of the DiT (sessions
 generated as the engine does, decoded and read back).
 ``--only dit``: keep the codec (and its latent statistics) and continue the
-DiT (stages tf2, fewstep2, rollout2, from the loaded weights; ``--round 3``
-names a further continuation's stages tf3, ... and draws other clips). ``--only
+DiT (stages tf2, fewstep2, rollout2, cont2, from the loaded weights; ``--round 3``
+names a further continuation's stages tf3, ... and draws other clips). The
+continuation stage (``cont_s``, train.dit.DiTTrainer.continuation) teaches the
+model to go on from an image's or clip's encoded frames; a round of it alone:
+``--only dit --round 3 --init engine/models/weights/tiny --budget
+tf_s=0,fewstep_s=0,rollout_s=0,cont_s=180,dit_lr=2e-4``. ``--only
 audio``: the audio decoder alone.
 
 ``--init DIR`` loads module files from DIR first (e.g. the shipped weights, to
@@ -46,12 +50,12 @@ from train.dit import DiTTrainer, Sampler, sample_session
 FULL = {
     "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
-    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
+    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
-    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
+    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
 STATE_FILES = {"audio": "state.audio.json"}
 SAVE_EVERY_S = 45.0
@@ -168,8 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     modules["text_encoder"].train()
     rng = np.random.default_rng(4 if not continuing else 4 + 2 * (args.round - 1))
     sampler = Sampler(data, cfg["frames"], rng)
-    names = tuple(f"{stage}{args.round}" for stage in ("tf", "fewstep", "rollout")) if continuing else ("tf", "fewstep", "rollout")
-    seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s")) if not ckpt.done(name)}
+    stages = ("tf", "fewstep", "rollout", "cont")
+    names = tuple(f"{stage}{args.round}" for stage in stages) if continuing else stages
+    seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s", "cont_s")) if not ckpt.done(name)}
     total = max(sum(seconds.values()), 1e-6)
     clock_start = time.monotonic()
     last_save = [time.monotonic()]
@@ -194,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = DiTTrainer(causal, modules["text_encoder"], lr=cfg["dit_lr"], device=device, schedule=schedule, on_step=on_step)
     batch = cfg["dit_batch"]
-    tf, fewstep, rollout = names
+    tf, fewstep, rollout, cont = names
     if tf in seconds:
         n = trainer.flow_matching(sampler, log, StageClock(seconds[tf], steps()), batch, name=tf)
         save_dit()
@@ -207,6 +212,11 @@ def main(argv: list[str] | None = None) -> int:
         n = trainer.rollout(sampler, log, StageClock(seconds[rollout], steps()), batch, rng, name=rollout)
         save_dit()
         ckpt.mark(rollout, steps=n)
+    if cont in seconds and seconds[cont] > 0:  # none by default: a from-scratch run keeps its three stages
+        n = trainer.continuation(sampler, log, StageClock(seconds[cont], steps()), batch, rng, name=cont,
+                                 max_context=cfg["cont_context"], rollout_share=cfg["cont_mix"])
+        save_dit()
+        ckpt.mark(cont, steps=n)
 
     causal.eval()
     modules["text_encoder"].eval()
