@@ -139,6 +139,8 @@ def refusal(config: EngineConfig, estimate: DeviceMemoryEstimate, activation_pea
         hints.insert(1, "the TAEHV decoder (ARSTREAM_ENGINE__VIDEO_DECODER=taehv)")
     if estimate.text_encoder_on_device and estimate.text_encoder:
         hints.insert(0, "--text-encoder cpu")
+    if config.fp8 in FP8_ATTENTION and config.gpu_memory_gib is not None:  # it keeps the gathered context
+        hints.insert(0, "FP8 attention off (it needs the gathered context and its FP8 mirror)")
     return (
         f"gpu_memory_gib {config.gpu_memory_gib:g} holds not even one session at "
         f"{config.resolved_width}x{config.resolved_height}: {estimate.describe()}{measured}; "

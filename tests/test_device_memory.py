@@ -160,6 +160,7 @@ def test_running_out_of_memory_in_the_warm_up_under_a_cap_is_the_refusal_with_ev
     assert message.startswith("gpu_memory_gib 24 holds not even one session at 832x480: weights 2.88 GiB")
     assert "the measured activation peak 5.00 GiB" in message
     assert "the warm-up ran out of memory under the cap (CUDA out of memory" in message
+    assert "try FP8 attention off (it needs the gathered context and its FP8 mirror), a smaller" in message
     assert "Tried to allocate" not in message  # its first sentence only
     for config, error in ((cuda_1_3b(gpu_memory_gib=None), oom), (cuda_1_3b(), RuntimeError("warmup failed: bad"))):
         with pytest.raises(RuntimeError) as passed:  # no cap, or another failure: as it was
