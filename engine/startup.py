@@ -168,8 +168,9 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> tup
     staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
     budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
     # What the build and the probe hold before any session: tensors (allocated) and the allocator's reserve
-    # beyond them (CUDA graph pools stay reserved after empty_cache). The 24 GiB run found 5.8 GiB more held
-    # than the weights and workspaces explain (docs/BENCHMARKS.md); these say where it is.
+    # beyond them (CUDA graph pools stay reserved after empty_cache). Allocated after the probe should be the
+    # weights and workspaces alone: a reference to the probe's session once kept its whole pool here
+    # (docs/BENCHMARKS.md, ninth session).
     log.info("cuda memory budget", extra={"free": free, "activation_peak": activation_peak, "budget": budget,
                                           "allocator_limit": limit, "resident_with_probe_pool": resident,
                                           "allocated_after_probe": torch.cuda.memory_allocated(device),

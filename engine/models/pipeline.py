@@ -22,7 +22,6 @@ and progress to every call, which is the binding.
 from __future__ import annotations
 
 import weakref
-
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
