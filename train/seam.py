@@ -17,7 +17,7 @@ the object's centroid at the seam against the stream's largest step and a fresh 
 ``--tests``: then ``pytest tests/test_image_to_video.py tests/test_tiny_model.py`` on the same weights
 (a seam case that now passes shows as XPASS(strict), i.e. a failure: its xfail mark is then out of date).
 
-Session 8's shipped weights, these 8 clips (2026-12-02): see docs/TINY_MODEL.md ("Pictures and video in").
+Session 8's and 9's weights on these 8 clips (2026-12-02): docs/TINY_MODEL.md ("Pictures and video in").
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from world.grammar import Scene
 
 SEAM_FACTOR = 1.25  # tests/test_image_to_video.py
 CLIPS = (
-    (Scene("circle", "green", "bouncing", "blue"), 21),  # the test's xfail case
-    (Scene("square", "red", "orbiting", "purple"), 22),  # the test's passing case
+    (Scene("circle", "green", "bouncing", "blue"), 21),  # the test's first case (an xfail on session 8's weights)
+    (Scene("square", "red", "orbiting", "purple"), 22),  # the test's second case
     (Scene("triangle", "yellow", "drifting", "black"), 23),
     (Scene("circle", "white", "orbiting", "grey"), 24),
     (Scene("square", "blue", "bouncing", "green"), 25),
