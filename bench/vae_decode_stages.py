@@ -14,6 +14,7 @@ the stage times must add up to), and with ``--compile`` through the engine's com
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import platform
 import statistics
@@ -132,7 +133,8 @@ def main() -> None:
     parser.add_argument("--fast-path", action="store_true",
                         help="profile the conv2d path (decoders.video.causal_conv3d_as_conv2d, channels-last) instead")
     parser.add_argument("--variants", action="store_true",
-                        help="also time whole blocks of each path: conv3d / conv2d, eager / compiled, against conv3d eager")
+                        help="also time whole blocks of each path: conv3d / conv2d, eager / compiled, conv3d on "
+                        "channels-last-3d weights and latents, against conv3d eager")
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.threads:
@@ -198,8 +200,19 @@ def main() -> None:
     print(json.dumps(result))
 
 
-VARIANTS = {"conv3d_eager": (False, False), "conv2d_eager": (True, False),
-            "conv3d_compiled": (False, True), "conv2d_compiled": (True, True)}
+# name: (conv2d path, compiled, channels-last-3d weights and latents)
+VARIANTS = {"conv3d_eager": (False, False, False), "conv2d_eager": (True, False, False),
+            "conv3d_compiled": (False, True, False), "conv2d_compiled": (True, True, False),
+            "conv3d_eager_channels_last": (False, False, True), "conv3d_compiled_channels_last": (False, True, True)}
+
+
+def channels_last_3d(module: torch.nn.Module) -> torch.nn.Module:
+    """The module's 5-D weights (the 3-D convolutions') in channels-last-3d memory; the rest as they are."""
+    with torch.no_grad():
+        for parameter in module.parameters():
+            if parameter.ndim == 5:
+                parameter.data = parameter.data.contiguous(memory_format=torch.channels_last_3d)
+    return module
 
 
 def variants(vae, latents, warmup: int, blocks: int, device: torch.device) -> dict:
@@ -208,15 +221,18 @@ def variants(vae, latents, warmup: int, blocks: int, device: torch.device) -> di
     torch.manual_seed(1)
     inputs = [latents() for _ in range(1 + warmup + 2 + blocks)]
     out, reference = {}, None
-    for name, (fast, compiled) in VARIANTS.items():
-        decoder = WanStreamingDecoder(vae, fast_path=fast, compile_steady_state=compiled)
+    for name, (fast, compiled, channels_last) in VARIANTS.items():
+        layout = torch.channels_last_3d if channels_last else torch.contiguous_format
+        model = channels_last_3d(copy.deepcopy(vae)) if channels_last else vae
+        decoder = WanStreamingDecoder(model, fast_path=fast, compile_steady_state=compiled)
         state = decoder.new_state(name)
         try:
             for chunk in inputs[: 1 + warmup + 2]:  # the opening chunk, warm-up (and the compile)
-                decoder.decode_chunk(chunk, state)
+                decoder.decode_chunk(chunk.contiguous(memory_format=layout), state)
             sync(device)
             times, last = [], None
             for chunk in inputs[1 + warmup + 2 :]:
+                chunk = chunk.contiguous(memory_format=layout)
                 started = time.perf_counter()
                 last = decoder.decode_chunk(chunk, state)
                 sync(device)
@@ -233,7 +249,7 @@ def variants(vae, latents, warmup: int, blocks: int, device: torch.device) -> di
             entry["compiled_calls"] = decoder.steady_state.calls
             entry["compile_failed"] = decoder.steady_state.failed
         out[name] = entry
-        del state, decoder
+        del state, decoder, model
     return out
 
 
