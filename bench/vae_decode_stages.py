@@ -109,15 +109,16 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_blocks(decoder: WanStreamingDecoder, state, latents, blocks: int, device: torch.device) -> list[float]:
-    """Milliseconds of each of ``blocks`` steady block decodes, the device synchronised around each."""
-    times = []
-    for _ in range(blocks):
+def time_blocks(decoder: WanStreamingDecoder, state, chunks, device: torch.device) -> tuple[list[float], torch.Tensor]:
+    """Milliseconds of each steady block decode of ``chunks`` (the device synchronised around each), and the
+    last block's output."""
+    times, last = [], None
+    for chunk in chunks:
         started = time.perf_counter()
-        decoder.decode_chunk(latents(), state)
+        last = decoder.decode_chunk(chunk, state)
         sync(device)
         times.append((time.perf_counter() - started) * 1000)
-    return times
+    return times, last
 
 
 def main() -> None:
@@ -154,7 +155,7 @@ def main() -> None:
         decoder.decode_chunk(latents(), state)
     sync(device)
 
-    whole = time_blocks(decoder, state, latents, args.blocks, device)  # the reference: the block without hooks
+    whole, _ = time_blocks(decoder, state, (latents() for _ in range(args.blocks)), device)  # without hooks
 
     named = stages(vae.decoder)
     timer = StageTimer(named, device)
@@ -194,7 +195,8 @@ def main() -> None:
         for _ in range(args.warmup + 2):  # the steady state starts after a few frames, then compiles
             compiled.decode_chunk(latents(), state)
         sync(device)
-        result["compiled_block_ms_median"] = round(statistics.median(time_blocks(compiled, state, latents, args.blocks, device)), 2)
+        times, _ = time_blocks(compiled, state, (latents() for _ in range(args.blocks)), device)
+        result["compiled_block_ms_median"] = round(statistics.median(times), 2)
     if args.variants:
         result["variants"] = variants(vae, latents, args.warmup, args.blocks, device)
     print(json.dumps(result))
@@ -230,13 +232,8 @@ def variants(vae, latents, warmup: int, blocks: int, device: torch.device) -> di
             for chunk in inputs[: 1 + warmup + 2]:  # the opening chunk, warm-up (and the compile)
                 decoder.decode_chunk(chunk.contiguous(memory_format=layout), state)
             sync(device)
-            times, last = [], None
-            for chunk in inputs[1 + warmup + 2 :]:
-                chunk = chunk.contiguous(memory_format=layout)
-                started = time.perf_counter()
-                last = decoder.decode_chunk(chunk, state)
-                sync(device)
-                times.append((time.perf_counter() - started) * 1000)
+            steady = [chunk.contiguous(memory_format=layout) for chunk in inputs[1 + warmup + 2 :]]
+            times, last = time_blocks(decoder, state, steady, device)
         except Exception as error:  # noqa: BLE001 - a path that fails is a finding, not the end of the run
             out[name] = {"error": f"{type(error).__name__}: {error}"[:300]}
             continue

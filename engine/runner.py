@@ -94,6 +94,15 @@ class WorkCost:
 class SessionFailure:
     session_id: str
     message: str
+    out_of_memory: bool = False  # the device's allocator refused the step (start-up turns it into a refusal)
+
+
+class WarmupFailed(RuntimeError):
+    """A warm-up block failed; ``out_of_memory`` when the device's allocator refused it."""
+
+    def __init__(self, message: str, *, out_of_memory: bool = False) -> None:
+        super().__init__(message)
+        self.out_of_memory = out_of_memory
 
 
 @dataclass
@@ -359,7 +368,8 @@ class Runner:
             self.release(session_id, "failed")  # no-op when bound() already released it
         except Exception:
             log.exception("release after a failed step also failed")
-        failures.append(SessionFailure(session_id, f"{type(error).__name__}: {error}"))
+        failures.append(SessionFailure(session_id, f"{type(error).__name__}: {error}",
+                                       out_of_memory=isinstance(error, torch.OutOfMemoryError)))
         if is_device_fatal(error):
             self.close_all("failed")
             return True
@@ -564,7 +574,8 @@ class Runner:
         def run(*work: SessionWork) -> None:
             result = self.execute(StepPlan(work=list(work), planned_at=now_ms()))
             if result.failures or result.fatal:
-                raise RuntimeError(f"warmup failed: {result.fatal or result.failures[0].message}")
+                raise WarmupFailed(f"warmup failed: {result.fatal or result.failures[0].message}",
+                                   out_of_memory=any(failure.out_of_memory for failure in result.failures))
 
         try:
             for index in range(plain_blocks + (STEADY_WARMUP_BLOCKS if transitions else 0)):

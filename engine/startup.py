@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager, KVSpec
 from engine.device_memory import DEVICE_RESERVE_BYTES, allocator_limit_bytes, estimate_device_memory, refusal
 from engine.memory import InsufficientMemory, cpu_session_budget
-from engine.runner import Runner, runner_for
+from engine.runner import Runner, WarmupFailed, runner_for
 from engine.status import Geometry
 
 log = logging.getLogger("arstream.engine")
@@ -130,13 +130,13 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
 def refused_when_out_of_memory(config: EngineConfig, activation_peak: Callable[[], int | None]) -> Iterator[None]:
     """Under ``gpu_memory_gib``, the allocator refusing the probe or the warm-up is the cap holding no session:
     say so with every figure (:func:`~engine.device_memory.refusal`), not with the allocator's traceback.
-    The runner reports a session's failure as text, so the warm-up's out-of-memory arrives as a message."""
+    The runner turns a failed block into :class:`~engine.runner.WarmupFailed`, which says whether it was that."""
     try:
         yield
-    except (torch.OutOfMemoryError, RuntimeError) as error:
-        text = str(error)
-        if config.gpu_memory_gib is None or not (isinstance(error, torch.OutOfMemoryError) or "OutOfMemoryError" in text):
+    except (torch.OutOfMemoryError, WarmupFailed) as error:
+        if config.gpu_memory_gib is None or not (isinstance(error, torch.OutOfMemoryError) or error.out_of_memory):
             raise
+        text = str(error)
         cause = text[text.find("CUDA out of memory"):] if "CUDA out of memory" in text else text
         raise InsufficientMemory(
             refusal(config, estimate_device_memory(config), activation_peak(), out_of_memory=cause)

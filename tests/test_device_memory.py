@@ -148,11 +148,12 @@ def test_the_engine_builds_the_history_path_the_config_resolves():
 
 
 def test_running_out_of_memory_in_the_warm_up_under_a_cap_is_the_refusal_with_every_figure():
+    from engine.runner import WarmupFailed
     from engine.startup import refused_when_out_of_memory
 
     # What the H200 said when --fp8 attention's probe block met the 24 GiB cap (the runner's failure text).
-    oom = RuntimeError("warmup failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 586.00 MiB. GPU 0 "
-                       "has a total capacity of 139.80 GiB of which 115.95 GiB is free.")
+    oom = WarmupFailed("warmup failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 586.00 MiB. GPU 0 "
+                       "has a total capacity of 139.80 GiB of which 115.95 GiB is free.", out_of_memory=True)
     with pytest.raises(InsufficientMemory) as refused:
         with refused_when_out_of_memory(cuda_1_3b(fp8="attention"), lambda: 5 * GIB):
             raise oom
@@ -162,7 +163,8 @@ def test_running_out_of_memory_in_the_warm_up_under_a_cap_is_the_refusal_with_ev
     assert "the warm-up ran out of memory under the cap (CUDA out of memory" in message
     assert "try FP8 attention off (it needs the gathered context and its FP8 mirror), a smaller" in message
     assert "Tried to allocate" not in message  # its first sentence only
-    for config, error in ((cuda_1_3b(gpu_memory_gib=None), oom), (cuda_1_3b(), RuntimeError("warmup failed: bad"))):
+    for config, error in ((cuda_1_3b(gpu_memory_gib=None), oom), (cuda_1_3b(), WarmupFailed("warmup failed: bad")),
+                          (cuda_1_3b(), RuntimeError("OutOfMemoryError named in another failure"))):
         with pytest.raises(RuntimeError) as passed:  # no cap, or another failure: as it was
             with refused_when_out_of_memory(config, lambda: None):
                 raise error

@@ -120,7 +120,7 @@ class GraphedForwards:
     def _cross_buffer(self, cross_kv: torch.Tensor) -> torch.Tensor:
         key = (tuple(cross_kv.shape), cross_kv.dtype, cross_kv.device)
         if key not in self._cross_buffers:
-            self._cross_buffers[key] = torch.empty_like(cross_kv, memory_format=torch.contiguous_format)
+            self._cross_buffers[key] = _buffer_like(cross_kv)
         return self._cross_buffers[key]
 
     def _capture(self, latents, frame_timesteps, context, cross_kv, pool) -> _ForwardGraph:
