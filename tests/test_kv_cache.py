@@ -33,7 +33,7 @@ def test_block_table_keeps_the_sink_and_a_ring_of_the_latest_frames():
     table = BranchBlockTable(pool, sink_frames=2, window_frames=4)
     frame_of_block = {}
     for frame in range(11):
-        frame_of_block[table.append_frame()] = frame
+        frame_of_block[table.append_frame()[0]] = frame
     assert [frame_of_block[b] for b in table.history_block_ids()] == [0, 1, 7, 8, 9, 10]
     assert table.num_resident == 6 and pool.num_free_blocks == 0 and table.committed_frames == 11
     table.release()

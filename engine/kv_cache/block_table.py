@@ -46,17 +46,22 @@ class BranchBlockTable:
             )
         return self._ids_tensor
 
-    def append_frame(self) -> int:
-        """Give the next committed frame a block, evicting the oldest window frame when full.
+    def append_frame(self, *, hold_evicted: bool = False) -> tuple[int, int | None]:
+        """Give the next committed frame a block, evicting the oldest window frame when full; returns
+        ``(new block, evicted block or None)``.
 
         The evicted block goes back to the pool before the new one is taken, so a
-        session at steady state needs no free block beyond its own.
+        session at steady state needs no free block beyond its own — unless
+        ``hold_evicted``: then the caller keeps it (to put it back, :meth:`undo_frame`, or free it later).
         """
+        evicted = None
         if len(self.sink_ids) < self.sink_frames:
             target = self.sink_ids
         else:
             if len(self.window_ids) == self.window_frames:
-                self.pool.free([self.window_ids.popleft()])
+                evicted = self.window_ids.popleft()
+                if not hold_evicted:
+                    self.pool.free([evicted])
             target = self.window_ids
         ids = self.pool.allocate(1)
         if ids is None:
@@ -64,7 +69,20 @@ class BranchBlockTable:
         target.append(ids[0])
         self.committed_frames += 1
         self._ids_tensor = None
-        return ids[0]
+        return ids[0], None if evicted is None or not hold_evicted else evicted
+
+    def undo_frame(self, block: int, evicted: int | None) -> None:
+        """Take back the last committed frame (``block``, freed) and restore the window frame its commit
+        evicted (``evicted``, held since)."""
+        target = self.window_ids if self.window_ids and self.window_ids[-1] == block else self.sink_ids
+        if not target or target[-1] != block:
+            raise RuntimeError("undo of a frame that is not the last committed one")
+        target.pop()
+        self.pool.free([block])
+        if evicted is not None:
+            self.window_ids.appendleft(evicted)
+        self.committed_frames -= 1
+        self._ids_tensor = None
 
     def release(self) -> None:
         self.pool.free(self.history_block_ids())

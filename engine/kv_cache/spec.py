@@ -31,6 +31,9 @@ class KVSpec:
     cross_attention_lengths: dict[str, int] = field(default_factory=dict)
     model_state_bytes: int = 0
     dtype: torch.dtype = torch.float32
+    # Window frames a branch may hold after evicting them, for blocks that can still be taken back (supersede:
+    # ``undo_blocks`` blocks' worth); 0 when nothing is ever taken back.
+    held_frames: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_frame", "frames_per_block", "window_frames"):
@@ -66,10 +69,11 @@ class KVSpec:
 
     @property
     def blocks_per_session(self) -> int:
-        return len(self.branch_names) * self.resident_frames
+        return len(self.branch_names) * (self.resident_frames + self.held_frames)
 
     @property
     def session_bytes(self) -> int:
         """Most KV bytes one session can hold: resident blocks and one cross cache per name, per branch."""
         cross = sum(self.cross_cache_bytes(name) for name in self.cross_attention_lengths)
-        return len(self.branch_names) * (self.resident_frames * self.block_bytes + cross) + self.model_state_bytes
+        frames = self.resident_frames + self.held_frames
+        return len(self.branch_names) * (frames * self.block_bytes + cross) + self.model_state_bytes

@@ -48,6 +48,10 @@ class SessionKVState:
         self._staging = staging  # [branches, layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]
         self._on_close = on_close
         self.closed = False
+        # While a journal is open, commits record what they did (and keep the frames they evict) so that
+        # the block can be taken back (supersede, engine/undo.py).
+        self._journal: list[tuple[str, int, int | None]] | None = None
+        self._held: set[int] = set()  # evicted blocks kept for an undo; freed with the state at the latest
 
     @property
     def branch_names(self) -> tuple[str, ...]:
@@ -96,8 +100,42 @@ class SessionKVState:
         table = self.table(branch)
         if not 0 < num_frames <= self.spec.frames_per_block:
             raise ValueError(f"commit of {num_frames} frames; a block has {self.spec.frames_per_block}")
-        block_ids = [table.append_frame() for _ in range(num_frames)]
+        block_ids = []
+        for _ in range(num_frames):
+            block, evicted = table.append_frame(hold_evicted=self._journal is not None)
+            block_ids.append(block)
+            if self._journal is not None:
+                self._journal.append((branch, block, evicted))
+                if evicted is not None:
+                    self._held.add(evicted)
         self._write_blocks(branch, block_ids)
+
+    # --- taking commits back --------------------------------------------
+    def begin_journal(self) -> None:
+        """From now on commits are recorded (and what they evict is held) until :meth:`take_journal`."""
+        self._journal = []
+
+    def take_journal(self) -> list[tuple[str, int, int | None]]:
+        """The commits since :meth:`begin_journal` as ``(branch, block, evicted)``; journaling stops."""
+        journal, self._journal = self._journal or [], None
+        return journal
+
+    def undo(self, journal: list[tuple[str, int, int | None]]) -> None:
+        """Take back the journal's commits (the newest first: they must be the last ones made)."""
+        for branch, block, evicted in reversed(journal):
+            self.table(branch).undo_frame(block, evicted)
+            self._held.discard(evicted)
+
+    def settle(self, journal: list[tuple[str, int, int | None]]) -> None:
+        """The journal's commits are final: the frames they evicted go back to the pool."""
+        evicted = [block for _, _, block in journal if block is not None and block in self._held]
+        self._held.difference_update(evicted)
+        self._block_pool.free(evicted)
+
+    def _free_held(self) -> None:
+        held, self._held = list(self._held), set()
+        self._block_pool.free(held)
+        self._journal = None
 
     def overwrite(self, branch: str, block_ids: list[int]) -> None:
         """Replace resident blocks' K/V in place from staging (prompt recache)."""
@@ -145,6 +183,7 @@ class SessionKVState:
             raise KeyError(f"unknown cross-attention caches to keep: {sorted(unknown)}")
         for table in self.tables.values():
             table.release()
+        self._free_held()
         self._cross_cache.release(self.session_id, keep=keep_cross_attention)
 
     def close(self) -> None:
@@ -152,6 +191,7 @@ class SessionKVState:
             return
         for table in self.tables.values():
             table.release()
+        self._free_held()
         self._cross_cache.release(self.session_id)
         self.closed = True
         self._on_close(self.session_id)
@@ -159,7 +199,7 @@ class SessionKVState:
     def nbytes(self) -> int:
         """Bytes this session holds now: its resident blocks and published cross caches."""
         spec = self.spec
-        blocks = sum(t.num_resident for t in self.tables.values()) * spec.block_bytes
+        blocks = (sum(t.num_resident for t in self.tables.values()) + len(self._held)) * spec.block_bytes
         cross = sum(
             spec.cross_cache_bytes(name)
             for branch in self.tables
