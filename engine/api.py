@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +37,7 @@ from engine.loop import EngineLoop
 from engine.plan import InputContext, StepPlan
 from engine.prompts import MAX_PROMPT_CHARS, check_prompt
 from engine.runner import Runner
-from engine.session import Chunk
+from engine.session import Chunk, ControlMark
 from engine.startup import build_engine, geometry_for
 from engine.status import AdmissionOutlook, EngineCounters, Geometry, NotReady, SessionStatus
 
@@ -208,7 +209,10 @@ class Engine:
         start = Start(prompt=prompt, seed=seed, negative_prompt=negative_prompt, pace=pace, context=context)
         return core.submit(session_id, start).value
 
-    def set_prompt(self, session_id: str, prompt: str, policy: str = "soft", negative_prompt: str | None = None) -> None:
+    def set_prompt(self, session_id: str, prompt: str, policy: str = "soft", negative_prompt: str | None = None, *,
+                   control_id: str | None = None, arrived_at: float | None = None) -> None:
+        """``control_id``, ``arrived_at`` (monotonic; default: now): the client's id for the change and when it
+        arrived, to follow it to the first frames that show it (``Chunk.marks``, the session's control latency)."""
         core = self._known()
         core.record(session_id)
         _check_prompt(prompt)
@@ -216,7 +220,8 @@ class Engine:
             raise InvalidRequest(f"policy must be one of {PROMPT_POLICIES}")
         if negative_prompt is not None:
             _check_prompt(negative_prompt, allow_empty=True)
-        core.submit(session_id, SetPrompt(prompt, negative_prompt, policy))
+        mark = _mark(control_id, f"prompt_{policy}", arrived_at)
+        core.submit(session_id, SetPrompt(prompt, negative_prompt, policy, mark=mark))
 
     def unknown_words(self, prompt: str) -> tuple[str, ...] | None:
         """The words of ``prompt`` the model cannot read, each once, in order (None: it reads any text)."""
@@ -229,13 +234,14 @@ class Engine:
     def resume(self, session_id: str) -> str:
         return self._known().submit(session_id, Resume()).value
 
-    def reset(self, session_id: str, context: InputContext | None = None) -> None:
+    def reset(self, session_id: str, context: InputContext | None = None, *, control_id: str | None = None,
+              arrived_at: float | None = None) -> None:
         """``context``: what the content restarts from (``InputContext(None)``: the prompt alone); None: what it
-        last started from."""
+        last started from. ``control_id``, ``arrived_at``: as for :meth:`set_prompt`."""
         core = self._known()
         if context is not None and context.frames is not None:
             self.check_context(context.frames)
-        core.submit(session_id, Reset(context))
+        core.submit(session_id, Reset(context, mark=_mark(control_id, "reset", arrived_at)))
 
     # --- pictures and video in ----------------------------------------------------------------
     @property
@@ -269,10 +275,11 @@ class Engine:
         if (frames.shape[0] - 1) % 4 or not 1 <= frames.shape[0] <= self.max_context_frames:
             raise InvalidRequest(f"a context holds 1 + 4k frames, at most {self.max_context_frames}")
 
-    def set_live(self, session_id: str, strength: float | None) -> tuple[float, int] | None:
+    def set_live(self, session_id: str, strength: float | None, *, control_id: str | None = None,
+                 arrived_at: float | None = None) -> tuple[float, int] | None:
         """Live input on with ``strength`` in [0, 1] (or its strength changed), or off (None). Returns the noise
         level used (the model's schedule point nearest to ``strength``, 0 included) and the denoising steps a
-        block then runs; None when switched off."""
+        block then runs; None when switched off. ``control_id``, ``arrived_at``: as for :meth:`set_prompt`."""
         core = self._known()
         if strength is None:
             core.set_live(session_id, None, None, capacity=1, rate_per_s=1.0, burst=1)
@@ -287,7 +294,8 @@ class Engine:
         sigma = pipeline.strength_at(first_step)
         config = self.config
         core.set_live(session_id, sigma, first_step, capacity=config.resolved_live_input_buffer_frames,
-                      rate_per_s=config.live_input_fps, burst=config.live_input_burst)
+                      rate_per_s=config.live_input_fps, burst=config.live_input_burst,
+                      mark=_mark(control_id, "live", arrived_at))
         return sigma, pipeline.num_steps - first_step
 
     def admit_input_frame(self, session_id: str) -> bool:
@@ -376,6 +384,10 @@ _UNAVAILABLE = {
     NotReady.DRAINING: "the engine is draining",
     NotReady.FAILED_TO_START: "the engine failed to start",
 }
+
+
+def _mark(control_id: str | None, kind: str, arrived_at: float | None) -> ControlMark:
+    return ControlMark(control_id, kind, time.monotonic() if arrived_at is None else arrived_at)
 
 
 def _check_seed(seed: int | None) -> int:

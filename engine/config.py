@@ -104,7 +104,29 @@ class EngineConfig(BaseModel):
     )
     audio: bool = Field(default=True, description="generate audio when the preset has it (tiny does)")
     step_mode: Literal["grouped", "stepwise"] = "grouped"
-    lead_chunks: int = Field(default=2, ge=1, le=32, description="paced sessions run at most this many blocks ahead")
+    lead_chunks: int = Field(
+        default=2, ge=1, le=32,
+        description="the most a session's lead (media made, not yet released) and work in flight hold, in blocks",
+    )
+    playout_margin_s: float = Field(
+        default=0.15, ge=0.0, le=5.0,
+        description="a paced session's media leaves this long before it plays on the viewer's clock (its jitter margin)",
+    )
+    media_granularity: Literal["latent_frame", "block"] = Field(
+        default="latent_frame",
+        description="what a paced session's chunk holds at the least: one latent frame's frames (4; they leave as "
+                    "they are decoded) or a whole block's (best-effort sessions always get whole blocks)",
+    )
+    supersede: bool | None = Field(
+        default=None,
+        description="a soft or recache prompt change replaces media made ahead (the block made again from where the "
+                    "viewer is) instead of waiting behind it; None: on where a session's decoder state is small "
+                    "(<= 256 MiB: the tiny codec, TAEHV), off for the Wan VAE, whose state per kept block is 1.8 GiB",
+    )
+    cut_on_reset: bool = Field(
+        default=True,
+        description="a reset drops the media made ahead of the viewer and shows at once (False: after what was made)",
+    )
     split_first_block: bool | None = Field(
         default=None,
         description="send a session's first block as two chunks, its opening frame as soon as it is denoised "
@@ -126,7 +148,7 @@ class EngineConfig(BaseModel):
     detach_grace_s: float = Field(default=30.0, ge=0, le=3600, description="a session without a socket lives this long")
     idle_timeout_s: float = Field(default=300.0, gt=0, le=86400, description="created or paused sessions close after this")
     max_session_s: float = Field(default=4 * 3600.0, gt=0, le=7 * 86400, description="hard cap on a session's life")
-    cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: half the cores on CPU")
+    cpu_threads: int | None = Field(default=None, ge=1, le=256, description="torch intra-op threads; None: every core up to 2, three quarters beyond (engine/cpu_threads.py)")
     warmup_blocks: int = Field(default=1, ge=0, le=16, description="throwaway blocks at start; they seed the block cost")
     video_decoder: Literal["wan", "taehv"] | None = Field(
         default=None,

@@ -25,6 +25,7 @@ import numpy as np
 
 from engine.errors import AlreadyStarted, NotStarted, SessionClosed
 from engine.plan import InputContext
+from engine.session import ControlMark
 
 
 class SessionState(str, Enum):
@@ -48,6 +49,7 @@ class SetPrompt:
     prompt: str
     negative_prompt: str | None
     policy: str  # soft | recache | reset
+    mark: ControlMark | None = field(default=None, compare=False)  # followed to the first frames showing it
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,7 @@ class Resume:
 @dataclass(frozen=True)
 class Reset:
     context: InputContext | None = None  # what the content restarts from; None: what it started from
+    mark: ControlMark | None = field(default=None, compare=False)  # followed to the first frames showing it
 
 
 @dataclass(frozen=True)

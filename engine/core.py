@@ -3,10 +3,12 @@
 ``step()`` is the whole engine in three calls::
 
     apply queued controls, enforce timeouts
+    release    → hand each session's due media (its lead, ``engine/playout.py``) to its consumer
     schedule   → a StepPlan (the only thing that crosses to the device thread)
     dispatch   → Runner.dispatch(plan) on the device thread: the plan's work is queued on the device
-    complete   → as each work finishes on the device (waited for on a second thread, so the next
-                 tick can be dispatched meanwhile): deliver its chunk, count costs and deadlines
+    complete   → as each piece of output finishes on the device (waited for on a second thread, so the
+                 next tick can be dispatched meanwhile): add it to the session's lead, count costs and
+                 deadlines, release what is due
 
 Everything here runs on the event loop; the device thread sees only plans.
 Controls (start, prompt, pause, resume, reset, close, attach, detach) are
@@ -24,6 +26,8 @@ only reads. Either refusal is a :class:`CapacityFull` value with the expected wa
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -55,18 +59,23 @@ from engine.errors import (
     TooManyControls,
     UnknownSession,
 )
+from engine import marks
 from engine.live_input import LiveInput
-from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, PromptUpdate, SessionWork, StepPlan
+from engine.plan import CONTROL_KINDS, FORWARD_CONTROL_KINDS, FinishedSession, PromptUpdate, Rewind, SessionWork, StepPlan
+from engine.playout import Piece, Playout
 from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
-from engine.session import Chunk, ChunkQueue, new_session_id, now_ms
+from engine.session import Chunk, ChunkQueue, ControlMark, new_session_id, now_ms
 from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
 from engine.startup import BuiltEngine
 from engine.snapshots import session_status, shown_state
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
 
 log = logging.getLogger("arstream.engine")
+
+RELEASE_RECHECK_S = 0.002  # the soonest the idle loop looks again for a piece due to leave
+LOGGED_MISSES = 20  # deadline misses logged per session (each one counted)
 
 
 class EngineCore:
@@ -82,14 +91,24 @@ class EngineCore:
         self.unknown_words = built.runner.pipeline.text_encoder.unknown_words  # what the model cannot read
         self.conditioning = Conditioning(built.runner.pipeline.embeddings, config.kv_branch_names)
         self.capacity = built.capacity
+        self.undo_blocks = built.undo_blocks  # supersede: how many of a session's last blocks can be made again
+        # Blocks until a content's attention window is full (its blocks cost more until then).
+        self._window_fill_blocks = -(-(config.sink_frames + config.window_frames) // config.frames_per_block) + 1
         self.per_session_bytes = built.per_session_bytes
         self.geometry = built.geometry
         self._executor = executor
         self.records: dict[str, SessionRecord] = {}
         self._finished: list[FinishedSession] = []
-        # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile.
+        # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile;
+        # one task delivers them in the order they were queued.
         self._completions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
-        self._completing: set[asyncio.Task] = set()
+        self._completion_queue: asyncio.Queue | None = None
+        self._completer: asyncio.Task | None = None
+        self._outstanding = 0  # pieces queued on the device and not yet delivered
+        self._dispatching = False  # a plan is being dispatched (on the CPU: being run) on the device thread
+        self._all_delivered = asyncio.Event()
+        self._all_delivered.set()
+        self._planned: dict[str, tuple[int, int]] = {}  # session -> (epoch, tick) of the plan being dispatched
         self._device_free_at = 0.0  # monotonic: when the device is expected to finish what was dispatched
         self.scheduler = Scheduler(
             fps=config.fps,
@@ -97,6 +116,7 @@ class EngineCore:
             lead_chunks=config.lead_chunks,
             ticks_per_block=built.ticks_per_block,
             blocks_in_flight=config.resolved_blocks_in_flight,
+            overlap=config.overlap_encode,
         )
         self.policy = RealtimePolicy(
             block_seconds=self.geometry.block_seconds,
@@ -127,12 +147,21 @@ class EngineCore:
         session_id = new_session_id()
         if self.kv.reserve(session_id) is None:
             raise RuntimeError("the admission plan left no memory slot free")
+        taken = functools.partial(self._taken, session_id)
+        geometry = self.geometry
         record = SessionRecord(
             session_id=session_id,
             seed=seed,
             pace=pace,
-            queue=ChunkQueue(overlap=self.config.overlap_encode, on_taken=self.wake.set),
+            queue=ChunkQueue(overlap=self.config.overlap_encode, on_taken=taken),
             cost=RunningCost(),
+            playout=Playout(
+                fps=geometry.fps,
+                margin_s=self.config.playout_margin_s,
+                samples_per_frame=(geometry.audio_sample_rate or 0) // geometry.fps,
+                audio_channels=geometry.audio_channels or 0,
+                max_chunk_frames=2 * geometry.pixel_frames_per_block,
+            ),
             negative_prompt=negative_prompt,
         )
         self.records[session_id] = record
@@ -236,7 +265,6 @@ class EngineCore:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
         self.submit(session_id, Attach())
         record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
-        record.held = None
 
     def _apply_controls(self) -> None:
         for record in list(self.records.values()):
@@ -261,33 +289,151 @@ class EngineCore:
             record.started_at = now
         if isinstance(control, Start) and control.context is not None:
             record.start_context = control.context
+        if isinstance(control, (SetPrompt, Reset)) and record.pace:
+            log.info("control applied", extra={
+                "session_id": record.session_id, "control": type(control).__name__,
+                "lead_s": round(record.playout.lead_frames / self.config.fps, 3),
+                "ahead_s": round(record.media_seconds_ahead(now), 3), "in_flight": record.works_in_flight})
         if isinstance(control, SetPrompt):
             pending = record.pending_prompt
             # A reset still waiting to be applied must survive a later soft change.
             policy = "reset" if pending is not None and pending.policy == "reset" else control.policy
             record.pending_prompt = PromptUpdate(control.prompt, record.negative_prompt, policy)
+            marks.wait_for(record, control.mark, "prompt")
+            if policy == "reset":
+                self._cut_for_restart(record, now)
+            else:
+                self._supersede(record, now, policy)
         elif isinstance(control, Resume) and was is SessionState.PAUSED:
-            record.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
+            record.playout.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
         elif isinstance(control, Reset):
             record.pending_reset = True
             record.pending_prompt = None  # the reset restarts with the current prompt
             record.blocks_since_reset = 0
             if control.context is not None:  # a later plain reset keeps a new context still waiting
                 record.pending_reset_context = control.context
+            marks.restart_carries_prompts(record)
+            marks.wait_for(record, control.mark, "reset")
+            self._cut_for_restart(record, now)
         elif isinstance(control, Attach):
             record.detached_at = None
-            record.reanchor = record.playback_anchor is not None  # a new viewer's playback starts at its first chunk
+            # A new viewer's playback starts at its first chunk.
+            record.playout.reanchor = record.playout.anchor is not None
         elif isinstance(control, Detach):
             record.detached_at = now
         self.wake.set()
 
+    def _cut_for_restart(self, record: SessionRecord, now: float) -> None:
+        """A reset (or a prompt change with policy ``reset``) shows as soon as its first frames can be made: the
+        lead is cut at the first of its pieces that plays after that (a paced session), or at its start (a
+        best-effort one, or a clock that is not running), and what was dispatched is dropped with it. When even
+        the lead's end plays too soon, nothing is cut: the new content follows what is made and in flight."""
+        if not self.config.cut_on_reset or not record.opened_on_device:
+            return
+        playout = record.playout
+        ready = now + self._backlog(now) + self._restart_cost(record) + playout.margin_s
+        points = playout.cut_points()
+        at = None
+        if not (record.pace and playout.clock_running):
+            at = points[0]
+        else:
+            at = next((point for point in points if playout.play_time(point) >= ready), None)
+        if at is None or (at == playout.frames_made and not record.frames_in_flight):
+            return  # nothing made ahead to drop: the restart simply comes next
+        playout.cut(at)
+        record.epoch += 1  # work dispatched before now delivers nothing
+        record.cut_pending = True
+        log.info("lead cut for a restart", extra={"session_id": record.session_id, "at": at,
+                                                   "ahead_s": round(playout.play_time(at) - now, 3) if playout.clock_running else None})
+
+    def _supersede(self, record: SessionRecord, now: float, policy: str) -> None:
+        """A soft or recache prompt change replaces what was made ahead: the lead is cut at the first of its pieces
+        that can be made again before it plays, and the runner takes the session back to that piece's block and
+        makes it again under the new prompt (``engine/undo.py``). Only blocks made since the session's last
+        restart or prompt change, and within the runner's last ``undo_blocks``; otherwise the change simply comes
+        with the next block."""
+        playout = record.playout
+        if (not self.undo_blocks or not record.pace or not playout.clock_running or record.cut_pending
+                or record.rewind is not None or record.pending_reset):
+            return
+        ready = now + self._backlog(now) + self._control_cost_of(policy) + self.cost_of(record) + playout.margin_s
+        newest = record.blocks_since_reset - 1 + record.works_in_flight  # the newest block made or in flight
+        for at in playout.cut_points():
+            if playout.play_time(at) < ready:
+                continue
+            if at == playout.frames_made:
+                return  # nothing made ahead of this point: the change comes with the next block anyway
+            block_start = playout.block_of(at)
+            piece = next(p for p in playout.pieces if p.pts == at)
+            block = piece.block_index
+            if block < max(1, record.undo_floor) or newest - block >= self.undo_blocks:
+                return  # not a block the runner keeps (a content's first, one before a change, too old)
+            skip = at - block_start
+            per_latent = self.geometry.pixel_frames_per_block // self.geometry.frames_per_block
+            if skip % per_latent:
+                return
+            playout.cut(at, block_start=block_start)
+            record.epoch += 1  # work dispatched before now delivers nothing
+            record.cut_pending = True
+            record.rewind = Rewind(block, skip // per_latent)
+            record.blocks_since_reset = block
+            log.info("lead superseded", extra={"session_id": record.session_id, "at": at, "block": block,
+                                                "skip_latents": skip // per_latent,
+                                                "ahead_s": round(playout.play_time(at) - now, 3)})
+            return
+
+    def _control_cost_of(self, kind: str) -> float:
+        learned = self.control_costs.get(kind)
+        return learned.seconds if learned is not None and learned.samples else 0.0
+
+    def _restart_cost(self, record: SessionRecord) -> float:
+        """Expected device seconds from a restart's work to its first frames: the reset itself, then a first piece."""
+        learned = self.control_costs["reset"]
+        reset_s = learned.seconds if learned.samples else 0.0
+        return reset_s + self._first_piece_cost(record)
+
+    def _first_piece_cost(self, record: SessionRecord) -> float:
+        """Device seconds from a block's start to its first frames in host memory, as the lead must plan for them:
+        the longest of the session's recent blocks (a margin against their jitter), and, while its attention
+        window still fills (its first blocks are cheaper than the ones to come), at least a full-window block
+        as the warm-up measured it."""
+        measured = record.first_piece_cost.recent_peak
+        filling = record.blocks_since_reset <= self._window_fill_blocks
+        engine_estimate = self.block_cost.seconds or 0.0
+        if measured is None:
+            return max(self.cost_of(record), engine_estimate)
+        return max(measured, engine_estimate) if filling else measured
+
+    def _backlog(self, now: float) -> float:
+        """Expected device seconds of work dispatched and not yet done."""
+        return max(0.0, self._device_free_at - now) if self._outstanding or self._dispatching else 0.0
+
+    def _settled_before(self, record: SessionRecord) -> int | None:
+        """The session's content block before which nothing can be made again any more: the block of its oldest
+        unreleased piece (or the next block to be made), so the runner lets go of what older blocks held."""
+        if not self.undo_blocks:
+            return None
+        if record.rewind is not None:
+            return record.rewind.block  # that block is about to be made again
+        if record.playout.pieces:
+            return record.playout.pieces[0].block_index
+        return record.blocks_since_reset + record.works_in_flight
+
+    def lead_target(self, record: SessionRecord) -> float:
+        """How far ahead of its viewer a paced session's made media runs before its next block is due: its next
+        block's first frames (and the other live sessions' blocks, which may run first) must be made by the time
+        they are released, ``playout_margin_s`` before they play."""
+        others = sum(self.cost_of(r) for r in self._open_records()
+                     if r is not record and r.pace and r.state is SessionState.ACTIVE)
+        return self._first_piece_cost(record) + others + self.config.playout_margin_s
+
     # --- the tick -------------------------------------------------------------------------------
     async def step(self) -> bool:
-        """One tick: apply controls, schedule, dispatch on the device thread. False when idle."""
+        """One tick: apply controls, release due media, schedule, dispatch on the device thread. False when idle."""
         self._apply_controls()
-        self._release_held()
         now = time.monotonic()
         self._enforce_limits(now)
+        self._release_due(now)
         finished, self._finished = self._finished, []
         plan = self.scheduler.plan(
             self._open_records(),
@@ -295,96 +441,139 @@ class EngineCore:
             now,
             block_cost=self.cost_of,
             control_cost=self._control_cost,
-            backlog_s=max(0.0, self._device_free_at - now) if self._completing else 0.0,
+            backlog_s=self._backlog(now),
             conditioning_ready=self.conditioning.ready,
+            lead_s=self.lead_target,
+            cut=lambda record: record.cut_pending,
+            settled_before=self._settled_before,
         )
         if plan.empty:
             return False
-        self._mark_planned(plan)
+        tick = self.ticks
+        self._mark_planned(plan, tick)
         loop = asyncio.get_running_loop()
+        self._start_completer()
+        on_pending = functools.partial(loop.call_soon_threadsafe, self._queued)
+        # The device is busy with this plan from now (on the CPU it runs it before the dispatch returns): a control
+        # arriving meanwhile waits for it.
+        expected = sum(self._control_cost(work) + (self.cost_of(self.records[work.session_id]) if work.run else 0.0)
+                       for work in plan.work)
+        self._device_free_at = max(self._device_free_at, now) + expected
+        self._dispatching = True
         try:
-            dispatch = await loop.run_in_executor(self._executor, self.runner.dispatch, plan)
+            dispatch = await loop.run_in_executor(self._executor, self.runner.dispatch, plan, on_pending)
         except Exception as error:  # the runner itself broke: nothing can be trusted
             log.exception("runner crashed")
             dispatch = Dispatch(fatal=f"runner crashed: {error!r}")
+        finally:
+            self._dispatching = False
+        if not self._outstanding:
+            self._device_free_at = time.monotonic()
         self.ticks += 1
-        self._dispatched(dispatch, now)
+        self._dispatched(dispatch)
         return True
 
-    def _dispatched(self, dispatch: Dispatch, planned_at: float) -> None:
+    def _dispatched(self, dispatch: Dispatch) -> None:
+        """After a plan's dispatch: what failed while it was queued ends its session (or the engine)."""
         for failure in dispatch.failures:
             record = self.records.get(failure.session_id)
             if record is not None:
                 self._finish(record, "failed", error=failure.message)
         if dispatch.fatal is not None:
             self._die(dispatch.fatal)
-        if not dispatch.pending:
-            return
-        expected = 0.0
-        for pending in dispatch.pending:
-            record = self.records.get(pending.session_id)
-            if record is not None:
-                self._took_input(record, pending)
-            if record is not None and pending.ran:
-                record.works_in_flight += 1
-                record.frames_in_flight += pending.frames
-                expected += self.cost_of(record)
-        self._device_free_at = max(self._device_free_at, planned_at) + expected
-        # Every wait is submitted now, in dispatch order: the completion thread runs them first in, first out,
-        # so a session's chunks are delivered in order even when two ticks are in flight.
-        loop = asyncio.get_running_loop()
-        waits = [loop.run_in_executor(self._completions, pending.wait) for pending in dispatch.pending]
-        task = loop.create_task(self._complete(dispatch.pending, waits))
-        self._completing.add(task)
-        task.add_done_callback(self._completing.discard)
 
-    async def _complete(self, pending: list[PendingWork], waits: list[asyncio.Future]) -> None:
-        """Deliver each work's chunk as the device finishes it; a failure ends its session (or, device-fatal,
-        the engine)."""
-        for work, wait in zip(pending, waits):
+    def _queued(self, pending: PendingWork) -> None:
+        """A piece (or a work without one) is queued on the device (called on the loop, in dispatch order): count
+        it in flight and have the completion thread wait for it."""
+        record = self.records.get(pending.session_id)
+        epoch, tick = self._planned.get(pending.session_id, (-1, self.ticks))
+        if record is not None:
+            if pending.first:
+                self._took_input(record, pending)
+                if pending.ran:
+                    record.works_in_flight += 1
+            record.frames_in_flight += pending.frames
+        self._outstanding += 1
+        self._all_delivered.clear()
+        waited = asyncio.get_running_loop().run_in_executor(self._completions, pending.wait)
+        self._completion_queue.put_nowait((pending, waited, epoch, tick))
+
+    def _start_completer(self) -> None:
+        if self._completer is None:
+            self._completion_queue = asyncio.Queue()
+            self._completer = asyncio.get_running_loop().create_task(self._complete(), name="arstream-completer")
+
+    async def _complete(self) -> None:
+        """Deliver each piece as the device finishes it, in the order queued; a failure ends its session (or,
+        device-fatal, the engine)."""
+        while True:
+            pending, waited, epoch, tick = await self._completion_queue.get()
             try:
-                output, cost = await wait
+                output, cost = await waited
                 error = None
             except Exception as failure:  # an asynchronous device error surfaces here
                 output, cost, error = None, None, failure
-            record = self.records.get(work.session_id)
-            if record is not None and work.ran:
-                record.works_in_flight -= 1
-                record.frames_in_flight -= work.frames
+            record = self.records.get(pending.session_id)
+            if record is not None:
+                if pending.ran and pending.last:
+                    record.works_in_flight -= 1
+                record.frames_in_flight -= pending.frames
             try:
                 if error is not None:
                     raise error
-                self._account(cost)
-                if output is not None and record is not None and record.is_open:
-                    self._deliver(record, output)
+                current = record is not None and epoch == record.epoch
+                # Work dropped by a cut is not part of any block the session streams: its device time does not
+                # inflate the session's cost per block (which paces its next blocks and the lead).
+                self._account(cost, record if current else None)
+                if output is not None and current and record.is_open:
+                    self._deliver(record, output, pending, tick)
             except Exception as failure:
-                log.warning("session work failed", extra={"session_id": work.session_id, "error": repr(failure)},
-                            exc_info=failure)
+                log.warning("session work failed", extra={"session_id": pending.session_id,
+                                                          "error": repr(failure)}, exc_info=failure)
                 if is_device_fatal(failure):
                     self._die(str(failure))
                 elif record is not None:
                     self._finish(record, "failed", error=f"{type(failure).__name__}: {failure}")
-        if not self._completing - {asyncio.current_task()}:
-            self._device_free_at = time.monotonic()  # nothing else in flight: the device is free now
-        self.wake.set()  # room for the next block
+            self._outstanding -= 1
+            if not self._outstanding:
+                self._all_delivered.set()
+                if not self._dispatching:
+                    self._device_free_at = time.monotonic()  # nothing else in flight: the device is free now
+            self.wake.set()  # room for the next block
 
     async def delivered(self) -> None:
-        """Wait until every dispatched work has completed and its chunk was delivered."""
-        while self._completing:
-            await asyncio.gather(*self._completing, return_exceptions=True)
+        """Wait until every dispatched piece has completed and been delivered."""
+        await self._all_delivered.wait()
 
     async def drain(self) -> None:
         """Wait for every dispatched work to complete (before a shutdown releases the sessions); no more come."""
         await self.delivered()
+        if self._completer is not None:
+            self._completer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._completer
         self._completions.shutdown(wait=True)
 
     def next_wakeup(self) -> float:
-        return self.scheduler.next_wakeup(self._open_records(), time.monotonic())
+        """Seconds until a paced session's next block is due or a piece of its lead is to be released."""
+        now = time.monotonic()
+        records = self._open_records()
+        wait = self.scheduler.next_wakeup(records, now, self.lead_target)
+        for record in records:
+            if len(record.queue) == 0:
+                record.playout.whole_blocks = self.config.media_granularity == "block" or not record.pace
+                release = record.playout.next_release_in(now, paced=record.pace)
+                if release is not None:
+                    wait = min(wait, max(release, RELEASE_RECHECK_S))
+        return wait
 
-    def _mark_planned(self, plan: StepPlan) -> None:
+    def _mark_planned(self, plan: StepPlan, tick: int) -> None:
         """What the plan carries is no longer pending (the one place ``opened_on_device`` is set)."""
+        self._planned = {}
         for work in plan.work:
             record = self.records[work.session_id]
+            self._planned[work.session_id] = (record.epoch, tick)
+            marks.planned(record, work, tick)
             if work.open is not None:
                 record.opened_on_device = True
                 record.pending_prompt = None
@@ -396,6 +585,16 @@ class EngineCore:
                 record.pending_reset_context = None
             if work.prompt is not None:
                 record.pending_prompt = None
+            if work.reset or work.open is not None or work.prompt is not None:
+                # Blocks before a change are final: none is made again past it (a recache rewrites their K/V).
+                if work.prompt is None or work.prompt.policy == "reset":
+                    record.undo_floor = 0  # a new content
+                elif work.rewind is not None:
+                    record.undo_floor = work.rewind.block  # that block is made again under the new prompt
+                else:
+                    record.undo_floor = record.blocks_since_reset + record.works_in_flight
+                record.cut_pending = False
+                record.rewind = None
 
     def _took_input(self, record: SessionRecord, pending: PendingWork) -> None:
         """The live frames a dispatched block took leave the session's buffer (known at dispatch)."""
@@ -408,13 +607,15 @@ class EngineCore:
 
     # --- live input (on the event loop, not queued: a frame needs the buffer now) -------------------------
     def set_live(self, session_id: str, strength: float | None, first_step: int | None, *, capacity: int,
-                 rate_per_s: float, burst: int) -> None:
+                 rate_per_s: float, burst: int, mark: ControlMark | None = None) -> None:
         """Live input on (or its strength changed: frames already waiting stay) or off (``strength`` None).
 
-        Takes effect at once rather than at the tick: frames the client sends right after must find it on."""
+        Takes effect at once rather than at the tick: frames the client sends right after must find it on.
+        ``mark``: follow the change to the first block it shows in."""
         record = self.record(session_id)
         if not record.is_open or record.projected().state is SessionState.CLOSED:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
+        marks.wait_for(record, mark, "live")
         if strength is None:
             record.live = None
         elif record.live is not None:
@@ -455,10 +656,11 @@ class EngineCore:
             record.inputs.add(outcome, frames)
         self.input_totals[outcome] += frames
 
-    def _account(self, cost: WorkCost) -> None:
-        record = self.records.get(cost.session_id)
+    def _account(self, cost: WorkCost, record: SessionRecord | None) -> None:
         if record is not None:
             record.device_seconds_pending += cost.control_s + cost.block_s
+            if cost.first_piece_s is not None and cost.first_piece_s > 0:
+                record.first_piece_cost.observe(cost.first_piece_s)
         if cost.controls and cost.control_s > 0:  # costliest first: the time is learned for that kind
             self.control_costs[cost.controls[0]].observe(cost.control_s)
 
@@ -472,56 +674,89 @@ class EngineCore:
             self._finish(record, "failed", error="the engine's device failed")
         self.wake.set()
 
-    def _release_held(self) -> None:
-        """A chunk held back for a slow consumer enters its queue once the consumer took the one before."""
-        for record in self._open_records():
-            if record.held is not None and len(record.queue) == 0:
-                chunk, record.held = record.held, None
-                record.queue.put_nowait(chunk)
-
-    def _deliver(self, record: SessionRecord, output: BlockOutput) -> None:
+    def _deliver(self, record: SessionRecord, output: BlockOutput, pending: PendingWork, tick: int) -> None:
+        """A piece of output joins the session's lead (then whatever is due leaves)."""
         now = time.monotonic()
-        if not output.opening_frame:  # a split block's cost is observed once, whole, with its other frames
+        if output.last_piece and not output.opening_frame:
+            # A block's cost is observed once, whole, with its last piece (a split block's with its other frames).
             block_s, record.device_seconds_pending = record.device_seconds_pending, 0.0
             if block_s > 0:
                 record.cost.observe(block_s)
                 self.block_cost.observe(block_s)
-        timings = output.timings
-        chunk = Chunk(
-            session_id=record.session_id,
-            index=record.chunks_emitted,
-            pts=record.frames_emitted,
+        piece = Piece(
             frames=output.frames,
-            audio=output.audio,
-            audio_start=record.audio_samples_emitted,
             block_index=output.block_index,
-            timings=timings,
-            ready_at=now_ms(),
+            timings=output.timings,
+            made_at=now,
+            audio=output.audio,
+            last_of_block=output.last_piece,
+            opening=output.opening_frame,
+            first_of_block=output.first_of_block,
+            marks=marks.shown(record, tick) if output.shows_controls else (),
         )
-        if record.keep_time(chunk.pts, now, fps=self.config.fps, tolerance_s=self.config.deadline_tolerance_s):
+        if record.made(piece, now, tolerance_s=self.config.deadline_tolerance_s):
             self.deadline_misses += 1
-        if output.opening_frame:
-            # A preview ahead of its block: playback (and deadlines) start with the block's other frames.
-            record.reanchor = True
-        record.chunks_emitted += 1
-        record.frames_emitted += int(output.frames.shape[0])
-        if output.audio is not None:
-            record.audio_samples_emitted += int(output.audio.shape[1])
-        if not output.opening_frame:
-            # From the block's own index (it restarts with the content), not a count: chunks of the old content
-            # that were on the device when a reset applied still arrive after it.
+            if record.deadline_misses <= LOGGED_MISSES:  # bounded: an overloaded device misses every block
+                log.info("deadline missed", extra={
+                    "session_id": record.session_id, "pts": piece.pts, "frames": piece.num_frames,
+                    "late_s": round(now - record.playout.play_time(piece.pts), 3), "block": piece.block_index,
+                    "denoise_ms": round(output.timings.denoise_ms, 1), "decode_ms": round(output.timings.decode_ms, 1),
+                    "lead_target_s": round(self.lead_target(record), 3)})
+        if output.last_piece:
+            # From the block's own index (it restarts with the content), not a count.
             record.blocks_since_reset = output.block_index + 1
             self.blocks += 1
-        record.last_timings = timings
+        record.last_timings = output.timings
         record.decoder_state_bytes = output.decoder_state_bytes
         record.encoder_state_bytes = output.encoder_state_bytes
-        record.frame_rate.add(now, int(output.frames.shape[0]))
-        if len(record.queue) == 0 and record.held is None:
-            record.queue.put_nowait(chunk)
-        elif record.held is None:  # the previous chunk still waits for its consumer (dispatched before it was taken)
-            record.held = chunk
-        else:
-            raise RuntimeError("a chunk is already held back; the scheduler must not run this session")
+        record.frame_rate.add(now, piece.num_frames)
+        self._release(record, now)
+
+    def _release_due(self, now: float) -> None:
+        for record in self._open_records():
+            self._release(record, now)
+
+    def _taken(self, session_id: str) -> None:
+        """The consumer took a chunk: its session may run again, and its next due piece may leave."""
+        self.wake.set()
+        record = self.records.get(session_id)
+        if record is not None and record.is_open:
+            self._release(record, time.monotonic())
+
+    def _release(self, record: SessionRecord, now: float) -> None:
+        """Hand the session's due media to its consumer once its queue has room (``engine/playout.py``), and arm a
+        timer for the next piece: a piece leaves on time whatever the engine loop is waiting for (on the CPU a
+        tick waits for its block)."""
+        playout = record.playout
+        if record.release_timer is not None:
+            record.release_timer.cancel()
+            record.release_timer = None
+        # A best-effort session (a batch job, a benchmark) gets whole blocks: fewer, larger chunks.
+        playout.whole_blocks = self.config.media_granularity == "block" or not record.pace
+        if len(record.queue):
+            return  # the consumer taking the chunk in it comes back here
+        if playout.due(now, paced=record.pace):
+            released = playout.release(now, paced=record.pace)
+            piece = marks.stamp(record, released.piece, now)
+            if released.started_clock:
+                record.first_release(now)
+            record.queue.put_nowait(Chunk(
+                session_id=record.session_id,
+                index=playout.chunks_released - 1,
+                pts=piece.pts,
+                frames=piece.frames,
+                audio=piece.audio,
+                audio_start=piece.audio_start,
+                block_index=piece.block_index,
+                timings=piece.timings,
+                ready_at=now_ms(),
+                marks=piece.marks,
+            ))
+            return
+        wait = playout.next_release_in(now, paced=record.pace)
+        if wait is not None:
+            record.release_timer = asyncio.get_running_loop().call_later(
+                wait, lambda: record.is_open and self._release(record, time.monotonic()))
 
     def _enforce_limits(self, now: float) -> None:
         """End sessions past their grace period, idle timeout or maximum duration."""
@@ -552,7 +787,11 @@ class EngineCore:
         record.live = None  # its frames are released with it
         record.decoder_state_bytes = 0
         record.encoder_state_bytes = 0
-        record.held = None
+        record.playout.pieces.clear()  # the lead goes with it
+        record.marks.clear()
+        if record.release_timer is not None:
+            record.release_timer.cancel()
+            record.release_timer = None
         record.queue.end()
         self.kv.unreserve(record.session_id)
         if record.opened_on_device:
@@ -667,6 +906,7 @@ class EngineCore:
             input_frames=dict(self.input_totals),
             live_input_sessions=sum(1 for r in open_records if r.live is not None),
             queue_depths=tuple(len(r.queue) for r in open_records),
+            lead_seconds=tuple(r.playout.lead_frames / self.config.fps for r in open_records),
             session_frames_per_second=tuple(
                 r.frame_rate.per_second() for r in open_records if r.state is SessionState.ACTIVE
             ),

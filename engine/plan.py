@@ -51,13 +51,28 @@ class PromptUpdate:
 
 
 @dataclass(frozen=True)
+class Rewind:
+    """Take the session back to the start of its block ``block`` (its content's block index) and make it again,
+    the frames of its first ``skip_latents`` latent frames not sent (the viewer has the old block's): supersede,
+    ``engine/undo.py``."""
+
+    block: int
+    skip_latents: int
+
+
+@dataclass(frozen=True)
 class SessionWork:
-    """What to do for one session this tick, in this order: open, reset, prompt, run."""
+    """What to do for one session this tick, in this order: (rewind), open, reset, prompt, run."""
 
     session_id: str
     open: OpenSession | None = None
     reset: bool = False
     reset_context: InputContext | None = None  # with reset: what the content restarts from; None: as it started
+    # With a reset (or a prompt change with policy reset): the old content's unreleased media was cut from the
+    # stream, so its held-back audio is dropped instead of flushed into the new content's first chunk.
+    cut: bool = False
+    rewind: Rewind | None = None  # before anything else: take back the blocks from this one on
+    settled_before: int | None = None  # no block before this one (content block index) will be taken back
     prompt: PromptUpdate | None = None
     run: bool = False
     live: LiveFrames | None = None  # with run: live input for the block, if it begins one

@@ -23,6 +23,7 @@ from collections import deque
 from dataclasses import dataclass
 
 COST_EMA_WEIGHT = 0.2  # weight of the newest block: follows a change of load within ~5 blocks
+RECENT_PEAK_SAMPLES = 8  # observations the recent peak looks back over
 FPS_WINDOW_CHUNKS = 8
 RETRY_AFTER_MAX_S = 60.0
 
@@ -33,12 +34,23 @@ class RunningCost:
     def __init__(self, seed_s: float | None = None) -> None:
         self.seconds = seed_s
         self.samples = 0
+        self.recent: deque[float] = deque(maxlen=RECENT_PEAK_SAMPLES)
 
     def observe(self, seconds: float) -> None:
         if not math.isfinite(seconds) or seconds < 0:
             return
         self.seconds = seconds if self.seconds is None else (1 - COST_EMA_WEIGHT) * self.seconds + COST_EMA_WEIGHT * seconds
         self.samples += 1
+        self.recent.append(seconds)
+
+    @property
+    def recent_peak(self) -> float | None:
+        """The second longest of the last few observations (a margin against their jitter that one outlier, a
+        compile or a stall elsewhere, does not set; the longest while there are fewer than 4; None before any)."""
+        if not self.recent:
+            return None
+        ordered = sorted(self.recent)
+        return ordered[-2] if len(ordered) >= 4 else ordered[-1]
 
 
 @dataclass(frozen=True)

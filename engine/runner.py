@@ -8,18 +8,24 @@ eviction, idle timeout, failed forward, shutdown — goes through
 :meth:`Runner.release`, which frees all of them together.
 
 Work is *dispatched*: :meth:`Runner.dispatch` queues a plan's device work and
-returns at once with one :class:`PendingWork` per work item; its block's
-frames land in host memory when the device gets there (:meth:`PendingWork.wait`).
-So the engine can queue block N+1 while the device still runs block N, and the
-GPU never waits for the host between blocks. :meth:`Runner.execute` is the
-synchronous form (dispatch, then wait for each), for warm-up and tests.
+returns at once with one :class:`PendingWork` per *piece* of output — a block's
+frames are decoded one latent frame at a time, and each latent frame's frames
+(4 at 16 fps, the content's opening one 1) are a piece of their own — plus one
+for a work that made no frames. A piece's frames land in host memory when the
+device gets there (:meth:`PendingWork.wait`). So the engine can queue block N+1
+while the device still runs block N, the GPU never waits for the host between
+blocks, and a block's first frames can leave before the rest is decoded (on the
+CPU, where work runs as it is queued, ``on_pending`` hears of each piece the
+moment it is made). :meth:`Runner.execute` is the synchronous form (dispatch,
+then wait for each, one output per block), for warm-up and tests.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -31,8 +37,9 @@ from decoders.video import StreamingDecodeState, WanStreamingDecoder
 from engine.kv_cache import KVCacheManager, SessionKVState
 from engine.models.latents import BlockLatents
 from engine.models.pipeline import CausalWanPipeline, SessionProgress
-from engine.plan import InputContext, LiveFrames, OpenSession, PromptUpdate, SessionWork, StepPlan
+from engine.plan import InputContext, LiveFrames, OpenSession, PromptUpdate, Rewind, SessionWork, StepPlan
 from engine.session import ChunkTimings, now_ms
+from engine.undo import BlockUndo, before_block, take_back
 
 log = logging.getLogger("arstream.runner")
 
@@ -58,6 +65,8 @@ class DeviceSession:
     queued_ms: float = 0.0
     denoise_parts: list["_WorkTimer"] = field(default_factory=list)  # the current output's denoising so far
     opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
+    undo: deque[BlockUndo] = field(default_factory=deque)  # the last blocks, oldest first (engine/undo.py)
+    redo: tuple[torch.Tensor, int] | None = None  # a block made again: the old one's clean video, latents sent
 
     def decoder_state_bytes(self) -> int:
         """Bytes its streaming decoder caches (video and audio) hold on the device now."""
@@ -73,11 +82,14 @@ class BlockOutput:
     session_id: str
     block_index: int
     frames: np.ndarray  # uint8 [F, H, W, 3]
-    audio: np.ndarray | None  # float32 [channels, samples]: what became decodable with this block
+    audio: np.ndarray | None  # float32 [channels, samples]: what became decodable with this block (its first piece)
     timings: ChunkTimings
     decoder_state_bytes: int = 0  # the session's video + audio decoder caches after this block
     opening_frame: bool = False  # the opening frame of a session's first block; the block's other frames follow
     encoder_state_bytes: int = 0  # the session's live-input encoder state after this block
+    last_piece: bool = True  # the block's last piece (its other pieces came before it)
+    first_of_block: bool = True  # the first frames of its block (or of a content: an opening frame)
+    shows_controls: bool = True  # the first frames made under the controls its work applied (not a split's rest)
 
 
 @dataclass(frozen=True)
@@ -88,6 +100,7 @@ class WorkCost:
     control_s: float
     block_s: float
     controls: tuple[str, ...]  # which controls ran, costliest first (engine.plan.CONTROL_KINDS)
+    first_piece_s: float | None = None  # a block's first piece: from the block's start to its frames in host memory
 
 
 @dataclass(frozen=True)
@@ -126,12 +139,17 @@ class _QueuedOutput:
     decoder_state_bytes: int
     opening_frame: bool
     encoder_state_bytes: int = 0
+    last_piece: bool = True
+    first_of_block: bool = True
+    shows_controls: bool = True
 
 
 @dataclass
 class PendingWork:
-    """One work item whose device work is queued. :meth:`wait` blocks until the device is done with it and
-    returns its output (if it made one) and its cost, both measured on the device."""
+    """One piece of a work item's output (or the whole work, when it made none) whose device work is queued.
+    :meth:`wait` blocks until the device is done with it and returns its output (if any) and its cost, both
+    measured on the device. A work's first one carries what the work reports (its controls, the input it took);
+    ``first`` and ``last`` say where in its work a piece stands."""
 
     session_id: str
     controls: tuple[str, ...]
@@ -141,17 +159,21 @@ class PendingWork:
     live_first_seq: int | None = None  # the live frames offered to the work (LiveFrames.first_seq) ...
     input_frames_taken: int = 0  # ... and how many of them its block took (0: it began no block)
     context_frames: int | None = None  # latent frames of a context the work started the content from
+    first: bool = True  # the work's first piece (it carries the work's controls and reports)
+    last: bool = True  # the work's last piece: once it is done, so is the work
 
     @property
     def frames(self) -> int:
-        """Frames this work will deliver (0 if none): known at dispatch."""
+        """Frames this piece will deliver (0 if none): known at dispatch."""
         return 0 if self.output is None else int(self.output.frames.shape[0])
 
     def wait(self) -> tuple[BlockOutput | None, WorkCost]:
         self.timer.wait()
         control_s, block_s, decode_s = self.timer.seconds()
-        cost = WorkCost(self.session_id, control_s, block_s, self.controls)
         queued = self.output
+        begins_block = self.first and queued is not None and not queued.opening_frame and self.ran
+        cost = WorkCost(self.session_id, control_s, block_s, self.controls,
+                        first_piece_s=block_s if begins_block else None)
         if queued is None:
             return None, cost
         output = BlockOutput(
@@ -168,6 +190,9 @@ class PendingWork:
             decoder_state_bytes=queued.decoder_state_bytes,
             opening_frame=queued.opening_frame,
             encoder_state_bytes=queued.encoder_state_bytes,
+            last_piece=queued.last_piece,
+            first_of_block=queued.first_of_block,
+            shows_controls=queued.shows_controls,
         )
         return output, cost
 
@@ -204,12 +229,14 @@ class Runner:
         audio_samples_per_frame: int = 0,
         split_first_block: bool = False,
         encoder=None,
+        undo_blocks: int = 0,
     ) -> None:
         """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
         as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
         first media; the frames are the same as unsplit (chunked decode equals one-call decode).
         ``encoder``: the streaming video encoder of pictures and live input (``decoders``), None when the
-        codec cannot encode."""
+        codec cannot encode. ``undo_blocks``: how many of a session's last blocks can be taken back and made again
+        (supersede, ``engine/undo.py``; 0: none, nothing is recorded)."""
         if (audio_decoder is None) != (pipeline.audio_shape is None):
             raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
@@ -221,6 +248,7 @@ class Runner:
         self.kv_manager = kv_manager
         self.stepwise = stepwise
         self.split_first_block = split_first_block
+        self.undo_blocks = 0 if stepwise else undo_blocks  # a stepwise block spans ticks: nothing to take back
         self.device_sessions: dict[str, DeviceSession] = {}
 
     # --- lifetime ---------------------------------------------------------
@@ -271,11 +299,12 @@ class Runner:
 
     def reset(
         self, session_id: str, prompt: str | None = None, negative_prompt: str | None = None,
-        context: InputContext | None = None,
+        context: InputContext | None = None, *, flush_audio: bool = True,
     ) -> BlockLatents | None:
         """Restart content as a new session with the same seed (and the given or current prompt), from
         ``context`` (None: the image or clip it last started from). Returns the context's latents to begin
-        from (:meth:`_begin_from`), or None for a start from the prompt alone."""
+        from (:meth:`_begin_from`), or None for a start from the prompt alone. ``flush_audio=False``: the old
+        content's held-back audio is dropped (its frames were cut from the stream), not flushed into the next."""
         old = self.device_sessions[session_id]
         latents = old.context
         if context is not None:
@@ -288,7 +317,7 @@ class Runner:
         # The old content's held-back audio ends where its video ends: flush it into the next chunk so
         # the session's audio timeline stays continuous (no gap, no drift) across the reset.
         tail = None
-        if old.audio_state is not None and old.audio_state.frames_received:
+        if flush_audio and old.audio_state is not None and old.audio_state.frames_received:
             expected = old.audio_state.pending_frames * self.audio_decoder.hop
             tail = self.audio_decoder.flush(old.audio_state)
             # Oobleck's transposed convs crop a few samples at a clip's true end: pad them back with
@@ -322,9 +351,18 @@ class Runner:
             raise
 
     # --- execution ----------------------------------------------------------
-    def dispatch(self, plan: StepPlan) -> Dispatch:
-        """Release the plan's finished sessions, then queue each work item's device work, in order."""
+    def dispatch(self, plan: StepPlan, on_pending: Callable[[PendingWork], None] | None = None) -> Dispatch:
+        """Release the plan's finished sessions, then queue each work item's device work, in order.
+
+        ``on_pending`` (called on this thread) hears of each :class:`PendingWork` as soon as it is queued: on
+        the CPU a block's first piece is then ready while its other latent frames are still being decoded."""
         dispatch = Dispatch()
+
+        def emit(pending: PendingWork) -> None:
+            dispatch.pending.append(pending)
+            if on_pending is not None:
+                on_pending(pending)
+
         for finished in plan.finished:
             try:
                 self.release(finished.session_id, finished.reason)
@@ -333,21 +371,20 @@ class Runner:
         for work in plan.work:
             timer = _WorkTimer.start(self.pipeline.transformer.device)
             try:
-                output, report = self._do(work, plan.planned_at, timer)
+                self._do(work, plan.planned_at, timer, emit)
             except Exception as error:
                 if self._failed(work.session_id, error, dispatch.failures):
                     dispatch.fatal = str(error)
                     return dispatch
                 continue
-            timer.end()
-            report.output = output
-            dispatch.pending.append(report)
         return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
-        """Dispatch the plan and wait for all of it: its outputs and costs, in order."""
+        """Dispatch the plan and wait for all of it: its outputs (one per block: a block's pieces joined) and
+        costs, in order."""
         dispatch = self.dispatch(plan)
         result = StepResult(failures=dispatch.failures, fatal=dispatch.fatal)
+        pieces: list[BlockOutput] = []
         for pending in dispatch.pending:
             try:
                 output, cost = pending.wait()
@@ -358,7 +395,10 @@ class Runner:
                 continue
             result.costs.append(cost)
             if output is not None:
-                result.outputs.append(output)
+                pieces.append(output)
+                if output.last_piece or output.opening_frame or pending.last:
+                    result.outputs.append(_joined(pieces))
+                    pieces = []
         return result
 
     def _failed(self, session_id: str, error: Exception, failures: list[SessionFailure]) -> bool:
@@ -375,8 +415,9 @@ class Runner:
             return True
         return False
 
-    def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer") -> tuple[_QueuedOutput | None, PendingWork]:
-        """Run one work item's controls and block; returns its output and what it reports (PendingWork fields)."""
+    def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer", emit: Callable[[PendingWork], None]) -> None:
+        """Run one work item's controls and block; ``emit`` each piece of its output as it is queued (the first
+        carries what the work reports), or the work alone when it made no output."""
         report = PendingWork(work.session_id, work.control_kinds, work.run, timer)
         context = None  # latents an open or a reset starts the content from
         if work.open is not None:
@@ -385,16 +426,24 @@ class Runner:
                 with self.bound(work.session_id):
                     context = self._encode_context(work.open.context)
         if work.session_id not in self.device_sessions:
-            return None, report
+            timer.end()
+            emit(report)
+            return
+        if work.settled_before is not None:
+            self._settle(self.device_sessions[work.session_id], work.settled_before)
+        if work.rewind is not None:
+            with self.bound(work.session_id) as device_session:
+                self._rewind(device_session, work.rewind)
         restarted = work.open is not None
         if work.reset:
             with self.bound(work.session_id):
-                context = self.reset(work.session_id, context=work.reset_context)
+                context = self.reset(work.session_id, context=work.reset_context, flush_audio=not work.cut)
             restarted = True
         if work.prompt is not None:
             if work.prompt.policy == "reset":
                 with self.bound(work.session_id):
-                    context = self.reset(work.session_id, work.prompt.prompt, work.prompt.negative_prompt)
+                    context = self.reset(work.session_id, work.prompt.prompt, work.prompt.negative_prompt,
+                                         flush_audio=not work.cut)
                 restarted = True
             else:
                 self._change_prompt(work)
@@ -407,12 +456,15 @@ class Runner:
                     output = self._begin_from(device_session, context, planned_at)
         timer.controls_done()
         if output is not None or not work.run:
-            return output, report
+            timer.end()
+            report.output = output
+            emit(report)
+            return
         with self.bound(work.session_id) as device_session:
             if work.live is not None:
                 report.live_first_seq = work.live.first_seq
                 report.input_frames_taken = self._take_live_input(device_session, work.live)
-            return self._advance(device_session, planned_at, timer), report
+            self._advance(device_session, planned_at, report, emit)
 
     # --- pictures and video in --------------------------------------------------
     def _encode_context(self, frames: np.ndarray) -> BlockLatents:
@@ -465,9 +517,10 @@ class Runner:
 
     def _take_live_input(self, device_session: DeviceSession, live: LiveFrames) -> int:
         """Give the block that begins now its live input, encoded on the session's stream; returns the frames it
-        took (0 when no block begins here: a stepwise tick inside one, or the rest of a split first block)."""
+        took (0 when no block begins here: a stepwise tick inside one, the rest of a split first block, or a
+        block made again, which keeps the input it had)."""
         progress = device_session.progress
-        if self.encoder is None or progress.latents is not None or progress.clean is not None:
+        if self.encoder is None or progress.latents is not None or progress.clean is not None or device_session.redo:
             return 0
         need = self.encoder.frames_needed(self.pipeline.frames_per_block, device_session.encode_state)
         taken = list(live.frames[:need])
@@ -483,14 +536,21 @@ class Runner:
     def _change_prompt(self, work: SessionWork) -> None:
         update = work.prompt
         with self.bound(work.session_id) as device_session:
+            # Blocks made under the old prompt are not taken back past this (a recache rewrites their K/V).
+            self._settle(device_session, device_session.progress.block_index)
             self.pipeline.set_prompt(
                 device_session.kv, device_session.progress, update.prompt, update.negative_prompt, update.policy
             )
             request = device_session.open_request
             device_session.open_request = OpenSession(request.seed, update.prompt, update.negative_prompt)
 
-    def _advance(self, device_session: DeviceSession, planned_at: float, timer: "_WorkTimer") -> _QueuedOutput | None:
+    def _advance(self, device_session: DeviceSession, planned_at: float, report: PendingWork,
+                 emit: Callable[[PendingWork], None]) -> None:
+        """Run the session's block (or, stepwise, one forward of it) and emit its output piece by piece: each
+        latent frame is decoded on its own, its frames' copy to host memory queued, and its piece emitted before
+        the next latent frame is decoded."""
         progress = device_session.progress
+        timer = report.timer
         if device_session.block_started_at is None:
             device_session.block_started_at = now_ms()
             device_session.denoise_parts = []
@@ -498,6 +558,13 @@ class Runner:
         device_session.denoise_parts.append(timer)
         opening = (self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
                    and device_session.context is None)  # after a context, its frame was the opening one
+        undo = None
+        if self.undo_blocks and progress.block_index >= 1 and progress.latents is None and progress.clean is None:
+            while len(device_session.undo) >= self.undo_blocks:  # room for this block's record: the pools hold
+                device_session.kv.settle(device_session.undo.popleft().kv_journal)  # undo_blocks blocks' frames
+            undo = before_block(progress, device_session.kv, device_session.decode_state, device_session.audio_state,
+                                audio_samples_to_trim=device_session.audio_samples_to_trim,
+                                audio_carry=device_session.audio_carry)
         if opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
@@ -507,34 +574,88 @@ class Runner:
         else:
             clean = self.pipeline.run_block(device_session.kv, progress)
         if clean is None:
-            return None
+            timer.end()
+            emit(report)
+            return
         # No wait anywhere here: the decode queues behind the commit pass, the frames' copy to pinned host
         # memory behind the decode, and the caller may queue the next block before any of it has run.
         timer.denoised()
         video = self.decoder.denormalize(clean.video)
+        if undo is not None:
+            undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
+            self._remember(device_session, undo)
+        first = 0
+        rest_of_split = not opening and progress.block_index == 1 and device_session.opening_frame_sent
         if opening:
-            video = video[:, :, :1]
-        elif progress.block_index == 1 and device_session.opening_frame_sent:
-            video = video[:, :, 1:]  # the rest of the first block; its opening frame went out already
-        frames = _to_host(self.decoder.to_uint8_tensor(self.decoder.decode_chunk(video, device_session.decode_state)))
-        # The opening frame carries no audio: the block's audio is decoded whole with the rest of it.
+            latent_frames = [video[:, :, :1]]
+        else:
+            first = 1 if rest_of_split else 0
+            if device_session.redo is not None:
+                # Made again from the middle: the old block's first latent frames were sent; decoding them again
+                # gives the decoder the context the viewer saw (their frames are not sent twice).
+                old, first = device_session.redo
+                for index in range(first):
+                    self.decoder.decode_chunk(old[:, :, index:index + 1], device_session.decode_state)
+                device_session.redo = None
+            latent_frames = [video[:, :, index:index + 1] for index in range(first, video.shape[2])]
+        # The opening frame carries no audio: the block's audio is decoded whole with the rest of it, and goes
+        # with its first piece.
         audio = None
         if self.audio_decoder is not None and not opening:
             audio = _to_host(self._decode_audio(device_session, clean))
         device_session.opening_frame_sent |= opening
-        output = _QueuedOutput(
-            frames=frames,
-            audio=audio,
-            block_index=progress.block_index if opening else progress.block_index - 1,
-            started_at=device_session.block_started_at,
-            queued_ms=device_session.queued_ms,
-            denoise_parts=device_session.denoise_parts,
-            decoder_state_bytes=device_session.decoder_state_bytes(),
-            opening_frame=opening,
-            encoder_state_bytes=device_session.encoder_state_bytes(),
-        )
+        block_index = progress.block_index if opening else progress.block_index - 1
+        pending = report
+        for position, latent in enumerate(latent_frames):
+            if position:
+                pending = PendingWork(report.session_id, (), report.ran, _WorkTimer.start(timer.device), first=False)
+                pending.timer.controls_done()
+                pending.timer.denoised()
+            frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
+            last = position == len(latent_frames) - 1
+            pending.last = last
+            pending.output = _QueuedOutput(
+                frames=_to_host(frames),
+                audio=audio if position == 0 else None,
+                block_index=block_index,
+                started_at=device_session.block_started_at,
+                queued_ms=device_session.queued_ms,
+                denoise_parts=device_session.denoise_parts,
+                decoder_state_bytes=device_session.decoder_state_bytes(),
+                opening_frame=opening,
+                encoder_state_bytes=device_session.encoder_state_bytes(),
+                last_piece=last and not opening,
+                first_of_block=position == 0 and (opening or first == 0),
+                shows_controls=position == 0 and not rest_of_split,
+            )
+            pending.timer.end()
+            emit(pending)
         device_session.block_started_at = None
-        return output
+
+    # --- taking blocks back (supersede, engine/undo.py) ---------------------------------------
+    def _remember(self, device_session: DeviceSession, undo: BlockUndo) -> None:
+        device_session.undo.append(undo)
+
+    def _settle(self, device_session: DeviceSession, before: int) -> None:
+        """Blocks before ``before`` will not be taken back: free what their records hold."""
+        while device_session.undo and device_session.undo[0].block_index < before:
+            device_session.kv.settle(device_session.undo.popleft().kv_journal)
+
+    def _rewind(self, device_session: DeviceSession, rewind: Rewind) -> None:
+        """Take the session back to the start of block ``rewind.block``; its next block is that one again."""
+        records = list(device_session.undo)
+        taken = [record for record in records if record.block_index >= rewind.block]
+        if not taken or taken[0].block_index != rewind.block or device_session.progress.latents is not None:
+            raise RuntimeError(f"block {rewind.block} cannot be taken back (records from "
+                               f"{records[0].block_index if records else None})")
+        oldest = take_back(taken, device_session.progress, device_session.kv, device_session.decode_state,
+                           device_session.audio_state)
+        for _ in taken:
+            device_session.undo.pop()
+        self.pipeline.history_changed()
+        device_session.audio_samples_to_trim = oldest.audio_samples_to_trim
+        device_session.audio_carry = oldest.audio_carry
+        device_session.redo = (oldest.clean_video, rewind.skip_latents) if rewind.skip_latents else None
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
         """The samples this block made decodable (float32, on the device), minus the part of the opening
@@ -557,9 +678,11 @@ class Runner:
         kernel and cuDNN plan is built here, not in a viewer's stream). With
         ``transitions``, a second session then joins mid-stream, the first
         changes its prompt with ``recache`` and is reset, each followed by a
-        block, and, where the codec can encode, restarts from an image and runs
-        two blocks of live input — all through :meth:`execute`, the path real
-        sessions take.
+        block, takes a block back and makes it again from its middle (where
+        blocks can be taken back: the decoders' restored state is a new input to
+        their compiled paths), and, where the codec can encode, restarts from an
+        image and runs two blocks of live input — all through :meth:`execute`,
+        the path real sessions take.
         Returns the device seconds of two more plain blocks at the full window, run once every shape
         has been met (they seed the engine's per-block cost estimate, so admission does not count the
         one-time compiles and graph captures of the first blocks).
@@ -588,6 +711,12 @@ class Runner:
                     run(SessionWork(second, open=opening, run=True), SessionWork(first, run=True))
                 run(SessionWork(first, prompt=PromptUpdate("warmup, changed", "", "recache"), run=True))
                 run(SessionWork(first, reset=True, run=True))
+                if self.undo_blocks:  # supersede: a block taken back and made again from its middle
+                    records = self.device_sessions[first].undo
+                    while not records:  # (the restarted content's first block keeps none; a split one takes 2 works)
+                        run(SessionWork(first, run=True))
+                    run(SessionWork(first, prompt=PromptUpdate("warmup, superseded", "", "soft"), run=True,
+                                    rewind=Rewind(records[-1].block_index, 1)))
                 if self.encoder is not None:
                     self._warm_inputs(first, run)
         finally:
@@ -611,7 +740,8 @@ class Runner:
 
 
 def runner_for(
-    bundle, kv_manager: KVCacheManager, *, stepwise: bool = False, split_first_block: bool = False
+    bundle, kv_manager: KVCacheManager, *, stepwise: bool = False, split_first_block: bool = False,
+    undo_blocks: int = 0,
 ) -> Runner:
     """A runner over a built :class:`~engine.bundle.ModelBundle` (audio wired when the model has it)."""
     timing = bundle.audio_timing
@@ -625,6 +755,7 @@ def runner_for(
         audio_samples_per_frame=timing.samples_per_video_frame if timing is not None else 0,
         split_first_block=split_first_block,
         encoder=bundle.encoder,
+        undo_blocks=undo_blocks,
     )
 
 
@@ -636,14 +767,15 @@ class _WorkTimer:
 
     _MARKS = ("start", "controls", "denoised", "end")
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, device: torch.device | None = None) -> None:
         self._cuda = cuda
+        self.device = device
         self._marks: dict[str, "torch.cuda.Event | float"] = {}
         self._mark("start")
 
     @classmethod
     def start(cls, device: torch.device) -> "_WorkTimer":
-        return cls(device.type == "cuda")
+        return cls(device.type == "cuda", device)
 
     def _mark(self, name: str) -> None:
         if self._cuda:
@@ -684,6 +816,29 @@ class _WorkTimer:
         block = self._between("controls", "end")
         decode = self._between("denoised", "end") if "denoised" in self._marks else 0.0
         return controls, block, decode
+
+
+def _joined(pieces: list[BlockOutput]) -> BlockOutput:
+    """A block's pieces as one output (the synchronous :meth:`Runner.execute`)."""
+    if len(pieces) == 1:
+        return pieces[0]
+    audio = [p.audio for p in pieces if p.audio is not None]
+    last = pieces[-1]
+    return BlockOutput(
+        session_id=last.session_id,
+        block_index=last.block_index,
+        frames=np.concatenate([p.frames for p in pieces]),
+        audio=np.concatenate(audio, axis=1) if audio else None,
+        timings=ChunkTimings(started_at=pieces[0].timings.started_at, queued_ms=pieces[0].timings.queued_ms,
+                             denoise_ms=pieces[0].timings.denoise_ms,
+                             decode_ms=sum(p.timings.decode_ms for p in pieces)),
+        decoder_state_bytes=last.decoder_state_bytes,
+        opening_frame=False,
+        encoder_state_bytes=last.encoder_state_bytes,
+        last_piece=True,
+        first_of_block=pieces[0].first_of_block,
+        shows_controls=pieces[0].shows_controls,
+    )
 
 
 def _to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,10 +3,14 @@
 The scheduler reads the core's session records and cost estimates and returns
 a :class:`StepPlan`; it changes nothing (the core marks what the plan carried).
 
-A session runs at most one block per tick. It is skipped while paused, until
-its consumer has taken its previous chunk and asked for the next (a slow client
-pauses itself, not the engine; see ``ChunkQueue``), and, with pacing on, while
-its media runs ``lead_chunks`` blocks ahead of its playback clock.
+A session runs at most one block per tick. It is skipped while paused, while
+its lead — media made and not yet handed to its consumer (``engine/playout.py``)
+— holds ``lead_chunks`` blocks (a slow client pauses itself, not the engine),
+and, with pacing on, until its next block is due: a paced session's block runs
+*just in time*, once the media made runs less than its lead target (``lead_s``:
+the time its next block's first frames take to make, other live sessions' blocks
+that may run first, and the playout margin) ahead of its playback clock. So a
+control waits behind as little made media as keeps the viewer's playback smooth.
 
 A session may have ``blocks_in_flight`` works dispatched and not yet delivered
 (2 on a GPU: block N+1 is queued while the device still runs block N, so the
@@ -55,27 +59,32 @@ RECHECK_S = 0.005  # the soonest an idle loop looks again at a session that may 
 
 class Scheduler:
     def __init__(
-        self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1, blocks_in_flight: int = 1
+        self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1, blocks_in_flight: int = 1,
+        overlap: bool = True,
     ) -> None:
         self.fps = fps
         self.frames_per_chunk = frames_per_chunk
-        self.lead_seconds = lead_chunks * frames_per_chunk / fps
+        self.lead_frames = lead_chunks * frames_per_chunk  # the most a session's lead and work in flight hold
+        self.lead_seconds = self.lead_frames / fps
         self.ticks_per_block = ticks_per_block  # stepwise mode: a block takes several ticks
         self.blocks_in_flight = blocks_in_flight
+        self.overlap = overlap  # False: a block only once the previous one's media is on the wire
         self._cursor = 0
 
-    def pacing_allows(self, session: SessionRecord, now: float) -> bool:
-        return not session.pace or session.media_seconds_ahead(now, self.fps) < self.lead_seconds
+    def pacing_allows(self, session: SessionRecord, now: float, lead_s: float) -> bool:
+        """A paced session's next block is due: its made media runs less than ``lead_s`` ahead of its viewer."""
+        return not session.pace or session.media_seconds_ahead(now) < min(lead_s, self.lead_seconds)
 
-    def next_wakeup(self, sessions: Sequence[SessionRecord], now: float) -> float:
-        """Seconds until a paced session may run again (inf if none is waiting on pacing).
+    def next_wakeup(self, sessions: Sequence[SessionRecord], now: float,
+                    lead_s: Callable[[SessionRecord], float] = lambda session: math.inf) -> float:
+        """Seconds until a paced session's next block is due (inf if none is waiting on pacing).
 
         A session that may run already (the tick that found nothing to do was planned before its
         consumer freed it, or the scheduler held it back) is looked at again within ``RECHECK_S``:
         never a whole idle poll, which would stall a live stream by up to a second.
         """
         waits = [
-            session.media_seconds_ahead(now, self.fps) - self.lead_seconds
+            session.media_seconds_ahead(now) - min(lead_s(session), self.lead_seconds)
             for session in sessions
             if session.state is SessionState.ACTIVE and session.pace and self._has_room(session)
         ]
@@ -93,19 +102,26 @@ class Scheduler:
         control_cost: Callable[[SessionWork], float],
         backlog_s: float = 0.0,
         conditioning_ready: Callable[[str, str], bool] = lambda prompt, negative_prompt: True,
+        lead_s: Callable[[SessionRecord], float] = lambda session: math.inf,
+        cut: Callable[[SessionRecord], bool] = lambda session: False,
+        settled_before: Callable[[SessionRecord], int | None] = lambda session: None,
     ) -> StepPlan:
         """``backlog_s``: expected device seconds of work dispatched earlier and not yet done (this tick runs
         after it). ``conditioning_ready(prompt, negative_prompt)``: whether a prompt's embeddings are there (a
-        session opens, or changes its prompt, only then; with text encoded in the background)."""
+        session opens, or changes its prompt, only then; with text encoded in the background). ``lead_s``: a
+        paced session's lead target (seconds of made media its next block is due below). ``cut``: whether the
+        session's lead was cut for the restart or prompt change it waits to carry (nothing else runs before it).
+        ``settled_before``: the session's block before which nothing will be made again (told to the runner)."""
         start = now + backlog_s
         candidates = []
         for session in sessions:
-            work = self._work_for(session, now, conditioning_ready)
+            work = self._work_for(session, now, conditioning_ready, lead_s(session), cut(session),
+                                  settled_before(session))
             if work is None:
                 continue
             extra = control_cost(work)
             cost = extra + (block_cost(session) / self.ticks_per_block if work.run else 0.0)
-            candidates.append(_Candidate(session, work, cost, extra, session.next_deadline(self.fps)))
+            candidates.append(_Candidate(session, work, cost, extra, session.next_deadline()))
         live = sorted((c for c in candidates if c.record.pace), key=lambda c: -math.inf if c.deadline is None else c.deadline)
         best_effort = [c for c in candidates if not c.record.pace]
         if best_effort:
@@ -115,7 +131,7 @@ class Scheduler:
         waiting_live = [
             s
             for s in sessions
-            if s.pace and s.state is SessionState.ACTIVE and s.detached_at is None and s.next_deadline(self.fps) is not None
+            if s.pace and s.state is SessionState.ACTIVE and s.detached_at is None and s.next_deadline() is not None
         ]
 
         members: list[_Candidate] = []
@@ -151,7 +167,7 @@ class Scheduler:
         tick_end = start + self._length(members)
         in_tick = {c.record.session_id for c in members if c.work.run}
         for session in live:
-            deadline = session.next_deadline(self.fps)
+            deadline = session.next_deadline()
             own = block_cost(session)
             if session.session_id in in_tick:
                 if tick_end > deadline:
@@ -161,7 +177,8 @@ class Scheduler:
         return True
 
     def _work_for(
-        self, session: SessionRecord, now: float, conditioning_ready: Callable[[str, str], bool]
+        self, session: SessionRecord, now: float, conditioning_ready: Callable[[str, str], bool], lead_s: float,
+        cut: bool, settled_before: int | None,
     ) -> SessionWork | None:
         if session.state not in (SessionState.ACTIVE, SessionState.PAUSED) or session.prompt is None:
             return None
@@ -175,17 +192,26 @@ class Scheduler:
         prompt = session.pending_prompt if open_request is None else None
         if prompt is not None and not conditioning_ready(prompt.prompt, prompt.negative_prompt):
             prompt = None  # the session goes on with its current prompt until the new one is encoded
-        run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now)
+        run = session.state is SessionState.ACTIVE and self._has_room(session) and self.pacing_allows(session, now, lead_s)
         if open_request is None and not reset and prompt is None and not run:
             return None
         # Live input is offered, not taken: the runner says how many frames the block used (none when this
         # work does not begin a block), and the core drops exactly those.
         live = session.live.offer(self.frames_per_chunk) if run and session.live is not None else None
+        restarts = reset or (prompt is not None and prompt.policy == "reset")
+        carried = restarts or (prompt is not None and session.rewind is not None)
+        if cut and not carried and open_request is None:
+            return None  # its lead was cut for a control still waiting (its prompt being encoded): nothing else first
         return SessionWork(session.session_id, open=open_request, reset=reset,
                            reset_context=session.pending_reset_context if reset else None, prompt=prompt, run=run,
-                           live=live)
+                           live=live, cut=cut and restarts, rewind=session.rewind if prompt is not None else None,
+                           settled_before=settled_before)
 
     def _has_room(self, session: SessionRecord) -> bool:
-        """Its consumer took the last chunk, none is held back, and fewer than ``blocks_in_flight`` works of it
-        are on the device: a slow consumer pauses its own session."""
-        return session.queue.accepts_next and session.held is None and session.works_in_flight < self.blocks_in_flight
+        """Its lead and its work in flight hold less than ``lead_chunks`` blocks, and fewer than
+        ``blocks_in_flight`` works of it are on the device: a slow consumer pauses its own session. Without
+        overlap, the previous media must be on the wire first (nothing waits, nothing is in the consumer's hand)."""
+        if not self.overlap and (session.playout.lead_frames or not session.queue.accepts_next):
+            return False
+        return (session.playout.lead_frames + session.frames_in_flight < self.lead_frames
+                and session.works_in_flight < self.blocks_in_flight)

@@ -34,8 +34,19 @@ class ChunkTimings:
 
 
 @dataclass(frozen=True)
+class ControlMark:
+    """A control a client sent, followed to the first frames that show it (``Chunk.marks``)."""
+
+    control_id: str | None  # the client's message id (None: it gave none, e.g. over REST)
+    kind: str  # prompt | reset | live
+    arrived_at: float  # monotonic, when the control reached the server
+    latency_s: float | None = None  # set when released: from arrival to those frames playing on the viewer's clock
+
+
+@dataclass(frozen=True)
 class Chunk:
-    """One AR block's decoded output: uint8 frames ``[F, H, W, 3]`` and optional audio ``[channels, samples]``."""
+    """Decoded frames of one or more latent frames of a block: uint8 ``[F, H, W, 3]``, optional audio
+    ``[channels, samples]``."""
 
     session_id: str
     index: int  # 0-based, continues across reset
@@ -46,6 +57,7 @@ class Chunk:
     block_index: int  # block within the current content (restarts at 0 after reset)
     timings: ChunkTimings
     ready_at: float  # epoch ms when the chunk entered the session queue
+    marks: tuple[ControlMark, ...] = ()  # controls first shown in these frames
 
 
 class ChunkQueue:

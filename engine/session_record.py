@@ -8,18 +8,32 @@ reached only through the step plan.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from engine.controls import Control, SessionState, SessionView, Start, applied
 from engine.live_input import InputCounters, LiveInput
-from engine.plan import InputContext, PromptUpdate
+from engine.plan import InputContext, PromptUpdate, Rewind
+from engine.playout import Piece, Playout
 from engine.realtime import FrameRate, RunningCost
-from engine.session import Chunk, ChunkQueue, ChunkTimings
+from engine.session import ChunkQueue, ChunkTimings, ControlMark
 
 MAX_PENDING_CONTROLS = 32  # a session's controls not yet applied; the app rate-limits far below this
 RECENT_CHUNKS = 8  # "below real time" looks at this many recent chunks
+RECENT_CONTROLS = 32  # control latencies a session keeps for its status
+MAX_MARKS = 64  # controls waiting to be shown, per session (bounded like the controls themselves)
+
+
+@dataclass
+class WaitingMark:
+    """A control's mark until the first frames that show it are made: ``carrier`` is what will carry the control
+    to the device (``prompt``, ``reset``, ``live``); ``tick``, once a plan carried it, that plan's tick."""
+
+    mark: ControlMark
+    carrier: str
+    tick: int | None = None
 
 
 @dataclass
@@ -29,6 +43,7 @@ class SessionRecord:
     pace: bool
     queue: ChunkQueue
     cost: RunningCost  # device seconds per block, seeded with the engine-wide estimate
+    playout: Playout  # the lead (made, not released), the playback clock, the timeline's counters
     prompt: str | None = None
     negative_prompt: str = ""
     start_on_attach: Start | None = None  # a start deferred until a consumer attaches
@@ -54,12 +69,15 @@ class SessionRecord:
     live: LiveInput | None = None
     inputs: InputCounters = field(default_factory=InputCounters)
     # counters and clocks
-    chunks_emitted: int = 0
-    frames_emitted: int = 0
-    audio_samples_emitted: int = 0
     blocks_since_reset: int = 0
-    playback_anchor: float | None = None  # monotonic time at which frame 0 plays; set by the first chunk
-    reanchor: bool = False  # resume: the next chunk re-anchors the playback clock (it plays on arrival)
+    first_piece_cost: RunningCost = field(default_factory=RunningCost)  # device seconds to a block's first frames
+    epoch: int = 0  # bumped by every cut: work dispatched before it delivers nothing
+    cut_pending: bool = False  # the lead was cut for a restart or a prompt change the device has not been given yet
+    rewind: Rewind | None = None  # with a prompt change's cut: the block the runner takes the session back to
+    undo_floor: int = 0  # blocks before this one (content index) were made under an earlier prompt: never made again
+    release_timer: asyncio.TimerHandle | None = None  # wakes the release of the lead's next piece
+    marks: list[WaitingMark] = field(default_factory=list)  # controls not yet shown, oldest first
+    control_latencies: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTROLS))
     time_to_first_chunk_ms: float | None = None
     last_timings: ChunkTimings | None = None
     deadline_misses: int = 0
@@ -68,7 +86,6 @@ class SessionRecord:
     # dispatched to the device, not yet delivered (the runner queues a block before the previous one is done)
     works_in_flight: int = 0
     frames_in_flight: int = 0
-    held: Chunk | None = None  # a finished chunk waiting for room in the queue (its consumer is slow)
     frame_rate: FrameRate = field(default_factory=FrameRate)
     decoder_state_bytes: int = 0
     encoder_state_bytes: int = 0
@@ -97,36 +114,30 @@ class SessionRecord:
     def touch(self) -> None:
         self.last_active = time.monotonic()
 
-    def media_seconds_ahead(self, now: float, fps: int) -> float:
-        """How far the emitted and dispatched media runs ahead of the playback clock (0 before the first chunk)."""
-        if self.playback_anchor is None or self.reanchor:
-            return 0.0
-        return (self.frames_emitted + self.frames_in_flight) / fps - (now - self.playback_anchor)
+    def media_seconds_ahead(self, now: float) -> float:
+        """How far the made and dispatched media runs ahead of the playback clock (0 while it is not running)."""
+        return self.playout.seconds_ahead(now, self.frames_in_flight)
 
-    def keep_time(self, pts: int, now: float, *, fps: int, tolerance_s: float) -> bool:
-        """The playback clock at a chunk emitted at ``now``: the first chunk starts it, the first after a resume
-        or an attach re-anchors it; any other is a deadline miss (returned) when it comes more than
-        ``tolerance_s`` after its playback time. Best-effort sessions have no deadlines."""
-        if self.playback_anchor is None:
-            # From the request, not the tick that applied it: the wait for that tick is part of first media.
-            origin = self.start_requested_at if self.start_requested_at is not None else self.started_at
-            if origin is not None:
-                self.time_to_first_chunk_ms = (now - origin) * 1000.0
-            self.playback_anchor = now - pts / fps
-            return False
-        if self.reanchor:
-            self.playback_anchor = now - pts / fps
-            self.reanchor = False
-            return False
-        late = self.pace and now > self.playback_anchor + pts / fps + tolerance_s
+    def made(self, piece: Piece, now: float, *, tolerance_s: float) -> bool:
+        """A piece joins the lead; returns whether it was a deadline miss (made after its frame should have
+        played, beyond ``tolerance_s``). Best-effort sessions have no deadlines."""
+        self.playout.add(piece)
+        late = self.pace and self.playout.late(piece, now, tolerance_s)
         self.recent_misses.append(late)
         if late:
             self.deadline_misses += 1
         return late
 
-    def next_deadline(self, fps: int) -> float | None:
-        """Monotonic time by which the next block to be dispatched must be emitted to play on time (None: no
-        clock yet). Blocks already dispatched come before it."""
-        if not self.pace or self.playback_anchor is None or self.reanchor:
+    def first_release(self, now: float) -> None:
+        """The session's first chunk left: time to first media, from the request (not the tick that applied it:
+        the wait for that tick is part of first media)."""
+        origin = self.start_requested_at if self.start_requested_at is not None else self.started_at
+        if origin is not None and self.time_to_first_chunk_ms is None:
+            self.time_to_first_chunk_ms = (now - origin) * 1000.0
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time at which the next block to be dispatched starts playing (None: no clock yet). Blocks
+        already dispatched come before it."""
+        if not self.pace or not self.playout.clock_running:
             return None
-        return self.playback_anchor + (self.frames_emitted + self.frames_in_flight) / fps
+        return self.playout.play_time(self.playout.frames_made + self.frames_in_flight)

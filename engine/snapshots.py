@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from engine.controls import SessionState, SessionView
 from engine.session_record import SessionRecord
-from engine.status import InputStatus, RealtimeStatus, SessionCounters, SessionStatus
+from engine.status import ControlLatency, InputStatus, RealtimeStatus, SessionCounters, SessionStatus
 
 
 def shown_state(projected: SessionView, *, draining: bool) -> str:
@@ -36,9 +36,9 @@ def session_status(
         prompt_length=len(projected.prompt or ""),
         prompt_unknown_words=_count(unknown_words(projected.prompt)) if projected.prompt else None,
         counters=SessionCounters(
-            chunks=record.chunks_emitted,
-            frames=record.frames_emitted,
-            audio_samples=record.audio_samples_emitted,
+            chunks=record.playout.chunks_released,
+            frames=record.playout.frames_released,
+            audio_samples=record.playout.audio_released,
             blocks_since_reset=record.blocks_since_reset,
             queue_depth=len(record.queue),
             decoder_state_bytes=record.decoder_state_bytes,
@@ -68,6 +68,21 @@ def session_status(
             frames_invalid=record.inputs.frames_invalid,
             context_frames=record.inputs.context_frames,
         ),
+        control_latency=control_latency(record),
+    )
+
+
+def control_latency(record: SessionRecord) -> ControlLatency | None:
+    latencies = [seconds for _, seconds in record.control_latencies]
+    if not latencies:
+        return None
+    ordered = sorted(latencies)
+    return ControlLatency(
+        count=len(latencies),
+        last_s=latencies[-1],
+        median_s=ordered[len(ordered) // 2],
+        p90_s=ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))],
+        max_s=ordered[-1],
     )
 
 

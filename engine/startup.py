@@ -7,8 +7,9 @@ blocks seed the core's running estimate).
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
-import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 
 from engine.bundle import ModelBundle, build_models
 from engine.config import EngineConfig
+from engine.cpu_threads import default_threads
 from engine.kv_cache import KVCacheManager, KVSpec
 from engine.device_memory import DEVICE_RESERVE_BYTES, allocator_limit_bytes, estimate_device_memory, refusal
 from engine.memory import InsufficientMemory, cpu_session_budget
@@ -36,6 +38,7 @@ class BuiltEngine:
     geometry: Geometry
     warmup_block_s: tuple[float, ...]  # device seconds of each warm-up block
     ticks_per_block: int  # 1 grouped; denoise steps + commit in stepwise mode
+    undo_blocks: int = 0  # a session's last blocks that can be taken back (supersede; 0: off)
 
     @property
     def seed_block_cost_s(self) -> float | None:
@@ -66,13 +69,25 @@ def indexed_cuda_device(name: str) -> torch.device:
     return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
 
 
+SUPERSEDE_MAX_STATE_BYTES = 256 * 2**20  # decoder state per session below which supersede is on by default
+
+
+def supersede_blocks(config: EngineConfig, decoder_state_bytes: int) -> int:
+    """How many of a session's last blocks can be taken back (0: supersede off). The blocks a lead may hold
+    besides the one being sent, and those in flight; never in stepwise mode (a block spans ticks)."""
+    enabled = config.supersede
+    if enabled is None:
+        enabled = decoder_state_bytes <= SUPERSEDE_MAX_STATE_BYTES
+    if not enabled or config.step_mode == "stepwise":
+        return 0
+    return config.resolved_blocks_in_flight + 1
+
+
 def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> BuiltEngine:
     """Everything the core drives; call on the device thread."""
     threads = config.cpu_threads
     if threads is None and torch.device(config.device).type == "cpu":
-        # Half the cores: the encoder threads and the event loop need the rest, and torch's
-        # intra-op threads spinning against them cost far more than they give (docs/BENCHMARKS.md).
-        threads = max(1, (os.cpu_count() or 2) // 2)
+        threads = default_threads()  # engine/cpu_threads.py: why, and the OpenMP spin limit that goes with it
     if threads is not None:
         torch.set_num_threads(threads)
     limit = allocator_limit_bytes(config)
@@ -84,6 +99,11 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     decoder_bytes = bundle.decoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
     if bundle.audio_decoder is not None:
         decoder_bytes += bundle.audio_decoder.declared_state_bytes()
+    # Supersede (engine/undo.py): each of a session's last undo_blocks blocks keeps a copy of the decoders' state
+    # and the window frames its commit evicted.
+    undo_blocks = supersede_blocks(config, decoder_bytes)
+    spec = dataclasses.replace(spec, held_frames=undo_blocks * spec.frames_per_block)
+    decoder_bytes *= 1 + undo_blocks
     if bundle.encoder is not None:  # any session may turn live input on: its encoder state is reserved
         decoder_bytes += bundle.encoder.declared_state_bytes(bundle.height, bundle.width, config.torch_dtype)
     per_session_bytes = spec.session_bytes + decoder_bytes
@@ -106,7 +126,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         )
     manager = KVCacheManager(spec, int(capacity), config.device)
     stepwise = config.step_mode == "stepwise"
-    runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block)
+    runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block,
+                        undo_blocks=undo_blocks)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
     with refused_when_out_of_memory(config, lambda: activation_peak):
@@ -118,6 +139,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         geometry=geometry_for(config, bundle.width, bundle.height, bundle),
         warmup_block_s=tuple(warmup),
         ticks_per_block=bundle.pipeline.num_steps + 1 if stepwise else 1,
+        undo_blocks=undo_blocks,
     )
     log.info(
         "engine built",

@@ -68,6 +68,17 @@ class RealtimeStatus:
 
 
 @dataclass(frozen=True)
+class ControlLatency:
+    """A session's recent controls, from arrival to their first frame on the viewer's clock (seconds)."""
+
+    count: int  # how many of the session's recent controls are timed here (the last RECENT_CONTROLS)
+    last_s: float
+    median_s: float
+    p90_s: float
+    max_s: float
+
+
+@dataclass(frozen=True)
 class SessionStatus:
     session_id: str
     state: str  # protocol state: created, active, paused, detached, closed, draining
@@ -86,6 +97,7 @@ class SessionStatus:
     error: str | None
     realtime: RealtimeStatus
     input: InputStatus | None = None
+    control_latency: ControlLatency | None = None  # None until a control was shown
 
     @property
     def is_open(self) -> bool:
@@ -120,6 +132,7 @@ class EngineCounters:
     live_input_sessions: int = 0  # open sessions with live input on
     device_memory_peak_bytes: int | None = None  # CUDA: the most torch's allocator has held since start
     device_memory_limit_bytes: int | None = None  # CUDA under gpu_memory_gib: the allocator's cap
+    lead_seconds: tuple[float, ...] = ()  # media made and not yet released, per open session
 
 
 @dataclass(frozen=True)

@@ -51,11 +51,15 @@ def run_session(runner, session_id: str, prompt: str, *, blocks: int, seed: int 
         nonlocal used
         dispatch = runner.dispatch(StepPlan(work=[item]))
         assert not dispatch.failures and not dispatch.fatal, dispatch.failures
+        pieces = []  # a block's latent frames come as pieces: one output per block, as a client plays them
         for pending in dispatch.pending:
             output, _ = pending.wait()
             used += pending.input_frames_taken
             if output is not None:
-                outputs.append(output.frames)
+                pieces.append(output.frames)
+                if output.last_piece or output.opening_frame:
+                    outputs.append(np.concatenate(pieces))
+                    pieces = []
 
     try:
         work(SessionWork(session_id, open=OpenSession(seed, prompt, "", context)))

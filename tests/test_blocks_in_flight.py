@@ -69,7 +69,7 @@ async def run_while_it_may(core: EngineCore) -> None:
     await core.delivered()
 
 
-def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_order():
+def test_a_stalled_consumer_holds_back_its_session_at_the_lead_bound_and_resumes_in_order():
     async def scenario():
         async with core_with_two_in_flight() as core:
             record = best_effort(core, 3, "a stall")
@@ -77,14 +77,15 @@ def test_a_stalled_consumer_leaves_at_most_two_chunks_waiting_and_resumes_in_ord
             await core.delivered()
             first = await record.queue.get()  # the consumer takes chunk 0, then stops reading
             await run_while_it_may(core)
-            # The session ran until one chunk waits in the queue and one is held back behind it.
-            assert record.chunks_emitted == 3 and len(record.queue) == 1 and record.held is not None
+            # The session ran until one chunk waits in the queue and its lead holds lead_chunks blocks behind it.
+            assert record.playout.chunks_released == 2 and len(record.queue) == 1
+            assert record.playout.lead_frames == core.config.lead_chunks * 12
             assert record.works_in_flight == 0 and not await core.step()  # and nothing more runs
             rest = []
-            while len(rest) < 3:  # the consumer reads again: the held chunk follows, and the session runs on
+            while len(rest) < 4:  # the consumer reads again: the lead follows, and the session runs on
                 rest.append(await record.queue.get())
                 await run_while_it_may(core)
-            assert [c.index for c in [first, *rest]] == [0, 1, 2, 3]
+            assert [c.index for c in [first, *rest]] == [0, 1, 2, 3, 4]
             pts = [c.pts for c in [first, *rest]]
             assert all(b - a == c.frames.shape[0] for a, b, c in zip(pts, pts[1:], [first, *rest]))
 
@@ -102,7 +103,7 @@ def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
             assert await core.step()  # the plan releases it; what it dispatched is still in flight
             await core.delivered()
             assert core.kv.blocks_in_use == 0 and sid not in core.runner.device_sessions
-            assert record.held is None and record.works_in_flight == 0 and record.frames_in_flight == 0
+            assert not record.playout.pieces and record.works_in_flight == 0 and record.frames_in_flight == 0
             # The engine goes on: a new session streams.
             other = best_effort(core, 5, "next")
             await run_while_it_may(core)
@@ -129,8 +130,12 @@ def test_a_steady_block_is_dispatched_without_a_host_sync_and_streams_what_a_syn
     serial = [o.frames for b in range(blocks) for o in runner.execute(
         StepPlan(work=[SessionWork("serial", open=opening if b == 0 else None, run=True)])).outputs]
     runner.execute(StepPlan(work=[SessionWork("ahead", open=opening)]))
-    pending = [runner.dispatch(StepPlan(work=[SessionWork("ahead", run=True)])).pending[0]]  # shapes met above
+    pending = runner.dispatch(StepPlan(work=[SessionWork("ahead", run=True)])).pending  # shapes met above
     ahead = []
+
+    def block_of(pieces) -> np.ndarray:  # a block's pieces (one per latent frame), waited for, joined
+        return np.concatenate([piece.wait()[0].frames for piece in pieces])
+
     for _ in range(blocks - 1):
         torch.cuda.set_sync_debug_mode("error")
         try:
@@ -138,9 +143,9 @@ def test_a_steady_block_is_dispatched_without_a_host_sync_and_streams_what_a_syn
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert not dispatch.failures, dispatch.failures
-        ahead.append(pending.pop(0).wait()[0].frames)
-        pending.extend(dispatch.pending)
-    ahead.append(pending.pop(0).wait()[0].frames)
+        ahead.append(block_of(pending))
+        pending = dispatch.pending
+    ahead.append(block_of(pending))
     assert len(serial) == len(ahead) == blocks
     for one, two in zip(serial, ahead):
         np.testing.assert_array_equal(two, one)

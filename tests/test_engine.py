@@ -6,6 +6,7 @@ import asyncio
 import time
 
 import numpy as np
+import torch
 import pytest
 
 from engine.api import Engine, NotReady
@@ -17,6 +18,7 @@ from engine.errors import (
     PromptTooLong,
     UnknownSession,
 )
+from engine.bundle import build_models
 from engine.kv_cache import KVCacheManager
 from engine.plan import LiveFrames, OpenSession, SessionWork, StepPlan
 from engine.runner import Runner, runner_for
@@ -75,7 +77,7 @@ def test_admission_admits_exactly_what_the_budget_holds():
     async def scenario():
         engine = Engine(
             small_config(sink_frames=3, window_frames=3, guidance_scale=2.0, max_sessions=64,
-                         kv_memory_budget_bytes=3 * per_session + per_session // 2),
+                         kv_memory_budget_bytes=3 * per_session + per_session // 2, supersede=False),
             bundle=bundle,
         )
         await engine.start()
@@ -253,9 +255,36 @@ def test_detached_session_closes_after_its_grace_period():
     run(scenario())
 
 
+def test_what_superseding_keeps_per_session_stays_within_what_admission_reserves():
+    """With supersede on, a session also keeps, for each of its last blocks, a copy of its decoders' state and the
+    window frames the block evicted (engine/undo.py): the reservation counts them."""
+    from engine.startup import build_engine
+
+    config = small_config(sink_frames=3, window_frames=3, guidance_scale=2.0, max_sessions=1)
+    built = build_engine(config, build_models(config))
+    runner = built.runner
+    assert runner.undo_blocks >= 2
+    runner.execute(StepPlan(work=[SessionWork("probe", open=OpenSession(1, "probe", ""))]))
+    for _ in range(6):  # past the window's evictions, every undo record filled
+        assert not runner.execute(StepPlan(work=[SessionWork("probe", run=True)])).failures
+    device_session = runner.device_sessions["probe"]
+    assert len(device_session.undo) == runner.undo_blocks
+    storage = runner.kv_manager.block_pool.storage
+    held_kv = len(device_session.kv._held) * storage[:, :, 0].nbytes
+    assert held_kv > 0
+    copies = sum(t.nbytes for record in device_session.undo for state in (record.decode_state, record.audio_state or {})
+                 for value in state.values() for t in (value if isinstance(value, list) else [value])
+                 if torch.is_tensor(t))
+    assert _measured_session_bytes(runner, "probe") + held_kv + copies <= built.per_session_bytes
+    runner.release("probe", "test")
+    assert runner.kv_manager.blocks_in_use == 0  # the held frames went back with the session
+
+
 @pytest.mark.parametrize("blocks_in_flight", [1, 2])
-def test_paced_session_stays_within_lead_chunks_of_its_playback_clock(blocks_in_flight):
-    """Blocks dispatched ahead of their delivery count as emitted media: the lead holds with two in flight too."""
+def test_a_paced_session_sends_each_piece_just_before_it_plays_and_makes_it_just_in_time(blocks_in_flight):
+    """The lead lives on the server: each chunk leaves about the playout margin before it plays on the viewer's
+    clock (never earlier), and its block was begun no more than ``lead_chunks`` blocks ahead of it (blocks
+    dispatched ahead of their delivery count as made: the bound holds with two in flight too)."""
 
     async def scenario():
         config = small_config(window_frames=3, lead_chunks=2, blocks_in_flight=blocks_in_flight)
@@ -263,15 +292,18 @@ def test_paced_session_stays_within_lead_chunks_of_its_playback_clock(blocks_in_
         await engine.start()
         try:
             sid = engine.create_session(seed=1, prompt="paced", pace=True).session_id
-            chunks = await take(engine, sid, 6)
+            chunks = await take(engine, sid, 12)
             first_ready = chunks[0].ready_at
             block_seconds = 4 * config.frames_per_block / config.fps
+            assert [c.frames.shape[0] for c in chunks[:4]] == [1, 4, 4, 4]  # one latent frame's frames each
             for chunk in chunks[1:]:
-                playback = (chunk.timings.started_at - first_ready) / 1000.0
-                ahead = chunk.pts / config.fps - playback
-                assert ahead <= config.lead_chunks * block_seconds + 0.05
-            # and pacing actually held it back: 6 chunks take about (6 - lead) block durations
-            assert (chunks[-1].timings.started_at - first_ready) / 1000.0 >= 2 * block_seconds
+                plays_at = chunk.pts / config.fps  # on the viewer's clock, from the first chunk's arrival
+                released_ahead = plays_at - (chunk.ready_at - first_ready) / 1000.0
+                assert released_ahead <= config.playout_margin_s + 0.02
+                begun_ahead = plays_at - (chunk.timings.started_at - first_ready) / 1000.0
+                assert begun_ahead <= config.lead_chunks * block_seconds + 0.05
+            # and pacing really held it back: 12 chunks of 45 frames play 2.8 s; they were not made in one go
+            assert (chunks[-1].ready_at - first_ready) / 1000.0 >= chunks[-1].pts / config.fps - 0.5
         finally:
             await engine.shutdown()
 
@@ -303,14 +335,15 @@ def test_split_first_block_counts_time_to_first_media_at_the_opening_frame():
         try:
             sid = engine.create_session(seed=5, pace=True).session_id
             engine.start_session(sid, "a canyon")
-            chunks = await take(engine, sid, 4)
-            assert [c.frames.shape[0] for c in chunks] == [1, 8, 12, 12]
-            assert [c.pts for c in chunks] == [0, 1, 9, 21]
+            chunks = await take(engine, sid, 6)
+            # The opening frame ahead of its block, then each latent frame's frames as they are decoded.
+            assert [c.frames.shape[0] for c in chunks] == [1, 4, 4, 4, 4, 4]
+            assert [c.pts for c in chunks] == [0, 1, 5, 9, 13, 17]
             status = engine.status(sid)
             # First media is the opening frame; the block's rest re-anchors playback, so it is no miss.
             assert status.time_to_first_chunk_ms is not None
             assert status.realtime.deadline_misses == 0
-            assert status.counters.blocks_since_reset == 3  # the opening frame is part of block 0, not a block
+            assert status.counters.blocks_since_reset >= 2  # the opening frame is part of block 0, not a block
         finally:
             await engine.shutdown()
 

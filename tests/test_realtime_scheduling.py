@@ -7,6 +7,7 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import pytest
 
 from engine.api import Engine
@@ -15,8 +16,9 @@ from engine.core import EngineCore
 from engine.errors import CapacityFull
 from engine.plan import PromptUpdate
 from engine.realtime import RealtimePolicy, RunningCost
+from engine.playout import Piece, Playout
 from engine.scheduler import Scheduler
-from engine.session import ChunkQueue
+from engine.session import ChunkQueue, ChunkTimings
 from engine.session_record import SessionRecord
 from engine.startup import build_engine
 from tests.engine_helpers import small_config
@@ -29,20 +31,30 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, timeout=120))
 
 
+MARGIN_S = 0.15  # the playout margin: a paced piece leaves this long before it plays
+
+
+def _record(session_id: str, *, pace: bool, overlap: bool = True) -> SessionRecord:
+    return SessionRecord(session_id=session_id, seed=1, pace=pace, queue=ChunkQueue(overlap=overlap),
+                         cost=RunningCost(), playout=Playout(fps=FPS, margin_s=MARGIN_S))
+
+
 def _running(session_id: str, *, pace: bool, now: float, deadline_in_s: float | None = None, ready: bool = True):
-    """A started session on the device whose next chunk is due ``deadline_in_s`` from ``now``."""
-    record = SessionRecord(session_id=session_id, seed=1, pace=pace, queue=ChunkQueue(overlap=False), cost=RunningCost())
+    """A started session on the device whose next chunk is due ``deadline_in_s`` from ``now`` (its first block of
+    9 frames made and released)."""
+    record = _record(session_id, pace=pace, overlap=False)
     record.prompt, record.state, record.opened_on_device = "p", SessionState.ACTIVE, True
-    record.frames_emitted = 9
-    record.chunks_emitted = 1
+    record.playout.frames_made = record.playout.frames_released = 9
+    record.playout.chunks_released = 1
     if deadline_in_s is not None:
-        record.playback_anchor = now + deadline_in_s - record.frames_emitted / FPS
+        record.playout.anchor = now + deadline_in_s - 9 / FPS
     record.queue.in_hand = not ready  # its consumer has not asked for the next chunk yet
     return record
 
 
 def _plan(records, now, control_s=0.0, backlog_s=0.0, blocks_in_flight=1):
-    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, blocks_in_flight=blocks_in_flight)
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, blocks_in_flight=blocks_in_flight,
+                          overlap=False)
     plan = scheduler.plan(records, [], now, block_cost=lambda r: BLOCK_S,
                           control_cost=lambda w: control_s if w.prompt else 0.0, backlog_s=backlog_s)
     return [work.session_id for work in plan.work]
@@ -67,9 +79,9 @@ def test_work_already_on_the_device_counts_before_a_tick():
     assert _plan([paced], now, blocks_in_flight=2) == ["paced"]
     paced.works_in_flight, paced.frames_in_flight = 1, 12
     assert _plan([paced], now, blocks_in_flight=2) == []
-    # A held-back chunk (its consumer is slow) stops the session, whatever the room on the device.
+    # A lead of two blocks not yet taken (its consumer is slow) stops the session, whatever the room on the device.
     held = _running("held", pace=False, now=now)
-    held.held = object()
+    held.playout.frames_made += 24
     assert _plan([held], now, blocks_in_flight=2) == []
 
 
@@ -153,28 +165,41 @@ def test_admission_sums_the_measured_costs_and_its_outlook_agrees(block_cost_s):
 
 
 def _simulated(live: int, block_cost_s: float, best_effort: int = 0, chunks: int = 40) -> list[SessionRecord]:
-    """Sessions on a virtual device whose blocks all cost ``block_cost_s``: the scheduler plans each tick, the
-    device runs the tick's blocks one after another and each chunk is emitted when its block is done (a
-    consumer that takes it at once); virtual time only, so the machine's speed plays no part."""
+    """Sessions on a virtual device whose blocks all cost ``block_cost_s``: the scheduler plans each tick (a paced
+    session's block just in time, by the engine's lead target: its own block, the other live sessions' and the
+    playout margin), the device runs the tick's blocks one after another, each block's frames are made when it is
+    done and released when due (to a consumer that takes them at once); virtual time only, so the machine's speed
+    plays no part."""
     scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
     records = []
     for index in range(live + best_effort):
-        record = SessionRecord(session_id=f"s{index}", seed=index, pace=index < live, queue=ChunkQueue(), cost=RunningCost())
+        record = _record(f"s{index}", pace=index < live)
         record.prompt, record.state, record.opened_on_device = "p", SessionState.ACTIVE, True
         records.append(record)
     by_id = {record.session_id: record for record in records}
+    lead_s = live * block_cost_s + MARGIN_S
+
+    def release(now: float) -> None:
+        for record in records:
+            while record.playout.due(now, paced=record.pace):
+                record.playout.release(now, paced=record.pace)
+
     now = 0.0
-    while min(record.chunks_emitted for record in records) < chunks:
-        plan = scheduler.plan(records, [], now, block_cost=lambda record: block_cost_s, control_cost=lambda work: 0.0)
+    while min(record.playout.chunks_released for record in records) < chunks:
+        release(now)
+        plan = scheduler.plan(records, [], now, block_cost=lambda record: block_cost_s, control_cost=lambda work: 0.0,
+                              lead_s=lambda record: lead_s)
         if plan.empty:
-            now += scheduler.next_wakeup(records, now)
+            releases = [r.playout.next_release_in(now, paced=r.pace) for r in records]
+            now += min([scheduler.next_wakeup(records, now, lambda record: lead_s)]
+                       + [max(wait, 1e-3) for wait in releases if wait is not None])
             continue
         for work in plan.work:
             now += block_cost_s
             record = by_id[work.session_id]
-            record.keep_time(record.frames_emitted, now, fps=FPS, tolerance_s=DEADLINE_TOLERANCE_S)
-            record.frames_emitted += 12
-            record.chunks_emitted += 1
+            frames = np.zeros((12, 1, 1, 3), np.uint8)
+            record.made(Piece(frames, 0, ChunkTimings(0, 0, 0, 0), now), now, tolerance_s=DEADLINE_TOLERANCE_S)
+            release(now)
     return records
 
 
@@ -186,7 +211,7 @@ def test_the_live_sessions_admission_takes_keep_real_time_and_one_more_does_not(
     admitted = RealtimePolicy(PLAYBACK_S, HEADROOM, enabled=True).live_capacity([], block_cost_s)
     together = _simulated(admitted, block_cost_s, best_effort=1)
     assert [record.deadline_misses for record in together[:admitted]] == [0] * admitted
-    assert together[-1].chunks_emitted >= 40 and together[-1].deadline_misses == 0  # best effort has none
+    assert together[-1].playout.chunks_released >= 40 and together[-1].deadline_misses == 0  # best effort has none
     overloaded = _simulated(admitted + 1, block_cost_s)
     assert sum(record.deadline_misses for record in overloaded) > 0
 
@@ -229,9 +254,10 @@ def test_a_live_chunk_later_than_its_playback_time_is_a_deadline_miss_and_a_resu
         try:
             live = engine.create_session(seed=1, prompt="live", pace=True).session_id
             best = engine.create_session(seed=2, prompt="best", pace=False).session_id
-            await asyncio.gather(take(engine, live, 1), take(engine, best, 1))
-            # Their consumers hold the first chunk 1 s: the live one's next chunk (due 9/16 s after
-            # the first) can only come late.
+            # The first block: the live session's in its three latent frames' pieces, the best-effort one's whole.
+            await asyncio.gather(take(engine, live, 3), take(engine, best, 1))
+            # Their consumers hold the last chunk 1 s: the live one's next block (due 9/16 s after
+            # the first chunk) can only come late.
             await asyncio.sleep(1.0)
             await asyncio.gather(take(engine, live, 2), take(engine, best, 2))
             missed = engine.status(live).realtime.deadline_misses
@@ -281,7 +307,7 @@ def test_an_idle_loop_looks_again_soon_at_a_session_that_may_run():
     from engine.scheduler import RECHECK_S
 
     now = time.monotonic()
-    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2)
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, overlap=False)
     runnable = _running("live", pace=True, now=now, deadline_in_s=0.3)  # behind the lead: may run now
     assert scheduler.next_wakeup([runnable], now) == RECHECK_S
     ahead = _running("ahead", pace=True, now=now, deadline_in_s=2.0)  # 2 s of media ahead, lead 1.5 s

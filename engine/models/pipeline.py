@@ -405,6 +405,11 @@ class CausalWanPipeline:
             if clean is not None:
                 return clean
 
+    def history_changed(self) -> None:
+        """A session's KV history was changed outside a commit (blocks taken back): no gathered history is
+        reused after it."""
+        self._pool_writes += 1
+
     def _remember_clean(self, progress: SessionProgress, clean: BlockLatents) -> None:
         for frame in clean.split_frames():
             if len(progress.sink_latents) < self.sink_frames:

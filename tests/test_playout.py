@@ -1,0 +1,132 @@
+"""The lead and the playback clock (engine/playout.py): when pieces leave, where a cut falls, how audio follows.
+
+Pure bookkeeping on a virtual clock: no model, no device, no timing of this machine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine.playout import Piece, Playout
+from engine.session import ChunkTimings
+
+FPS = 16
+SPF = 3000  # audio samples per video frame at 48 kHz
+MARGIN = 0.15
+TIMINGS = ChunkTimings(0.0, 0.0, 0.0, 0.0)
+
+
+def _playout(**overrides) -> Playout:
+    values = dict(fps=FPS, margin_s=MARGIN, samples_per_frame=SPF, audio_channels=2, max_chunk_frames=24)
+    values.update(overrides)
+    return Playout(**values)
+
+
+def _piece(frames: int, *, audio: int | None = None, last: bool = True, opening: bool = False, fill: float = 0.0,
+           block: int = 0) -> Piece:
+    pcm = None if audio is None else np.full((2, audio), fill, np.float32)
+    return Piece(np.zeros((frames, 2, 2, 3), np.uint8), block, TIMINGS, 0.0, audio=pcm, last_of_block=last,
+                 opening=opening)
+
+
+def _block(playout: Playout, sizes=(4, 4, 4), audio: int = 0, fill: float = 0.0, block: int = 0) -> None:
+    """One block's pieces as the runner hands them over: the block's audio with its first piece."""
+    for index, size in enumerate(sizes):
+        playout.add(_piece(size, audio=audio if index == 0 else None, last=index == len(sizes) - 1, fill=fill,
+                           block=block))
+
+
+def test_a_paced_piece_leaves_the_margin_before_it_plays_a_best_effort_one_at_once():
+    playout = _playout()
+    _block(playout, sizes=(1, 4, 4))
+    assert playout.due(0.0, paced=True)  # no clock yet: the first chunk leaves at once and starts it
+    first = playout.release(0.0, paced=True)
+    assert first.started_clock and first.piece.num_frames == 1 + 4  # frame 1 plays within the margin: merged
+    assert playout.play_time(5) == pytest.approx(5 / FPS)
+    assert not playout.due(5 / FPS - MARGIN - 0.01, paced=True)
+    assert playout.next_release_in(0.0, paced=True) == pytest.approx(5 / FPS - MARGIN)
+    assert playout.due(5 / FPS - MARGIN, paced=True)
+    assert playout.release(5 / FPS - MARGIN, paced=True).piece.pts == 5
+    # Best effort: whatever is made leaves as soon as the consumer can take it, merged up to the bound.
+    best = _playout(max_chunk_frames=12)
+    for _ in range(2):
+        _block(best)
+    assert [best.release(0.0, paced=False).piece.num_frames for _ in range(2)] == [12, 12]
+
+
+def test_an_opening_frame_restarts_the_clock_only_when_it_starts_it():
+    """The reset bug: an opening frame in the middle of a stream (a reset's, sent ahead of its block) is an
+    ordinary frame of the timeline. Restarting the clock there told the engine the viewer was at the new
+    content while its buffer still held what was made before, so every reset let the session run further ahead."""
+    playout = _playout()
+    playout.add(_piece(1, opening=True, last=False))
+    assert playout.release(0.0, paced=True).started_clock
+    assert playout.reanchor  # the viewer waits for the rest of the block: it plays on arrival
+    _block(playout, sizes=(4, 4))
+    rest = playout.release(0.5, paced=True)
+    assert rest.started_clock and playout.anchor == pytest.approx(0.5 - 1 / FPS)
+    # Mid-stream: a reset's opening frame keeps the clock.
+    anchor = playout.anchor
+    playout.add(_piece(1, opening=True, last=False))
+    _block(playout, sizes=(4, 4))
+    now = anchor + playout.frames_released / FPS
+    while playout.pieces:
+        released = playout.release(now, paced=True)
+        assert not released.started_clock
+        now = playout.play_time(playout.frames_released) - MARGIN if playout.pieces else now
+    assert playout.anchor == anchor and not playout.reanchor
+
+
+def test_a_cut_drops_the_lead_from_a_piece_on_and_keeps_audio_in_step():
+    playout = _playout()
+    _block(playout, audio=6 * SPF, fill=0.5)  # the block's audio trails its 12 frames by 6 frames' worth
+    playout.release(0.0, paced=True)  # frames 0-3 (clock starts): 4 frames of audio with them
+    assert playout.audio_released == 4 * SPF
+    assert playout.cut_points() == [4, 8, 12]
+    with pytest.raises(ValueError):
+        playout.cut(6)
+    assert playout.cut(8) == 4  # frames 8-11 dropped; 4-7 stay
+    assert playout.frames_made == 8 and [p.pts for p in playout.pieces] == [4]
+    # The new content's audio starts at the cut: the gap is silence, waiting for the next piece.
+    _block(playout, sizes=(1, 4, 4), audio=9 * SPF, fill=1.0)
+    chunks = []
+    while playout.pieces:
+        chunks.append(playout.release(10.0, paced=True).piece)
+    audio = np.concatenate([c.audio for c in chunks if c.audio is not None], axis=1)
+    starts = [c.audio_start for c in chunks if c.audio is not None]
+    assert starts[0] == 4 * SPF
+    assert audio.shape[1] == (8 + 9) * SPF - 4 * SPF  # released audio runs to the new block's end, no gap
+    assert np.all(audio[0, : 2 * SPF] == 0.5)  # the old content's audio made for the kept frames (4, 5)
+    assert np.all(audio[0, 2 * SPF: 4 * SPF] == 0.0)  # silence for the rest of them (held back, then dropped)
+    assert np.all(audio[0, 4 * SPF:] == 1.0)  # the new content, from the cut on
+
+
+def test_every_sample_of_a_blocks_audio_leaves_once_in_order_whatever_the_pieces():
+    playout = _playout()
+    rng = np.random.default_rng(0)
+    made = []
+    for block, sizes in enumerate([(1, 4, 4), (4, 4, 4), (4, 4, 4)]):
+        samples = int(rng.integers(6 * SPF, 12 * SPF))
+        pcm = rng.standard_normal((2, samples)).astype(np.float32)
+        made.append(pcm)
+        for index, size in enumerate(sizes):
+            piece = _piece(size, last=index == len(sizes) - 1, block=block)
+            piece.audio = pcm if index == 0 else None
+            playout.add(piece)
+    released = []
+    while playout.pieces:
+        released.append(playout.release(100.0, paced=True).piece)
+    audio = [c for c in released if c.audio is not None]
+    np.testing.assert_array_equal(np.concatenate([c.audio for c in audio], axis=1), np.concatenate(made, axis=1))
+    for before, after in zip(audio, audio[1:]):
+        assert after.audio_start == before.audio_start + before.num_samples
+
+
+def test_whole_blocks_leave_together_once_the_block_is_made():
+    playout = _playout(whole_blocks=True)
+    playout.add(_piece(4, last=False))
+    playout.add(_piece(4, last=False))
+    assert not playout.due(0.0, paced=False) and playout.next_release_in(0.0, paced=False) is None
+    playout.add(_piece(4, last=True))
+    assert playout.release(0.0, paced=False).piece.num_frames == 12
