@@ -25,6 +25,8 @@ from pathlib import Path
 import uvicorn
 from pydantic import ValidationError
 
+from engine.cpu_threads import limit_spinning
+
 # Nothing here imports torch at module level: usage mistakes are answered in a fraction of a second.
 
 MAX_GENERATE_SECONDS = 24 * 3600
@@ -156,7 +158,8 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
            help="recent latent frames kept besides the sink (default: the model's arstream.json, else 15)")
     option("--guidance", type=float, default=1.0, env="ARSTREAM_ENGINE__GUIDANCE_SCALE",
            help="classifier-free guidance scale; > 1 runs a second, unconditional branch")
-    option("--cpu-threads", type=int, default=None, help="torch intra-op threads (default: half the cores on cpu)")
+    option("--cpu-threads", type=int, default=None,
+           help="torch intra-op threads (default on cpu: every core up to 2, three quarters of them beyond)")
     option("--gpu-memory-gib", type=float, default=None, metavar="GIB",
            help="device memory the engine may use, as on a card of this size (e.g. 24): the allocator is capped, the "
                 "text encoder runs on the CPU, and a setup where not even one session fits is refused (docs/MODELS.md)")
@@ -547,6 +550,7 @@ def configure_logging(style: str = "text", level: int = logging.INFO) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    limit_spinning()  # before torch is imported (engine/cpu_threads.py)
     try:
         if args.command == "serve":
             return serve(args)

@@ -229,9 +229,12 @@ class SessionRegistry:
         """The prompt's words the model cannot read (None: it reads any text)."""
         return self.engine.unknown_words(prompt)
 
-    def set_prompt(self, session_id: str, prompt: str, policy: str) -> None:
+    def set_prompt(self, session_id: str, prompt: str, policy: str, *, control_id: str | None = None,
+                   arrived_at: float | None = None) -> None:
+        """``control_id``, ``arrived_at``: the client's id for the change and its arrival (monotonic), followed
+        to the first frames that show it."""
         self.get(session_id)
-        self.engine.set_prompt(session_id, prompt, policy)
+        self.engine.set_prompt(session_id, prompt, policy, control_id=control_id, arrived_at=arrived_at)
         log.info("prompt changed", extra={"session_id": session_id, "prompt_length": len(prompt), "policy": policy})
 
     def pause(self, session_id: str) -> str | None:
@@ -244,15 +247,17 @@ class SessionRegistry:
         self.engine.resume(session_id)
         return "active" if was == "paused" else None
 
-    def reset(self, session_id: str, context: InputContext | None = None) -> None:
+    def reset(self, session_id: str, context: InputContext | None = None, *, control_id: str | None = None,
+              arrived_at: float | None = None) -> None:
         self.get(session_id)
-        self.engine.reset(session_id, context)
+        self.engine.reset(session_id, context, control_id=control_id, arrived_at=arrived_at)
         log.info("session reset", extra={"session_id": session_id, "context": _described(context)})
 
     # --- pictures and video in -----------------------------------------------------------------------
-    def set_live(self, session_id: str, strength: float | None) -> tuple[float, int] | None:
+    def set_live(self, session_id: str, strength: float | None, *, control_id: str | None = None,
+                 arrived_at: float | None = None) -> tuple[float, int] | None:
         self.get(session_id)
-        used = self.engine.set_live(session_id, strength)
+        used = self.engine.set_live(session_id, strength, control_id=control_id, arrived_at=arrived_at)
         log.info("live input", extra={"session_id": session_id, "strength": None if used is None else used[0]})
         return used
 

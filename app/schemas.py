@@ -307,6 +307,9 @@ class ChunkMessage(BaseModel):
     frames: int
     audio_samples: int
     timings: ChunkTimingsOut
+    # The ids of the controls (`prompt`, `reset`, `live`) first shown in this chunk's frames: its first frame is
+    # the first that shows them. Left out when there are none.
+    controls: list[str] | None = None
 
 
 class AckMessage(BaseModel):
@@ -415,6 +418,17 @@ class SessionRealtime(Snapshot):
     live_capacity: int | None = Field(description="live sessions this engine keeps in real time, at the measured cost")
 
 
+class SessionControlLatency(Snapshot):
+    """The session's recent controls (prompt, reset, live), from their arrival to their first frame on the viewer's
+    screen by the server's playback clock (seconds)."""
+
+    count: int = Field(description="controls timed here (the session's most recent ones)")
+    last_s: float
+    median_s: float
+    p90_s: float
+    max_s: float
+
+
 class SessionTimings(Snapshot):
     """The last delivered block's engine timings (ms; ``started_at`` is server epoch ms)."""
 
@@ -443,6 +457,8 @@ class SessionDetail(Snapshot):
     time_to_first_chunk_ms: float | None
     close_reason: str | None
     input: SessionInput | None = Field(default=None, description="pictures and video in (null from an older worker)")
+    control_latency: SessionControlLatency | None = Field(
+        default=None, description="recent controls' time to the screen (null until one was shown)")
 
 
 class PromptRequest(Strict):

@@ -397,6 +397,9 @@ class StreamConnection:
         self._chunks_sent += 1
         metrics = self.service.metrics
         metrics.chunk_sent(message.frames, len(segment), (sent_at - timings.started_at) / 1000.0, encode_s)
+        for mark in chunk.marks:
+            if mark.latency_s is not None:
+                metrics.control_shown(mark.kind, mark.latency_s)
         if chunk.index == 0:
             # From the arrival of the `start` this socket sent; a session that started when it attached
             # (created over REST with a prompt) from the socket's acceptance.
@@ -420,6 +423,7 @@ class StreamConnection:
                     encode_ms=round(encode_s * 1000.0, 3),
                     sent_at=now_ms(),
                 ),
+                controls=[mark.control_id for mark in chunk.marks if mark.control_id is not None] or None,
             )
             await self._send_text(to_text(message))
             await self._send_bytes(segment)
@@ -500,7 +504,7 @@ class StreamConnection:
         elif isinstance(message, ResetMessage) and message.input is not None:
             context = self._inputs.no_context()
         try:
-            new_state, extra = self._apply(message, context)
+            new_state, extra = self._apply(message, context, arrived)
         except EngineError as error:
             # A session deleted over REST is gone from the table: to this socket it is closed.
             code = "session_closed" if error.code == "unknown_session" else error.code
@@ -521,24 +525,27 @@ class StreamConnection:
         rate = self.service.settings.control_rate_per_s
         return ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down", message_id)
 
-    def _apply(self, message: AnyClientMessage, context=None) -> tuple[str | None, dict]:
+    def _apply(self, message: AnyClientMessage, context=None, arrived: float | None = None) -> tuple[str | None, dict]:
         """The message's control; returns the new state to announce (if it changed) and extra ``ack`` fields.
-        ``context``: the decoded image or clip a ``start`` (frames) or ``reset`` (an ``InputContext``) carries."""
+        ``context``: the decoded image or clip a ``start`` (frames) or ``reset`` (an ``InputContext``) carries;
+        ``arrived``: when the message came in (a prompt change, reset or live change is followed to the screen
+        from then, and its id named in the chunk that first shows it)."""
         registry, session_id = self.service.registry, self.session_id
+        marked = {"control_id": message.id, "arrived_at": arrived}
         if isinstance(message, StartMessage):
             return registry.start(session_id, message.prompt, message.seed, message.options, context), {}
         if isinstance(message, PromptMessage):
-            registry.set_prompt(session_id, message.prompt, message.policy)
+            registry.set_prompt(session_id, message.prompt, message.policy, **marked)
             return None, {}
         if isinstance(message, PauseMessage):
             return registry.pause(session_id), {}
         if isinstance(message, ResumeMessage):
             return registry.resume(session_id), {}
         if isinstance(message, ResetMessage):
-            registry.reset(session_id, context)
+            registry.reset(session_id, context, **marked)
             return None, {}
         if isinstance(message, LiveMessage):
-            used = registry.set_live(session_id, message.strength)
+            used = registry.set_live(session_id, message.strength, **marked)
             return None, ({} if used is None else {"strength": used[0], "steps": used[1]})
         if isinstance(message, CloseMessage):
             registry.close(session_id, "client")  # the pump then ends and we send `closed`

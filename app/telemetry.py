@@ -19,6 +19,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from engine.api import EngineCounters
 
 LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+CONTROL_BUCKETS_S = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.2, 1.5, 2.0, 3.0, 5.0, 10.0)
+CONTROL_KINDS = ("prompt_soft", "prompt_recache", "prompt_reset", "reset", "live")
 FIRST_CHUNK_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ENCODE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 FPS_WINDOW_S = 10.0
@@ -46,8 +48,14 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS_S, registry=self.registry,
         )
         self.encode = Histogram(
-            "arstream_encode_seconds", "Encoding one block into a media segment.",
+            "arstream_encode_seconds", "Encoding one chunk into a media segment.",
             buckets=ENCODE_BUCKETS_S, registry=self.registry,
+        )
+        self.control_latency = Histogram(
+            "arstream_control_latency_seconds",
+            "A control's arrival (prompt change by policy, reset, live input change) to its first frame on the "
+            "viewer's screen, by the server's playback clock.",
+            ["kind"], buckets=CONTROL_BUCKETS_S, registry=self.registry,
         )
         self.chunks_sent = 0
         self.frames_sent = 0
@@ -74,6 +82,9 @@ class ServiceMetrics:
         now = time.monotonic()
         self._recent_frames.append((now, frames))
         self._forget_old(now)
+
+    def control_shown(self, kind: str, latency_s: float) -> None:
+        self.control_latency.labels(kind if kind in CONTROL_KINDS else OTHER_LABEL).observe(latency_s)
 
     def count(self, table: dict[str, int], key: str) -> None:
         count_bounded(table, key, OTHER_LABEL)
