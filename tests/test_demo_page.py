@@ -202,6 +202,78 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         page.close()
 
 
+# Reads each frame the video element presents (requestVideoFrameCallback) into a canvas and counts the pixels
+# near yellow and near red: what a viewer sees, not what the server logged.
+_COLOUR_READER = """() => {
+    const v = document.querySelector("video");
+    const canvas = document.createElement("canvas");
+    const ctx = canvas.getContext("2d", { willReadFrequently: true });
+    window.shown = [];
+    const onFrame = (now, meta) => {
+        canvas.width = v.videoWidth; canvas.height = v.videoHeight;
+        ctx.drawImage(v, 0, 0);
+        const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
+        let yellow = 0, red = 0;
+        for (let i = 0; i < px.length; i += 4) {
+            const [r, g, b] = [px[i], px[i + 1], px[i + 2]];
+            if (r > 170 && g > 150 && b < 110) yellow += 1;
+            else if (r > 150 && g < 90 && b < 90) red += 1;
+        }
+        window.shown.push({ at: meta.expectedDisplayTime || now, mediaTime: meta.mediaTime, yellow, red });
+        if (window.shown.length > 4000) window.shown.shift();
+        v.requestVideoFrameCallback(onFrame);
+    };
+    v.requestVideoFrameCallback(onFrame);
+}"""
+
+
+def test_a_prompt_change_reaches_the_screen_and_the_page_times_it(server, browser):
+    """Change the object's colour from the page and read the frames Chromium shows: the first frame showing the
+    new colour comes after the click, and the page's own control-to-screen readout (from the chunk that names
+    the change) agrees with it. How long it took is reported; the bound is generous (the speed targets live in
+    bench/control_to_screen.py)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    problems: list[str] = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    try:
+        page.goto(f"{server}/", wait_until="load")
+        page.fill("#prompt", "a red square drifting on a blue background")
+        page.fill("#seed", "3")
+        page.click("#start")
+        page.wait_for_function(
+            """() => document.querySelector("video").currentTime > 1.0
+                && Number(document.getElementById("chunks").textContent) >= 6""", timeout=60_000)
+        page.evaluate(_COLOUR_READER)
+        page.wait_for_function("() => window.shown.length >= 8", timeout=20_000)
+        before = page.evaluate("() => window.shown.slice(-8)")
+        assert all(f["red"] > f["yellow"] for f in before), before  # the prompted red square, not yet yellow
+        page.fill("#prompt", "a yellow square drifting on a blue background")
+        page.select_option("#policy", "soft")
+        clicked = page.evaluate("() => { const t = performance.now(); document.getElementById('apply').click();"
+                                " return t; }")
+        page.wait_for_function(
+            "(t) => window.shown.some((f) => f.at > t && f.yellow > 20 && f.yellow > f.red)", arg=clicked,
+            timeout=30_000)
+        page.wait_for_function("() => window.arstreamDemo.toScreen.length >= 1", timeout=10_000)
+        shown = page.evaluate("(t) => window.shown.filter((f) => f.at > t)", clicked)
+        first_yellow = next(f for f in shown if f["yellow"] > 20 and f["yellow"] > f["red"])
+        timed = page.evaluate("() => window.arstreamDemo.toScreen[0]")
+        pixels_ms = first_yellow["at"] - clicked
+        readout = page.inner_text("#to-screen")
+        print(json.dumps({"chromium": browser.version, "control_to_screen_pixels_ms": round(pixels_ms, 1),
+                          "control_to_screen_page_ms": round(timed["ms"], 1), "readout": readout}))
+        assert 0 < pixels_ms < 10_000 and 0 < timed["ms"] < 10_000
+        # The frame the page timed (the chunk naming the change) is the one the colour first shows in, give or
+        # take the model's own blending of the first changed frame.
+        assert abs(first_yellow["mediaTime"] - timed["mediaTime"]) <= 4 / 16 + 1e-3, (first_yellow, timed)
+        assert readout.endswith("ms)") and page.inner_text("#errors") == "0", page.inner_text("#log")
+        page.click("#close")
+        page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
+        assert not problems, problems
+    finally:
+        page.close()
+
+
 def test_first_start_with_the_untouched_prompt_streams_and_a_full_server_says_when_to_retry(server, browser):
     base = server  # its one slot is free: the test before closed its session
     first = browser.new_page()

@@ -5,7 +5,13 @@ import { InputPanel } from "./input.js";
 
 const KEEP_BEHIND_S = 30;     // media kept behind the playhead; older ranges are removed
 const TRIM_STEP_S = 5;        // remove in steps, not after every segment
+// The server sends each piece of media shortly before it plays (its playout margin, docs/PROTOCOL.md): the
+// page plays near the live edge so that what you change is on screen as soon as the server made it. Behind
+// the edge by more than LIVE_EDGE_S (a stall, a slow start), it plays a little faster until it is back.
+const LIVE_EDGE_S = 0.6;
+const CATCH_UP_RATE = 1.15;
 const MAX_LAG_S = 3;          // further than this behind the live edge: jump forward
+const CONTROL_KEEP = 20;      // control-to-screen figures kept for the median
 const FPS_WINDOW_MS = 4000;   // sliding window of the fps readout
 const STALL_MS = 3000;        // no chunk for this long (or 2 usual gaps): fps reads 0
 const LATENCY_KEEP = 30;      // chunks in the latency median
@@ -20,7 +26,7 @@ const ui = {
   start: $("start"), pause: $("pause"), apply: $("apply"), reset: $("reset"), close: $("close"), mute: $("mute"),
   state: $("state"), mediaInfo: $("media-info"), log: $("log"), notice: $("notice"),
   fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
-  buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"),
+  buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"), toScreen: $("to-screen"),
 };
 // Pictures and video in: the picker and the camera (input.js).
 const input = new InputPanel({
@@ -88,6 +94,9 @@ class Session {
     this.lastError = null;           // the last `error` message, to explain a `closed` that follows it
     this.frameSize = null;           // {width, height} of the session's video (live input is sent at this size)
     this.fps = null;
+    this.controlsSent = new Map();   // id of a prompt change / reset / live change -> performance.now() at send
+    this.controlsDue = [];           // {id, sentAt, mediaTime}: named by a chunk, waiting to be on screen
+    this.toScreen = [];              // ms from sending a control to its first frame shown
 
     this.ws = new WebSocket(streamUrl(), subprotocols());
     this.ws.binaryType = "arraybuffer";
@@ -102,6 +111,9 @@ class Session {
     if (!this.open) { log("error", `cannot send ${type}: not connected`); return; }
     const id = `m${++this.seq}`;
     this.sent.set(id, description);
+    // Controls whose effect the server names in a chunk (`controls`): timed from here to the screen.
+    const shows = type === "prompt" || type === "reset" || (type === "live" && fields.strength !== null);
+    if (shows) this.controlsSent.set(id, performance.now());
     this.ws.send(JSON.stringify({ type, id, ...fields }));
   }
 
@@ -203,6 +215,14 @@ class Session {
   onChunk(chunk) {
     const now = performance.now();
     this.chunks += 1;
+    // The chunk's first frame is the first to show these controls: time them to the screen.
+    for (const id of chunk.controls || []) {
+      const sentAt = this.controlsSent.get(id);
+      if (sentAt === undefined) continue;
+      this.controlsSent.delete(id);
+      this.controlsDue.push({ id, sentAt, mediaTime: chunk.pts / (this.fps || 16) });
+      watchFrames(this);
+    }
     if (this.firstChunkMs === null) this.firstChunkMs = now - this.startClick;
     this.arrivals.push({ t: now, frames: chunk.frames });
     while (this.arrivals.length > 2 && now - this.arrivals[0].t > FPS_WINDOW_MS) this.arrivals.shift();
@@ -305,6 +325,34 @@ class Session {
   }
 }
 
+// --- control to screen: a frame shown that a control's chunk began ---
+
+// Each frame the video element presents is checked against the controls waiting to be seen; the first frame
+// at or after a control's chunk is when it reached the screen (requestVideoFrameCallback: per presented frame).
+function watchFrames(s) {
+  const v = ui.video;
+  if (s.watching || !("requestVideoFrameCallback" in v)) return;
+  s.watching = true;
+  const onFrame = (now, meta) => {
+    const halfFrame = 0.5 / (s.fps || 16);
+    const shownAt = meta.expectedDisplayTime || now;
+    s.controlsDue = s.controlsDue.filter((due) => {
+      if (meta.mediaTime + halfFrame < due.mediaTime) return true;
+      s.toScreen.push(shownAt - due.sentAt);
+      if (s.toScreen.length > CONTROL_KEEP) s.toScreen.shift();
+      window.arstreamDemo.toScreen.push({ id: due.id, ms: shownAt - due.sentAt, mediaTime: meta.mediaTime });
+      return false;
+    });
+    if (s.controlsDue.length && s === current) v.requestVideoFrameCallback(onFrame);
+    else s.watching = false;
+    render();
+  };
+  v.requestVideoFrameCallback(onFrame);
+}
+
+// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame).
+window.arstreamDemo = { toScreen: [] };
+
 // --- playback upkeep: gaps, live edge, readouts ---
 
 function tick() {
@@ -322,6 +370,9 @@ function tick() {
     } else if (end - t > MAX_LAG_S) {
       v.currentTime = end - 1;  // fell behind (background tab, slow decode): back to the live edge
     }
+    // Near the live edge: what is sent plays soon after; behind it, catch up a little faster.
+    const rate = end - v.currentTime > LIVE_EDGE_S ? CATCH_UP_RATE : 1;
+    if (v.playbackRate !== rate) v.playbackRate = rate;
   }
   render();
 }
@@ -368,6 +419,11 @@ function render() {
     ui.server.textContent =
       `queue ${Math.round(t.queued_ms)} · denoise ${Math.round(t.denoise_ms)} · ` +
       `decode ${Math.round(t.decode_ms)} · encode ${Math.round(t.encode_ms)} ms`;
+  }
+  if (s.toScreen.length) {
+    ui.toScreen.textContent = `${ms(s.toScreen[s.toScreen.length - 1])} (median ${ms(median(s.toScreen))})`;
+  } else {
+    ui.toScreen.textContent = "–";
   }
   const v = ui.video;
   const b = v.buffered;
@@ -445,7 +501,7 @@ window.addEventListener("pagehide", () => {
 
 ui.prompt.placeholder = `e.g. ${EXAMPLE_PROMPT}`;
 ui.video.muted = true;  // muted autoplay is allowed everywhere; sound comes on with a click
-setInterval(tick, 250);
+setInterval(tick, 100);
 render();
 
 // Example prompts (the built-in tiny model's caption grammar): a click puts one in the prompt box.

@@ -17,6 +17,7 @@ export class InputPanel {
     this.framesSent = 0;
     this.framesSkipped = 0;
     this.used = null;                // {strength, steps} from the server's ack of `live`
+    this.liveRun = 0;                // bumped when live input stops: a frame still being encoded is not sent
 
     ui.file.addEventListener("change", () => this.pick(ui.file.files[0] || null));
     ui.clearFile.addEventListener("click", () => { ui.file.value = ""; this.pick(null); });
@@ -73,6 +74,7 @@ export class InputPanel {
   stopCamera() {
     clearInterval(this.timer);
     this.timer = null;
+    this.liveRun += 1;  // after `live` off a binary message is a protocol error: no frame may follow it
     for (const track of this.stream ? this.stream.getTracks() : []) track.stop();
     this.stream = null;
     this.ui.inputVideo.srcObject = null;
@@ -93,6 +95,7 @@ export class InputPanel {
     if (this.session !== session) return;
     clearInterval(this.timer);
     this.timer = null;
+    this.liveRun += 1;
     this.session = null;
     this.used = null;
     this.render();
@@ -123,8 +126,10 @@ export class InputPanel {
     const w = video.videoWidth * scale;
     const h = video.videoHeight * scale;
     canvas.getContext("2d").drawImage(video, (width - w) / 2, (height - h) / 2, w, h);
+    const run = this.liveRun;
     canvas.toBlob((blob) => {
-      if (!blob || !session.open || this.session !== session) return;
+      // Encoding is asynchronous: the camera may have been stopped (`live` off sent) meanwhile.
+      if (!blob || !session.open || this.session !== session || run !== this.liveRun || !this.stream) return;
       session.ws.send(blob);
       this.framesSent += 1;
       this.render();
