@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Control to screen on the H200, in one device call (the device tool: carry .whl):
+#
+#     bash bench/device/run_control_latency.sh [TOTAL_S=560]
+#
+# Each part starts `arstream serve` and measures its first session after /readyz from an outside client
+# (bench/control_to_screen.py): 20 prompt changes, alternating soft (the object's colour) and reset (the
+# background), one every 3 s of playback, 52 s of streaming (CHANGES=16). Parts (each on unless set to 0):
+# 1. FAST: the 1.3B fast config, window 6 + TAEHV + FP8 attention (random weights: timed by chunk.controls);
+# 2. TINY: the tiny model on cuda, frames read back (pixels), and the lead as it was before in the same run;
+# 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
+# 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16;
+# 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
+# Everything lands in $OUT: one JSON per part and a tarball of the logs.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-560}"
+nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
+CHANGES=${CHANGES:-16}
+
+bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `arstream serve`'s)
+  local name=$1 limit=$2; shift 2
+  echo "== $(left)s left: $name (limit ${limit}s)"
+  timeout -k 10 "$limit" python3 bench/control_to_screen.py --out "$OUT/$name.json" --log-dir "$OUT/logs" --tag "${name}_" "$@" \
+    > /dev/null 2> "$OUT/logs/$name.stderr"
+  echo "$name exit $?"; tail -n 6 "$OUT/logs/$name.stderr"
+}
+
+if [ "${FAST:-1}" = 1 ]; then
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_prompt "${FAST_S:-140}" --changes "$CHANGES" --interval 3 -- \
+    --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention
+fi
+if [ "${TINY:-1}" = 1 ]; then
+  # shellcheck disable=SC2046  # TINY_REF=0: without the reference run (the lead as before)
+  bench tiny_prompt "${TINY_S:-220}" --changes "$CHANGES" --interval 3 --read-pixels \
+    $([ "${TINY_REF:-1}" = 1 ] && echo --reference) -- --preset tiny --device cuda
+fi
+if [ "${TINY_LIVE:-1}" = 1 ]; then
+  bench tiny_live 75 --live 0 --seconds 25 -- --preset tiny --device cuda
+fi
+if [ "${STANDARD:-1}" = 1 ]; then
+  bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
+    --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
+fi
+if [ "${GPU_TESTS:-1}" = 1 ] && [ "$(left)" -gt 30 ]; then
+  gpu_tests "$(( $(left) - 10 ))" ${GPU_TEST_FILES:-tests/test_supersede.py tests/test_blocks_in_flight.py}
+fi
+
+tar -czf "$OUT/logs.tar.gz" -C "$OUT" logs && rm -rf "$OUT/logs"
+ls -la "$OUT"
+echo "== done, $(left)s left"
