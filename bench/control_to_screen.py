@@ -275,6 +275,15 @@ def _summaries(results: list[dict]) -> dict:
     return out
 
 
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds the server process has used so far (Linux /proc; None elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str) -> dict:
     port = free_port()
     server = ServerProcess([*server_args, "--port", str(port)], port,
@@ -285,7 +294,8 @@ def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str)
         server.start()
         ready = server.wait_ready(args.ready_timeout)
         result = asyncio.run(run_case(server.url, args, seconds=args.seconds))
-        return {"label": label, **ready, **result, "server_problems": list(server.problems)[-3:]}
+        return {"label": label, **ready, **result, "server_cpu_s": _cpu_seconds(server.process.pid),
+                "server_problems": list(server.problems)[-3:]}
     finally:
         server.stop()
         for key, value in saved.items():

@@ -21,9 +21,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import av
-import numpy as np
-import pytest
+from engine.cpu_threads import limit_spinning
+
+limit_spinning()  # as the command line does, before torch loads: tests that use two threads do not spin them
+
+import av  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 SMALL_ENGINE = {
     "preset": "tiny",
