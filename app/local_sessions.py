@@ -10,7 +10,7 @@ from fastapi import Request, Response, WebSocket
 
 from app.registry import RegisteredSession
 from app.routes import PER_CLIENT_RETRY_AFTER_S, ApiError
-from app.routes.stream import admit_socket, refuse_not_ready, refuse_socket
+from app.routes.stream import admit_socket, refuse_not_ready, refuse_socket, socket_pace
 from app.schemas import (
     MAX_ID_CHARS,
     CreateSessionRequest,
@@ -18,6 +18,7 @@ from app.schemas import (
     SessionCreated,
     SessionDetail,
     SessionList,
+    SessionOptions,
     SessionStateResponse,
     SessionSummary,
 )
@@ -82,8 +83,11 @@ class LocalSessions:
         caller = await self._admitted(websocket)
         if caller is None:
             return
+        pace = await socket_pace(websocket, service)
+        if pace is None:
+            return
         try:
-            record = self.registry.create(caller, via="websocket")
+            record = self.registry.create(caller, options=SessionOptions(pace=pace), via="websocket")
         except EngineUnavailable:  # it stopped serving meanwhile
             await refuse_not_ready(websocket, service, service.not_ready() or NotReady.DEAD)
             return

@@ -13,6 +13,7 @@ loop and never in front of another session's media encoding. Decoding itself is 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -20,7 +21,7 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from app.media_input import FrameSize, MediaRejected, decode_clip, decode_image
-from app.schemas import MediaAnnouncement, ProtocolError
+from app.schemas import MAX_ANNOUNCED_BYTES, MediaAnnouncement, ProtocolError
 from engine.errors import EngineError, NotLive, SessionClosed, UnknownSession
 from engine.plan import InputContext
 
@@ -84,6 +85,36 @@ class SocketInput:
         except MediaRejected as rejected:
             return None, None, self._error(message, rejected.code, rejected.message)
         return (frames if message.type == "start" else InputContext(frames)), None, None
+
+    async def discard(self, websocket: WebSocket) -> str | None:
+        """A refused ``start`` or ``reset`` announced bytes: take them off the socket all the same (the protocol
+        promises it, so they are never read as something else). Returns a text message that came instead."""
+        try:
+            received = await asyncio.wait_for(websocket.receive(), self.service.settings.inputs.announce_timeout_s)
+        except TimeoutError:
+            return None
+        if received["type"] == "websocket.disconnect":
+            raise ReceiverEnds("disconnected")
+        if received.get("text") is not None:
+            return received["text"]
+        if len(received.get("bytes") or b"") > self.service.settings.inputs.max_binary_bytes:
+            raise ReceiverEnds("too_big")
+        return None
+
+    @staticmethod
+    def announces_bytes(text: str) -> bool:
+        """Whether a message that was refused before it was read whole announced bytes to follow (its ``input``
+        looks like an announcement, whatever else is wrong with it)."""
+        try:
+            parsed = json.loads(text)
+        except ValueError:
+            return False
+        announced = parsed.get("input") if isinstance(parsed, dict) else None
+        if not isinstance(announced, dict) or parsed.get("type") not in ("start", "reset"):
+            return False
+        size = announced.get("bytes")
+        return announced.get("kind") in ("image", "clip") and isinstance(size, int) and not isinstance(size, bool) \
+            and 1 <= size <= MAX_ANNOUNCED_BYTES
 
     @staticmethod
     def no_context() -> InputContext:

@@ -488,12 +488,17 @@ class StreamConnection:
         except ProtocolError as error:
             if not allowed:
                 error = self._rate_limited(error.message_id)
+            # Refused before it was read, it may still have announced a picture: its bytes are taken off all the
+            # same (answered once, with this error), so they are not read as a frame (an extra `bad_json`).
+            leftover = await self._inputs.discard(self.websocket) if SocketInput.announces_bytes(text) else None
             await self._send_error(error)
-            return None
+            return leftover
         self.service.metrics.count(self.service.metrics.client_messages, message.type)
         if not allowed:
+            announced = isinstance(getattr(message, "input", None), MediaAnnouncement)
+            leftover = await self._inputs.discard(self.websocket) if announced else None
             await self._send_error(self._rate_limited(message.id))
-            return None
+            return leftover
         context, leftover = None, None
         announced = getattr(message, "input", None)
         if isinstance(announced, MediaAnnouncement):

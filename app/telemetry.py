@@ -9,6 +9,7 @@ figures are exported as aggregates over the open sessions (min / max / sum).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Iterator
@@ -24,6 +25,10 @@ CONTROL_KINDS = ("prompt_soft", "prompt_recache", "prompt_reset", "reset", "live
 FIRST_CHUNK_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ENCODE_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0)
 FPS_WINDOW_S = 10.0
+REFUSAL_LOG_RATE_PER_S = 2.0  # refused client inputs logged per second (a burst of REFUSAL_LOG_BURST), the rest counted
+REFUSAL_LOG_BURST = 20
+
+refusal_log = logging.getLogger("arstream.refused")
 MAX_LABEL_VALUES = 32
 OTHER_LABEL = "other"
 
@@ -70,6 +75,7 @@ class ServiceMetrics:
         # code a protocol error code (bounded like every label set).
         self.rejected_messages: dict[tuple[str, str], int] = {}
         self._recent_frames: deque[tuple[float, int]] = deque()
+        self.refusals = RefusalLog()
         self._engine: EngineCounters | None = None
         self.registry.register(_Snapshot(self))
 
@@ -91,6 +97,7 @@ class ServiceMetrics:
 
     def message_rejected(self, via: str, code: str) -> None:
         count_bounded(self.rejected_messages, (via, code), (via, OTHER_LABEL))
+        self.refusals.log(via, code)
 
     def frames_per_second(self) -> float:
         """Frames sent per second over the last ``FPS_WINDOW_S``, all sessions together."""
@@ -109,6 +116,28 @@ class ServiceMetrics:
             return generate_latest(self.registry)
         finally:
             self._engine = None
+
+
+class RefusalLog:
+    """One log line per refused client input (``via``: rest or socket, ``code``: the protocol's error code), so an
+    operator sees them, bounded: a flood logs a few lines a second and says how many it left out."""
+
+    def __init__(self, rate_per_s: float = REFUSAL_LOG_RATE_PER_S, burst: int = REFUSAL_LOG_BURST) -> None:
+        self.rate, self.burst = rate_per_s, burst
+        self.tokens = float(burst)
+        self.updated = time.monotonic()
+        self.left_out = 0
+
+    def log(self, via: str, code: str) -> None:
+        now = time.monotonic()
+        self.tokens = min(self.burst, self.tokens + (now - self.updated) * self.rate)
+        self.updated = now
+        if self.tokens < 1.0:
+            self.left_out += 1
+            return
+        self.tokens -= 1.0
+        refusal_log.info("client input refused", extra={"via": via, "code": code, "not_logged_before": self.left_out})
+        self.left_out = 0
 
 
 class _Snapshot:

@@ -133,6 +133,17 @@ def test_bad_input_gets_a_clear_error_and_harms_no_session(server):
             "clip over the limit": "media_too_large", "size mismatch": "invalid_media",
             "frame without live": "bad_json", "0-byte frame": "invalid_media", "broken frame": "invalid_media",
         }, codes
+        # A start refused before it was read whole (a seed out of bounds) that announced a picture: its bytes are
+        # taken off all the same, answered once (no extra `bad_json` for them).
+        await client.send(type="start", id="bad-start", prompt="again", seed=-1,
+                          input={"kind": "image", "bytes": len(png_bytes(_picture(6)))})
+        await client.ws.send(png_bytes(_picture(6)))
+        await client.send(type="pause", id="after")
+        answers = [await client.control(lambda m: m["type"] in ("ack", "error")) for _ in range(2)]
+        assert [(a["type"], a.get("code"), a["id"]) for a in answers] == [
+            ("error", "invalid_field", "bad-start"), ("ack", None, "after")], answers
+        await client.send(type="resume", id="after-resume")
+        assert (await _answer(client, "after-resume"))["type"] == "ack"
         # A text message where announced bytes were due: refused, then handled as itself.
         await client.send(type="reset", id="r", input={"kind": "image", "bytes": 100})
         await client.send(type="pause", id="p")

@@ -506,3 +506,33 @@ def test_health_answers_and_readiness_is_503_while_the_engine_warms_up():
             assert closed.value.code == 1013
         wait_ready(client.get)
         assert client.post("/v1/sessions").status_code == 201
+
+
+def test_refused_inputs_leave_a_log_line_and_a_bad_pace_query_is_refused(make_client, caplog):
+    """An operator sees what was refused: one log line per refused client input (bounded: a flood logs a few
+    a second and says how many it left out), socket and REST alike. A socket asks for best effort at connect
+    with `?pace=false`; any other value is refused with `invalid_field` before a session is made."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="arstream.refused"):
+        with make_client() as client:
+            with client.websocket_connect("/v1/stream") as ws:
+                hello(ws)
+                ws.send_text("not json")
+                assert next_control(ws)["code"] == "bad_json"
+            assert client.post("/v1/sessions", json={"unknown": 1}).status_code == 400
+            before = client.get("/v1/sessions").json()["sessions"]
+            with client.websocket_connect("/v1/stream?pace=maybe") as ws:
+                error = ws.receive_json()
+                assert error["type"] == "error" and error["code"] == "invalid_field"
+                with pytest.raises(WebSocketDisconnect) as closed:
+                    ws.receive_json()
+                assert closed.value.code == 1008
+            assert client.get("/v1/sessions").json()["sessions"] == before  # nothing was made for it
+            with client.websocket_connect("/v1/stream?pace=false") as ws:
+                hello(ws)
+                start(ws, seed=1)
+                next_chunk(ws)
+    refused = [(r.via, r.code) for r in caplog.records if r.name == "arstream.refused"]
+    assert ("socket", "bad_json") in refused and ("rest", "invalid_field") in refused
+    assert ("socket", "invalid_field") in refused

@@ -124,8 +124,13 @@ def test_live_sessions_are_admitted_until_the_measured_device_time_is_spent_and_
             status, _, created = _post(server, "/v1/sessions", {"prompt": "best effort", "options": {"pace": False}})
             assert status == 201
             best_effort = await StreamClient.open(server.ws_url + f"/v1/sessions/{created['session_id']}/stream")
-            await asyncio.gather(best_effort.chunks(3), *(client.chunks(1) for client in clients))
+            # ... and so is one a socket asks for at connect (`?pace=false`): the live capacity is full, it is not.
+            socket_best = await StreamClient.open(server.ws_url + "/v1/stream?pace=false")
+            await socket_best.start("best effort by socket", seed=99, pace=False)
+            await asyncio.gather(best_effort.chunks(3), socket_best.chunks(2), *(client.chunks(1) for client in clients))
             assert _detail(server, created["session_id"])["realtime"]["live"] is False
+            assert _detail(server, socket_best.session["session_id"])["realtime"]["live"] is False
+            await socket_best.close()
             for client in clients:
                 realtime = _detail(server, client.session["session_id"])["realtime"]
                 assert realtime["live"] is True and realtime["live_capacity"] is not None

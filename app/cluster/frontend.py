@@ -41,7 +41,7 @@ from app.cluster.relay import (
 )
 from app.cluster.table import SessionTable
 from app.routes import PER_CLIENT_RETRY_AFTER_S, UNAVAILABLE_RETRY_AFTER_S, ApiError
-from app.routes.stream import admit_socket, refuse_socket
+from app.routes.stream import admit_socket, refuse_socket, socket_pace
 from app.schemas import CreateSessionRequest, PromptRequest, SessionList
 from app.security import Caller
 from app.settings import Settings
@@ -363,10 +363,14 @@ class FrontEnd:
         caller = await self._admitted(websocket)
         if caller is None:
             return
+        pace = await socket_pace(websocket, self)
+        if pace is None:
+            return
+        path = "/v1/stream" if pace else "/v1/stream?pace=false"
 
         async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
             try:
-                upstream = await open_upstream(endpoint, "/v1/stream", websocket, secret=self.secret,
+                upstream = await open_upstream(endpoint, path, websocket, secret=self.secret,
                                                limits=self.socket_limits)
             except WorkerUnreachable:
                 return None

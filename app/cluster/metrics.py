@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from app.telemetry import OTHER_LABEL, count_bounded, labelled_counter
+from app.telemetry import OTHER_LABEL, RefusalLog, count_bounded, labelled_counter
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,7 @@ class FrontEndMetrics:
         self.failed_by_worker_loss = 0  # relayed sockets ended `failed` because their worker was lost
         self.media_bytes_relayed = 0
         self._view: FrontEndView | None = None
+        self.refusals = RefusalLog()
         self.registry.register(_Collector(self))
 
     # The same counting interface as app.telemetry.ServiceMetrics, so the shared socket checks and
@@ -66,6 +67,7 @@ class FrontEndMetrics:
 
     def message_rejected(self, via: str, code: str) -> None:
         count_bounded(self.rejected_messages, (via, code), (via, OTHER_LABEL))
+        self.refusals.log(via, code)
 
     def render(self, view: FrontEndView) -> bytes:
         self._view = view

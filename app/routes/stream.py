@@ -71,6 +71,21 @@ async def _deny(websocket: WebSocket, service: Server, reason: str, address: str
     return None
 
 
+async def socket_pace(websocket: WebSocket, service: Server) -> bool | None:
+    """``WS /v1/stream?pace=false`` admits the session best-effort at connect (so a full realtime capacity does not
+    refuse a client that will stream with pacing off); ``true`` or absent: live. Anything else is refused with
+    ``invalid_field`` (None returned, the socket closed 1008)."""
+    value = websocket.query_params.get("pace")
+    if value is None or value == "true":
+        return True
+    if value == "false":
+        return False
+    service.metrics.message_rejected("socket", "invalid_field")
+    await websocket.send_text(to_text(ErrorMessage(code="invalid_field", message="pace must be true or false")))
+    await websocket.close(CLOSE_POLICY, "invalid query")
+    return None
+
+
 async def refuse_not_ready(websocket: WebSocket, service: Server, reason: NotReady) -> None:
     """Draining: ``closed`` draining (1001); dead or failed to start: ``closed`` failed (1011); warming up: try later."""
     if reason is NotReady.DRAINING:
