@@ -8,10 +8,11 @@ from fastapi import Depends
 from starlette.requests import HTTPConnection, Request
 
 from app.backend import Server, SessionsApi
-from app.routes import ApiError
-from app.security import Caller, Unauthorized, authenticate, bearer_from_header, client_address, origin_allowed
+from app.security import Caller
 from app.service import Service
 from app.settings import Settings
+from app.transport.access import AccessDenied, identify
+from app.transport.rest import ApiError
 
 
 def _state(name: str):
@@ -34,13 +35,10 @@ SettingsDep = Annotated[Settings, _state("settings")]
 async def rest_caller(request: Request, settings: SettingsDep) -> Caller:
     """The REST caller: a browser page from a foreign origin is refused (no CSRF of sessions), and with a
     token configured, ``Authorization: Bearer`` must carry it."""
-    if not origin_allowed(request.headers.get("origin"), request.headers.get("host"), settings):
-        raise ApiError(403, "forbidden_origin", "this origin may not use the API")
     try:
-        principal = authenticate(bearer_from_header(request.headers), settings)
-    except Unauthorized as error:
-        raise ApiError(401, "unauthorized", str(error), headers={"WWW-Authenticate": "Bearer"}) from None
-    return Caller(principal=principal, address=client_address(request.scope))
+        return identify(request, settings)
+    except AccessDenied as denied:
+        raise ApiError.denied(denied) from None
 
 
 CallerDep = Annotated[Caller, Depends(rest_caller)]

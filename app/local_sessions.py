@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from fastapi import Request, Response, WebSocket
 
-from app.registry import RegisteredSession
-from app.routes import PER_CLIENT_RETRY_AFTER_S, ApiError
-from app.routes.stream import admit_socket, refuse_not_ready, refuse_socket, socket_pace
+from app.registry import RegisteredSession, TooManySessions
 from app.schemas import (
     MAX_ID_CHARS,
     CreateSessionRequest,
@@ -24,7 +22,15 @@ from app.schemas import (
 )
 from app.security import Caller
 from app.service import Service
-from app.streaming import CLOSE_UNKNOWN_SESSION, StreamConnection
+from app.transport.refusal import capacity_full, not_ready, too_many_sessions
+from app.transport.rest import ApiError
+from app.transport.websocket import (
+    StreamConnection,
+    admit_socket,
+    refuse_socket,
+    refuse_unknown_session,
+    socket_pace,
+)
 from engine.api import NotReady
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
@@ -38,7 +44,7 @@ class LocalSessions:
     async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> SessionCreated:
         record = self.registry.create(caller, prompt=body.prompt, seed=body.seed, options=body.options, via="rest")
         if isinstance(record, CapacityFull):
-            raise ApiError.capacity(record)
+            raise ApiError.refused(capacity_full(record))
         return SessionCreated(session_id=record.session_id, state=record.session.state,
                               stream_url=_stream_url(request, record.session_id))
 
@@ -89,14 +95,13 @@ class LocalSessions:
         try:
             record = self.registry.create(caller, options=SessionOptions(pace=pace), via="websocket")
         except EngineUnavailable:  # it stopped serving meanwhile
-            await refuse_not_ready(websocket, service, service.not_ready() or NotReady.DEAD)
+            await refuse_socket(websocket, service, not_ready(service.not_ready() or NotReady.DEAD))
             return
-        except EngineError as error:  # too many sessions for this client
-            await refuse_socket(websocket, service, "capacity", error=(error.code, error.message),
-                                retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+        except TooManySessions as error:
+            await refuse_socket(websocket, service, too_many_sessions(error.message))
             return
         if isinstance(record, CapacityFull):
-            await refuse_socket(websocket, service, "capacity", retry_after_s=record.retry_after_s)
+            await refuse_socket(websocket, service, capacity_full(record))
             return
         await StreamConnection(websocket, service, record.session_id, caller).run()
 
@@ -106,8 +111,7 @@ class LocalSessions:
         if caller is None:
             return
         if len(session_id) > MAX_ID_CHARS or not self.registry.knows(session_id):
-            service.metrics.count(service.metrics.refused, "unknown_session")
-            await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+            await refuse_unknown_session(websocket, service)
             return
         await StreamConnection(websocket, service, session_id, caller).run()
 
@@ -118,7 +122,7 @@ class LocalSessions:
             return None
         reason = self.service.not_ready()
         if reason is not None:
-            await refuse_not_ready(websocket, self.service, reason)
+            await refuse_socket(websocket, self.service, not_ready(reason))
             return None
         return caller
 

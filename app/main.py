@@ -17,12 +17,13 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
-from app.routes import ApiError, health, install_error_handlers, internal, metrics, sessions, stream
+from app.routes import health, internal, metrics, sessions, stream
 from app.log_redaction import install_log_redaction, quiet_polls
 from app.security import BodySizeLimit, InternalCallerOnly, StrictRequestTarget
 from app.local_sessions import LocalSessions
 from app.service import Service
 from app.settings import Settings
+from app.transport.rest import ApiError, install_error_handlers
 
 STATIC_DIR = Path(__file__).parent / "static"
 API_DESCRIPTION = """Realtime streaming for autoregressive video diffusion.

@@ -38,7 +38,7 @@ class TooManySessions(EngineError):
 
 
 class AttachedSocket(Protocol):
-    """What the table needs of an attached socket (``app.streaming.StreamConnection``)."""
+    """What the table needs of an attached socket (``app.transport.websocket.StreamConnection``)."""
 
     async def replace(self) -> None: ...
 

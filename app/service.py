@@ -24,7 +24,7 @@ from engine.api import Engine, Geometry, NotReady
 
 
 class OpenSocket(Protocol):
-    """What the drain needs of a stream socket (``app.streaming.StreamConnection``)."""
+    """What the drain needs of a stream socket (``app.transport.websocket.StreamConnection``)."""
 
     finished: asyncio.Event  # set once the socket is fully done
 

@@ -8,7 +8,7 @@ close ever reaches the app. This protocol:
 
 - fixes the kernel send buffer at ``send_buffer_bytes`` (Linux doubles the value given) and bounds
   asyncio's write buffer above it by the same amount, so a stalled reader blocks the app's send
-  within a few chunks, where ``app.streaming`` detects it;
+  within a few chunks, where ``app.transport.websocket`` detects it;
 - aborts the connection when a keepalive ping goes unanswered, or when the app closes a socket
   whose peer is not reading, so the app hears ``websocket.disconnect`` at once and the connection's
   buffers are freed.

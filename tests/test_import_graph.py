@@ -92,3 +92,22 @@ def test_model_code_never_imports_the_engine_config():
     graph = import_graph()
     offenders = sorted(name for name, targets in graph.items() if name.startswith("engine.models") and "engine.config" in targets)
     assert offenders == []
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_routes_only_declare_and_the_transports_sit_below_the_back_ends():
+    """Routes are imported only by the app factories (and each other); the transports, which a single server and
+    a front end share, import neither those back ends nor anything above them."""
+    graph = import_graph()
+    factories = {"app.main", "app.cluster.server"}
+    route_importers = sorted(name for name, targets in graph.items()
+                             if name not in factories and not _within(name, "app.routes")
+                             and any(_within(target, "app.routes") for target in targets))
+    assert route_importers == []
+    above = ("app.routes", "app.deps", "app.main", "app.local_sessions", "app.cluster", "app.cli")
+    upward = sorted((name, target) for name, targets in graph.items() if _within(name, "app.transport")
+                    for target in targets if any(_within(target, package) for package in above))
+    assert upward == []

@@ -12,7 +12,7 @@ import pytest
 from starlette.websockets import WebSocketDisconnect
 
 from app.settings import Settings
-from app.streaming import CLOSE_CODE_BY_REASON
+from app.transport.websocket import CLOSE_CODE_BY_REASON
 from tests.conftest import decode_mp4
 from tests.testclient_ws import hello, hello_and_init, next_chunk, next_control, start, until_closed
 

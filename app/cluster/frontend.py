@@ -40,12 +40,21 @@ from app.cluster.relay import (
     open_upstream,
 )
 from app.cluster.table import SessionTable
-from app.routes import PER_CLIENT_RETRY_AFTER_S, UNAVAILABLE_RETRY_AFTER_S, ApiError
-from app.routes.stream import admit_socket, refuse_socket, socket_pace
 from app.schemas import CreateSessionRequest, PromptRequest, SessionList
 from app.security import Caller
 from app.settings import Settings
-from app.streaming import CLOSE_UNKNOWN_SESSION
+from app.transport.refusal import (
+    UNAVAILABLE_RETRY_AFTER_S,
+    Refusal,
+    no_worker_ready,
+    not_ready,
+    table_full,
+    too_many_sessions,
+    worker_silent,
+)
+from app.transport.rest import ApiError
+from app.transport.websocket import admit_socket, refuse_socket, refuse_unknown_session, socket_pace
+from engine.status import NotReady
 
 log = logging.getLogger("arstream.cluster")
 
@@ -252,10 +261,9 @@ class FrontEnd:
         session is refused exactly when every ready worker refuses it."""
         too_many = self._check_client_limit(caller)
         if too_many is not None:
-            return Placement(refused="too_many", message=too_many)
+            return Placement(refusal=too_many_sessions(too_many))
         if not self.table.reserve():
-            return Placement(refused="table_full",
-                             message="the front end routes as many sessions as it may; try again later")
+            return Placement(refusal=table_full())
         placed = False
         try:
             refusals: list[Attempt] = []
@@ -272,9 +280,9 @@ class FrontEnd:
                 refusals.append(attempt)
                 self._spawn(self.refresh(endpoint))
             if not refusals:
-                return Placement(refused="none_ready", message="no engine worker is ready; try again later")
+                return Placement(refusal=no_worker_ready())
             self.metrics.placement_refusals += 1
-            return Placement(refused="capacity", refusals=refusals)
+            return Placement(refusals=refusals)
         finally:
             if not placed:
                 self.table.cancel()
@@ -283,7 +291,7 @@ class FrontEnd:
     async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> Response:
         """On the first worker in placement order that admits it; the worker's own answer comes back."""
         if self.draining:
-            raise ApiError.from_code("unavailable", "the server is draining", UNAVAILABLE_RETRY_AFTER_S)
+            raise ApiError.refused(not_ready(NotReady.DRAINING))
         raw = await request.body()  # validated as ``body`` already; passed on byte for byte
 
         async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
@@ -301,12 +309,8 @@ class FrontEnd:
         placement = await self._place(caller, "rest", ask)
         if placement.attempt is not None:
             return proxied_response(placement.attempt.answer)
-        if placement.refused == "too_many":
-            raise ApiError.from_code("rate_limited", placement.message, PER_CLIENT_RETRY_AFTER_S)
-        if placement.refused == "table_full":
-            raise ApiError.from_code("capacity", placement.message, PER_CLIENT_RETRY_AFTER_S)
-        if placement.refused == "none_ready":
-            raise ApiError.from_code("unavailable", placement.message, UNAVAILABLE_RETRY_AFTER_S)
+        if placement.refusal is not None:
+            raise ApiError.refused(placement.refusal)
         soonest = min(placement.refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else math.inf)
         return proxied_response(soonest.answer)  # the same 503 `capacity` + Retry-After a single full engine answers
 
@@ -354,7 +358,7 @@ class FrontEnd:
         """The socket's caller once origin and token pass and the front end is not draining (else refused)."""
         caller = await admit_socket(websocket, self)
         if caller is not None and self.draining:
-            await refuse_socket(websocket, self, "draining")
+            await refuse_socket(websocket, self, not_ready(NotReady.DRAINING))
             return None
         return caller
 
@@ -385,17 +389,11 @@ class FrontEnd:
         if placement.attempt is not None:
             upstream, first = placement.attempt.answer
             await self._relay(websocket, upstream, placement.endpoint, placement.attempt.session_id, first)
-        elif placement.refused == "too_many":
-            await refuse_socket(websocket, self, "capacity", error=("rate_limited", placement.message),
-                                retry_after_s=PER_CLIENT_RETRY_AFTER_S)
-        elif placement.refused == "table_full":
-            await refuse_socket(websocket, self, "capacity", retry_after_s=PER_CLIENT_RETRY_AFTER_S)
-        elif placement.refused == "none_ready":
-            await refuse_socket(websocket, self, "capacity", error=("internal", placement.message),
-                                retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+        elif placement.refusal is not None:
+            await refuse_socket(websocket, self, placement.refusal)
         else:
             retry_s = soonest_retry_s((r.retry_after_s for r in placement.refusals), UNAVAILABLE_RETRY_AFTER_S)
-            await refuse_socket(websocket, self, "capacity", retry_after_s=retry_s)
+            await refuse_socket(websocket, self, Refusal("capacity", "capacity", "every engine worker refused", retry_s))
 
     async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
         """``WS /v1/sessions/{id}/stream``: to the worker the session lives on (4404 when none has it)."""
@@ -409,11 +407,10 @@ class FrontEnd:
                                                secret=self.secret, limits=self.socket_limits)
             except WorkerUnreachable:
                 if self.endpoint_of(endpoint.name, endpoint.generation) is not None:
-                    await refuse_socket(websocket, self, "capacity", retry_after_s=PER_CLIENT_RETRY_AFTER_S)
+                    await refuse_socket(websocket, self, worker_silent())
                     return
         if endpoint is None or upstream is None:
-            self.metrics.count(self.metrics.refused, "unknown_session")
-            await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+            await refuse_unknown_session(websocket, self)
             return
         await self._relay(websocket, upstream, endpoint, session_id, None)
 
@@ -491,9 +488,8 @@ class Placement:
 
     endpoint: WorkerEndpoint | None = None
     attempt: Attempt | None = None
-    refused: str | None = None  # too_many, table_full, none_ready, capacity (every ready worker refused)
-    message: str | None = None
-    refusals: list[Attempt] = field(default_factory=list)
+    refusal: Refusal | None = None  # refused before any worker admitted or refused it
+    refusals: list[Attempt] = field(default_factory=list)  # else: every ready worker refused
 
 
 def proxied_response(answer: Proxied) -> Response:

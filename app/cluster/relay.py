@@ -47,7 +47,7 @@ from app.security import (
     bearer_from_subprotocols,
     client_address,
 )
-from app.streaming import CLOSE_FAILED, CLOSE_NORMAL, FAREWELL_TIMEOUT_S
+from app.transport.websocket import CLOSE_FAILED, CLOSE_NORMAL, FAREWELL_TIMEOUT_S
 
 log = logging.getLogger("arstream.cluster")
 

@@ -13,9 +13,10 @@ from app.cluster.frontend import FrontEnd
 from app.cluster.pool import WorkerPool
 from app.log_redaction import install_log_redaction
 from app.main import API_DESCRIPTION, add_demo_page
-from app.routes import health, install_error_handlers, metrics, sessions, stream
+from app.routes import health, metrics, sessions, stream
 from app.security import BodySizeLimit, StrictRequestTarget
 from app.settings import Settings
+from app.transport.rest import install_error_handlers
 
 
 @asynccontextmanager

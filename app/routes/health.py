@@ -6,8 +6,8 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from app.deps import ServerDep
-from app.routes import UNAVAILABLE_RETRY_AFTER_S
 from app.schemas import Health
+from app.transport.refusal import UNAVAILABLE_RETRY_AFTER_S
 
 router = APIRouter(tags=["health"])
 

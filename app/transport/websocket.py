@@ -25,7 +25,11 @@ and never ends the session, whatever it contains.
 
 Pictures and video in (docs/PROTOCOL.md): a ``start`` or ``reset`` announcing an image or clip makes the
 receiver take the next message as its bytes (then decode them off the event loop, then answer once); while
-live input is on, every binary message is a frame (``app/socket_input.py``).
+live input is on, every binary message is a frame (``app/transport/socket_input.py``).
+
+Before a socket gets a session: :func:`admit_socket` checks who calls (``app/transport/access.py``) and accepts or
+closes it unaccepted, :func:`socket_pace` reads its query, :func:`refuse_socket` words a refusal
+(``app/transport/refusal.py``) as ``error`` + ``closed`` + close code, :func:`refuse_unknown_session` closes 4404.
 """
 
 from __future__ import annotations
@@ -42,24 +46,19 @@ from fastapi import WebSocket
 from pydantic import BaseModel
 from starlette.websockets import WebSocketDisconnect
 
+from app.backend import Server
 from app.media import AudioSpec, FragmentedMp4Stream
 from app.registry import Attachment
 from app.schemas import (
     AckMessage,
-    AnyClientMessage,
     AudioInfo,
     ChunkMessage,
     ChunkTimingsOut,
-    CloseMessage,
     ClosedMessage,
     ErrorMessage,
-    LiveMessage,
     MediaAnnouncement,
-    PauseMessage,
-    PromptMessage,
     ProtocolError,
     ResetMessage,
-    ResumeMessage,
     SessionMessage,
     StartMessage,
     StateMessage,
@@ -67,8 +66,11 @@ from app.schemas import (
     parse_client_message,
     to_text,
 )
-from app.socket_input import SocketInput, ReceiverEnds
-from app.security import Caller, TokenBucket
+from app.security import PROTOCOL_SUBPROTOCOL, Caller, TokenBucket, client_address
+from app.transport.access import AccessDenied, identify
+from app.transport.controls import apply_control
+from app.transport.refusal import Refusal
+from app.transport.socket_input import ReceiverEnds, SocketInput
 from engine.errors import EngineError, SessionClosed, UnknownSession
 from engine.session import Chunk, now_ms
 
@@ -97,13 +99,75 @@ CLOSE_CODE_BY_REASON = {
 FAREWELL_TIMEOUT_S = 2.0  # a client that stopped reading must not hold up a replacement or a drain
 
 
-def closed_message(reason: str, service: Service, retry_after_s: float | None = None) -> ClosedMessage:
+def closed_message(reason: str, server: Server, retry_after_s: float | None = None) -> ClosedMessage:
     """``closed``; a client turned away for ``draining`` or ``capacity`` also learns when to try again."""
-    if retry_after_s is None and reason == "draining":
-        retry_after_s = service.settings.drain_timeout_s  # a restarted server takes about this long to be back
+    if reason == "draining":
+        retry_after_s = server.settings.drain_timeout_s  # a restarted server takes about this long to be back
     if retry_after_s is not None and reason in ("draining", "capacity"):
         return ClosedMessage(reason=reason, retry_after_s=round(max(retry_after_s, 1.0), 3))
     return ClosedMessage(reason=reason)
+
+
+# --- before a socket gets a session ------------------------------------------------------------
+
+
+async def admit_socket(websocket: WebSocket, server: Server) -> Caller | None:
+    """Origin and token checks before accept; on success the socket is accepted (``arstream.v1``). A socket
+    refused here is closed unaccepted (1008), which the server answers with HTTP 403 instead of the upgrade."""
+    try:
+        caller = identify(websocket, server.settings)
+    except AccessDenied as denied:
+        server.metrics.count(server.metrics.refused, denied.reason)
+        log.info("socket refused", extra={"reason": denied.reason, "client": client_address(websocket.scope)})
+        await websocket.close(CLOSE_POLICY, f"{denied.reason} not allowed")
+        return None
+    # Answer only a subprotocol the client offered: browsers fail the handshake otherwise.
+    offered = websocket.scope.get("subprotocols") or []
+    await websocket.accept(subprotocol=PROTOCOL_SUBPROTOCOL if PROTOCOL_SUBPROTOCOL in offered else None)
+    return caller
+
+
+async def socket_pace(websocket: WebSocket, server: Server) -> bool | None:
+    """``WS /v1/stream?pace=false`` admits the session best-effort at connect (so a full realtime capacity does not
+    refuse a client that will stream with pacing off); ``true`` or absent: live. Anything else is refused with
+    ``invalid_field`` (None returned, the socket closed 1008)."""
+    value = websocket.query_params.get("pace")
+    if value is None or value == "true":
+        return True
+    if value == "false":
+        return False
+    server.metrics.message_rejected("socket", "invalid_field")
+    await websocket.send_text(to_text(ErrorMessage(code="invalid_field", message="pace must be true or false")))
+    await websocket.close(CLOSE_POLICY, "invalid query")
+    return None
+
+
+async def refuse_socket(websocket: WebSocket, server: Server, refusal: Refusal) -> None:
+    """An accepted socket that gets no session: ``error`` (unless ``closed`` says it all), then ``closed`` (with
+    ``retry_after_s`` for capacity and draining) and the reason's close code."""
+    server.metrics.count(server.metrics.refused, refusal.reason)
+    told = _error_code_of(refusal)
+    if told is not None:
+        await websocket.send_text(to_text(ErrorMessage(code=told, message=refusal.message)))
+    await websocket.send_text(to_text(closed_message(refusal.reason, server, refusal.retry_after_s)))
+    await websocket.close(CLOSE_CODE_BY_REASON[refusal.reason], refusal.reason)
+
+
+def _error_code_of(refusal: Refusal) -> str | None:
+    """The ``error`` a refused socket hears first; None where ``closed`` says it all (draining, no room)."""
+    if refusal.reason == "draining" or refusal.code == "capacity":
+        return None
+    # The socket's protocol has no `unavailable`: to its client, a server that cannot serve failed.
+    return "internal" if refusal.code == "unavailable" else refusal.code
+
+
+async def refuse_unknown_session(websocket: WebSocket, server: Server) -> None:
+    """Attaching to a session id this server does not know: close 4404."""
+    server.metrics.count(server.metrics.refused, "unknown_session")
+    await websocket.close(CLOSE_UNKNOWN_SESSION, "unknown session")
+
+
+# --- an attached socket -----------------------------------------------------------------------
 
 
 class ClientGone(Exception):
@@ -509,53 +573,21 @@ class StreamConnection:
         elif isinstance(message, ResetMessage) and message.input is not None:
             context = self._inputs.no_context()
         try:
-            new_state, extra = self._apply(message, context, arrived)
-        except EngineError as error:
-            # A session deleted over REST is gone from the table: to this socket it is closed.
-            code = "session_closed" if error.code == "unknown_session" else error.code
-            await self._send_error(ProtocolError(code, error.message, message.id))
+            applied = apply_control(self.service.registry, self.session_id, message, context, arrived)
+        except ProtocolError as error:
+            await self._send_error(error)
             return leftover
         if isinstance(message, StartMessage):
             self._first_media_from = arrived
-        unknown = None
-        if isinstance(message, (StartMessage, PromptMessage)):
-            unknown = list(self.service.registry.unknown_words(message.prompt) or ()) or None
         async with self._send_lock:
-            await self._send_text(to_text(AckMessage(id=message.id, of=message.type, unknown_words=unknown, **extra)))
-            if new_state is not None:
-                await self._send_text(to_text(StateMessage(state=new_state)))
+            await self._send_text(to_text(AckMessage(id=message.id, of=message.type, **applied.ack)))
+            if applied.state is not None:
+                await self._send_text(to_text(StateMessage(state=applied.state)))
         return leftover
 
     def _rate_limited(self, message_id: str | None) -> ProtocolError:
         rate = self.service.settings.control_rate_per_s
         return ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down", message_id)
-
-    def _apply(self, message: AnyClientMessage, context=None, arrived: float | None = None) -> tuple[str | None, dict]:
-        """The message's control; returns the new state to announce (if it changed) and extra ``ack`` fields.
-        ``context``: the decoded image or clip a ``start`` (frames) or ``reset`` (an ``InputContext``) carries;
-        ``arrived``: when the message came in (a prompt change, reset or live change is followed to the screen
-        from then, and its id named in the chunk that first shows it)."""
-        registry, session_id = self.service.registry, self.session_id
-        marked = {"control_id": message.id, "arrived_at": arrived}
-        if isinstance(message, StartMessage):
-            return registry.start(session_id, message.prompt, message.seed, message.options, context), {}
-        if isinstance(message, PromptMessage):
-            registry.set_prompt(session_id, message.prompt, message.policy, **marked)
-            return None, {}
-        if isinstance(message, PauseMessage):
-            return registry.pause(session_id), {}
-        if isinstance(message, ResumeMessage):
-            return registry.resume(session_id), {}
-        if isinstance(message, ResetMessage):
-            registry.reset(session_id, context, **marked)
-            return None, {}
-        if isinstance(message, LiveMessage):
-            used = registry.set_live(session_id, message.strength, **marked)
-            return None, ({} if used is None else {"strength": used[0], "steps": used[1]})
-        if isinstance(message, CloseMessage):
-            registry.close(session_id, "client")  # the pump then ends and we send `closed`
-            return None, {}
-        raise ProtocolError("unknown_type", f"unhandled message type {message.type}", message.id)
 
     # --- sending ---------------------------------------------------------------------------------
     async def _send_error(self, error: ProtocolError) -> None:

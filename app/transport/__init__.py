@@ -1,0 +1,11 @@
+"""The transports: how a caller reaches a session, shared by a single server and a front end (docs/SERVICE.md,
+"Transports").
+
+    access.py        who may be served: origin, then token → Caller (or AccessDenied)
+    refusal.py       why a caller gets no session, as one transport-neutral value
+    controls.py      the v1 control messages applied to a session, for any transport that carries them
+    rest.py          the REST transport: ApiError, the one JSON error shape, a refusal as 503 / 429
+    websocket.py     the socket transport: accept or close unaccepted, a refusal as ``error`` + ``closed`` +
+                     close code, then one attached socket (media pump, control receiver)
+    socket_input.py  the pictures and video a socket's client sends
+"""
