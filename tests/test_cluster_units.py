@@ -12,11 +12,12 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.cli import build_parser, parse_devices, worker_argv
 from app.cluster.local_pool import worker_names
-from app.cluster.placement import WorkerLoad, placement_order, soonest_retry_s
+from app.cluster.placement import WorkerLoad, placement_order
 from app.cluster.table import SessionTable
 from app.main import create_app
 from app.security import INTERNAL_HEADER
 from app.settings import Settings
+from app.transport.refusal import UNAVAILABLE_RETRY_AFTER_S, Refusal, every_worker_refused, worker_full
 from tests.conftest import small_engine, wait_ready
 
 
@@ -85,9 +86,13 @@ def test_capacity_answers_are_read_defensively():
 
 
 def test_a_refusal_of_every_worker_retries_at_the_soonest():
-    assert soonest_retry_s([12.0, None, 3.5], default_s=5.0) == 3.5
-    assert soonest_retry_s([0.2], default_s=5.0) == 1.0
-    assert soonest_retry_s([None, None], default_s=5.0) == 5.0
+    def soonest(*retries):
+        return every_worker_refused([worker_full(retry_after_s=r) for r in retries]).retry_after_s
+
+    assert (soonest(12.0, None, 3.5), soonest(0.2), soonest(None, None)) == (3.5, 1.0, UNAVAILABLE_RETRY_AFTER_S)
+    # REST answers with what that worker said (its code and message) and the soonest time; a socket hears `closed`.
+    said = every_worker_refused([worker_full("capacity", "full", 12.0), worker_full("unavailable", "warming", 5.0)])
+    assert said == Refusal("capacity", "unavailable", "warming", 5.0)
 
 
 # --- the session table -----------------------------------------------------------------------------------

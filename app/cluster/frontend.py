@@ -17,17 +17,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Coroutine
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from fastapi import Request, Response, WebSocket
 
 from app.cluster.metrics import FrontEndMetrics, FrontEndView, WorkerView
-from app.cluster.placement import WorkerLoad, placement_order, soonest_retry_s
+from app.cluster.placement import WorkerLoad, placement_order
 from app.cluster.pool import WorkerEndpoint, WorkerPool
 from app.cluster.relay import (
     Proxied,
@@ -46,10 +45,12 @@ from app.settings import Settings
 from app.transport.refusal import (
     UNAVAILABLE_RETRY_AFTER_S,
     Refusal,
+    every_worker_refused,
     no_worker_ready,
     not_ready,
     table_full,
     too_many_sessions,
+    worker_full,
     worker_silent,
 )
 from app.transport.rest import ApiError
@@ -258,7 +259,8 @@ class FrontEnd:
                      ask: Callable[[WorkerEndpoint], Awaitable[Attempt | None]]) -> Placement:
         """Reserve a table entry, ask the ready workers in placement order until one admits (``ask``: one
         worker's answer, None when it did not answer), and give the reservation back unless one did. The
-        session is refused exactly when every ready worker refuses it."""
+        session is refused exactly when every ready worker refuses it; a refusal is decided here, once, and
+        each transport words it (``app/transport/refusal.py``)."""
         too_many = self._check_client_limit(caller)
         if too_many is not None:
             return Placement(refusal=too_many_sessions(too_many))
@@ -266,7 +268,7 @@ class FrontEnd:
             return Placement(refusal=table_full())
         placed = False
         try:
-            refusals: list[Attempt] = []
+            refusals: list[Refusal] = []
             for endpoint in self._placement():
                 attempt = await ask(endpoint)
                 if attempt is None:
@@ -277,12 +279,12 @@ class FrontEnd:
                     return Placement(endpoint=endpoint, attempt=attempt)
                 if attempt.final:
                     return Placement(endpoint=endpoint, attempt=attempt)
-                refusals.append(attempt)
+                refusals.append(attempt.refusal)
                 self._spawn(self.refresh(endpoint))
             if not refusals:
                 return Placement(refusal=no_worker_ready())
             self.metrics.placement_refusals += 1
-            return Placement(refusals=refusals)
+            return Placement(refusal=every_worker_refused(refusals))
         finally:
             if not placed:
                 self.table.cancel()
@@ -301,18 +303,17 @@ class FrontEnd:
             except WorkerUnreachable:
                 return None
             session_id = answer.json().get("session_id") if answer.status == 201 else None
-            admitted = session_id if isinstance(session_id, str) else None
-            # Refused for what it asked (400, 409, 413, ...): the same on any worker.
-            return Attempt(session_id=admitted, retry_after_s=answer.retry_after_s,
-                           final=admitted is None and answer.status != 503, answer=answer)
+            if isinstance(session_id, str):
+                return Attempt(session_id=session_id, answer=answer)
+            if answer.status != 503:  # refused for what it asked (400, 409, 413, ...): the same on any worker
+                return Attempt(final=True, answer=answer)
+            error = answer.error
+            return Attempt(refusal=worker_full(error.get("code"), error.get("message"), answer.retry_after_s))
 
         placement = await self._place(caller, "rest", ask)
         if placement.attempt is not None:
             return proxied_response(placement.attempt.answer)
-        if placement.refusal is not None:
-            raise ApiError.refused(placement.refusal)
-        soonest = min(placement.refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else math.inf)
-        return proxied_response(soonest.answer)  # the same 503 `capacity` + Retry-After a single full engine answers
+        raise ApiError.refused(placement.refusal)
 
     async def list_sessions(self, request: Request, caller: Caller) -> SessionList:
         """Every worker's list (each shows only the caller's sessions when a token is configured)."""
@@ -382,18 +383,15 @@ class FrontEnd:
             if opening.session_id is None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(upstream.close(), 2.0)
-                return Attempt(retry_after_s=opening.retry_after_s)
+                return Attempt(refusal=worker_full(retry_after_s=opening.retry_after_s))
             return Attempt(session_id=opening.session_id, answer=(upstream, opening.session_text))
 
         placement = await self._place(caller, "websocket", ask)
         if placement.attempt is not None:
             upstream, first = placement.attempt.answer
             await self._relay(websocket, upstream, placement.endpoint, placement.attempt.session_id, first)
-        elif placement.refusal is not None:
-            await refuse_socket(websocket, self, placement.refusal)
         else:
-            retry_s = soonest_retry_s((r.retry_after_s for r in placement.refusals), UNAVAILABLE_RETRY_AFTER_S)
-            await refuse_socket(websocket, self, Refusal("capacity", "capacity", "every engine worker refused", retry_s))
+            await refuse_socket(websocket, self, placement.refusal)
 
     async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
         """``WS /v1/sessions/{id}/stream``: to the worker the session lives on (4404 when none has it)."""
@@ -477,19 +475,18 @@ class Attempt:
     """One worker's answer to placing a new session."""
 
     session_id: str | None = None  # admitted: the id it created
-    retry_after_s: float | None = None  # refused for room: when it expects some
+    refusal: Refusal | None = None  # refused for room (with when it expects some)
     final: bool = False  # refused for what was asked: the same on any worker
     answer: Any = None  # what the caller passes on (the worker's HTTP answer, the upstream socket)
 
 
 @dataclass(frozen=True)
 class Placement:
-    """Where a new session went: admitted (or finally refused) by ``endpoint``, or refused by the front end."""
+    """Where a new session went: admitted (or finally refused) by ``endpoint``, or refused (``refusal``)."""
 
     endpoint: WorkerEndpoint | None = None
     attempt: Attempt | None = None
-    refusal: Refusal | None = None  # refused before any worker admitted or refused it
-    refusals: list[Attempt] = field(default_factory=list)  # else: every ready worker refused
+    refusal: Refusal | None = None
 
 
 def proxied_response(answer: Proxied) -> Response:

@@ -76,12 +76,6 @@ def placement_order(loads: Iterable[WorkerLoad]) -> list[WorkerLoad]:
     )
 
 
-def soonest_retry_s(refusals: Iterable[float | None], default_s: float) -> float:
-    """``Retry-After`` for a session every worker refused: the soonest any of them expects room (≥ 1 s)."""
-    known = [r for r in refusals if r is not None and math.isfinite(r)]
-    return max(1.0, min(known)) if known else default_s
-
-
 def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else 0
 

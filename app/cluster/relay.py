@@ -83,6 +83,12 @@ class Proxied:
         value = self.headers.get("retry-after", "")
         return float(value) if value.isdigit() else None
 
+    @property
+    def error(self) -> dict:
+        """An error answer's ``{"code", "message"}`` (empty when it has none)."""
+        error = self.json().get("error")
+        return error if isinstance(error, dict) else {}
+
 
 def forwarded_headers(connection: HTTPConnection) -> dict[str, str]:
     """What a worker must see of the client: its credentials (a browser's ``bearer.<token>`` subprotocol

@@ -9,19 +9,26 @@ A :class:`Refusal` names the refusal in no transport's terms; each transport ren
 
 A single server and a front end build refusals here, so a client is refused alike by either:
 
-    | refusal                          | reason    | code         | retry_after_s                    |
-    | engine warming up                | capacity  | unavailable  | 5                                |
-    | draining                         | draining  | unavailable  | 5 (a socket: ``drain_timeout_s``) |
-    | engine dead or failed to start   | failed    | unavailable  | 5 (a socket: none)               |
-    | no session slot, no device time  | capacity  | capacity     | the engine's estimate            |
-    | too many sessions for a client   | capacity  | rate_limited | 1                                |
-    | a front end's table full         | capacity  | capacity     | 1                                |
-    | no engine worker ready           | capacity  | unavailable  | 5                                |
+    refusal                           reason    code           retry_after_s
+    engine warming up                 capacity  unavailable    5
+    draining                          draining  unavailable    5 (a socket's ``closed``: ``drain_timeout_s``)
+    engine dead or failed to start    failed    unavailable    5 (a socket's ``closed``: none)
+    no session slot or device time    capacity  capacity       the engine's estimate
+    too many sessions for a client    capacity  rate_limited   1
+    a front end's table full          capacity  capacity       1
+    no engine worker ready            capacity  unavailable    5
+    every ready worker refused        capacity  the worker's   the soonest any worker said (at least 1)
+    the session's worker silent       capacity  capacity       1
+
+A socket hears ``error`` first unless ``closed`` says it all (``draining``, or the code ``capacity``); to a
+socket, ``unavailable`` is ``internal`` (docs/PROTOCOL.md has no ``unavailable`` on the socket).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from engine.errors import CapacityFull
 from engine.status import NotReady
@@ -76,3 +83,21 @@ def worker_silent() -> Refusal:
     """The worker a session lives on did not answer a socket attaching to it (it may again soon)."""
     return Refusal("capacity", "capacity", "the session's engine worker did not answer; try again later",
                    PER_CLIENT_RETRY_AFTER_S)
+
+
+def worker_full(code: object = "capacity", message: object = None, retry_after_s: float | None = None) -> Refusal:
+    """One engine worker refused a new session for room, as a front end read its answer (``code``: ``capacity``,
+    or ``unavailable`` from a worker that stopped being ready since it was last asked)."""
+    return Refusal("capacity", code if code in ("capacity", "unavailable") else "capacity",
+                   message if isinstance(message, str) else "the engine worker has no room; try again later",
+                   retry_after_s)
+
+
+def every_worker_refused(refusals: Sequence[Refusal]) -> Refusal:
+    """Every ready worker refused a new session: the refusal of the one that expects room soonest, retried no
+    sooner than 1 s; when none said when, the first one's, retried after ``UNAVAILABLE_RETRY_AFTER_S``."""
+    known = [r for r in refusals if r.retry_after_s is not None and math.isfinite(r.retry_after_s)]
+    if not known:
+        return replace(refusals[0], retry_after_s=UNAVAILABLE_RETRY_AFTER_S)
+    soonest = min(known, key=lambda r: r.retry_after_s)
+    return replace(soonest, retry_after_s=max(1.0, soonest.retry_after_s))
