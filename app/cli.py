@@ -10,21 +10,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import math
 import os
 import re
-import socket
 import sys
-import time
 import warnings
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import uvicorn
 from pydantic import ValidationError
 
+from app.log_format import configure_logging
+from app.server_process import bind_listening_socket, run_server
 from engine.cpu_threads import limit_spinning
 
 # Nothing here imports torch at module level: usage mistakes are answered in a fraction of a second.
@@ -410,21 +408,7 @@ def serve(args: argparse.Namespace) -> int:
         from app.main import create_app  # the service and the model code: only once the checks passed
 
         app = create_app(settings)
-    return _run_server(app, settings, listening)
-
-
-def bind_listening_socket(host: str, port: int) -> socket.socket:
-    """The server's socket, bound as uvicorn binds its own: a port in use (or an address this host does not
-    have) is then a usage mistake answered in one line, not a failure after the engine was built."""
-    sock = socket.socket(family=socket.AF_INET6 if ":" in host else socket.AF_INET)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    sock.set_inheritable(True)
-    return sock
+    return run_server(app, settings, listening)
 
 
 def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
@@ -444,108 +428,6 @@ def _front_end_app(args: argparse.Namespace, settings, devices: list[str]):
     secret = new_internal_secret()
     pool = LocalPool(devices, worker_argv(args), secret=secret, limits=limits, log_format=settings.log_format)
     return create_frontend_app(settings, pool, secret)
-
-
-def _run_server(app, settings, listening: socket.socket) -> int:
-    server = build_server(app, settings)
-    app.state.on_engine_dead = server.request_exit
-    server.run(sockets=[listening])
-    if not server.started:
-        return 3  # start-up failed (the engine's build); the reason is in the log
-    return app.state.service.exit_code if hasattr(app.state, "service") else 0
-
-
-def build_server(app, settings) -> "_DrainingServer":
-    """The uvicorn server ``serve`` runs ``app`` with. A Ray Serve worker replica runs the same one on its own
-    event loop (``app/cluster/ray_worker.py``), so both serve the protocol with the same bounds."""
-    config = uvicorn.Config(
-        app,
-        host=settings.host,
-        port=settings.port,
-        ws=_websocket_implementation(settings.send_buffer_bytes),
-        ws_ping_interval=settings.ping_interval_s,  # a client that answers no ping is dropped (detached)
-        ws_ping_timeout=settings.ping_timeout_s,
-        ws_per_message_deflate=False,  # media does not compress; deflate only costs CPU and latency
-        ws_max_size=settings.max_socket_message_bytes,  # larger client frames are closed 1009 by the protocol layer
-        lifespan="on",
-        log_config=None,  # our structured logging, configured above
-        timeout_graceful_shutdown=max(1, int(settings.drain_timeout_s)),
-    )
-    return _DrainingServer(config)
-
-
-def _websocket_implementation(send_buffer_bytes: int):
-    """uvicorn's non-deprecated WebSocket protocol: the Sans-I/O websockets one where this uvicorn has it,
-    with bounded buffers and a hard stop for clients that stopped reading (app.ws_protocol)."""
-    from uvicorn.config import WS_PROTOCOLS
-
-    if "websockets-sansio" not in WS_PROTOCOLS:
-        return "websockets"
-    from app.ws_protocol import bounded_websocket_protocol
-
-    return bounded_websocket_protocol(send_buffer_bytes)
-
-
-class _DrainingServer(uvicorn.Server):
-    """uvicorn closes every socket with 1012 *before* the lifespan shutdown runs; drain first, so each
-    client gets ``closed`` (``draining``) and 1001 instead, then let uvicorn finish."""
-
-    def request_exit(self) -> None:
-        self.should_exit = True
-
-    async def startup(self, sockets=None) -> None:
-        await super().startup(sockets)
-        if self.started and self.servers:
-            host, port = self.servers[0].sockets[0].getsockname()[:2]
-            shown = f"[{host}]" if ":" in host else host
-            print(f"arstream serving on http://{shown}:{port} (demo page /, API docs /docs)", flush=True)
-
-    async def shutdown(self, sockets=None) -> None:
-        app = self.config.app
-        service = getattr(app.state, "service", None) if hasattr(app, "state") else None
-        if service is not None:
-            await service.drain()
-        await super().shutdown(sockets)
-
-
-# --- logging -----------------------------------------------------------------------------------------
-
-# uvicorn adds `color_message` (the same text with terminal colours) to its records: not a field.
-_RECORD_FIELDS = set(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
-    "message", "asctime", "taskName", "color_message",
-}
-
-
-class StructuredFormatter(logging.Formatter):
-    """One line per event: the message plus the ``extra={...}`` fields (session ids, reasons, numbers).
-    Callers never put prompt text or media in either."""
-
-    def __init__(self, style: str = "json") -> None:
-        super().__init__()
-        self.json_style = style == "json"
-
-    def format(self, record: logging.LogRecord) -> str:
-        fields = {key: value for key, value in vars(record).items() if key not in _RECORD_FIELDS}
-        timestamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z"
-        if self.json_style:
-            line = {"ts": timestamp, "level": record.levelname.lower(), "logger": record.name,
-                    "event": record.getMessage(), **fields}
-            if record.exc_info:
-                line["exception"] = self.formatException(record.exc_info)
-            return json.dumps(line, default=str, ensure_ascii=False)
-        extras = " ".join(f"{key}={value}" for key, value in fields.items())
-        text = f"{timestamp} {record.levelname} {record.name} {record.getMessage()}" + (f" {extras}" if extras else "")
-        if record.exc_info:
-            text += "\n" + self.formatException(record.exc_info)
-        return text
-
-
-def configure_logging(style: str = "text", level: int = logging.INFO) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(StructuredFormatter(style))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 def main(argv: list[str] | None = None) -> int:

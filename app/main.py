@@ -3,7 +3,7 @@
 Start-up builds and warms the engine in the background: ``/healthz`` answers at once, ``/readyz`` is
 503 until the engine is warm, and streams or sessions asked for meanwhile are refused as "try later". Shutdown drains: readiness 503, every client gets ``closed`` (``draining``) and
 close code 1001, then the engine releases its sessions. ``arstream serve`` drains *before* uvicorn
-closes the sockets itself (see ``app.cli``); the lifespan drain covers every other host.
+closes the sockets itself (see ``app.server_process``); the lifespan drain covers every other host.
 """
 
 from __future__ import annotations

@@ -111,3 +111,10 @@ def test_routes_only_declare_and_the_transports_sit_below_the_back_ends():
     upward = sorted((name, target) for name, targets in graph.items() if _within(name, "app.transport")
                     for target in targets if any(_within(target, package) for package in above))
     assert upward == []
+
+
+def test_the_command_line_is_imported_by_nothing():
+    """``app/cli.py`` parses flags and runs a command; what others share of a process (the uvicorn server, the log
+    format) has its own module, so a Ray worker or a test of them never loads the command line."""
+    graph = import_graph()
+    assert sorted(name for name, targets in graph.items() if "app.cli" in targets) == []

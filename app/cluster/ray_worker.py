@@ -2,10 +2,11 @@
 
 A worker deployment has exactly one replica (one per GPU: ``ray_actor_options={"num_gpus": 1}``; Ray
 narrows ``CUDA_VISIBLE_DEVICES`` to that GPU, so ``device = "cuda"`` inside is it). The replica runs the
-same app and uvicorn server as ``arstream serve`` (``app.main.create_app``, ``app.cli.build_server``) on its
-own event loop, bound to its node's address on a free port: the front end relays sockets and REST calls
-to that ``base_url`` directly, so media never goes through Ray's object store, and nothing depends on
-which replica Ray's request router would pick (a worker is addressed by its deployment: one per place).
+same app and uvicorn server as ``arstream serve`` (``app.main.create_app``,
+``app.server_process.build_server``) on its own event loop, bound to its node's address on a free port: the
+front end relays sockets and REST calls to that ``base_url`` directly, so media never goes through Ray's
+object store, and nothing depends on which replica Ray's request router would pick (a worker is addressed
+by its deployment: one per place).
 
 Ray sees the worker through two methods:
 
@@ -52,7 +53,7 @@ class ArstreamWorker:
     """The body of a worker deployment (``app.cluster.ray_app`` wraps it in ``serve.deployment``)."""
 
     async def __init__(self, name: str, settings_fields: dict, secret: str) -> None:
-        from app.cli import build_server
+        from app.server_process import build_server
         from app.main import create_app
         from app.settings import Settings, WorkerSettings
         from engine.preflight import check_before_build
@@ -139,7 +140,7 @@ class _WorkerField(logging.Filter):
 def log_to_stderr(style: str, worker: str | None = None) -> None:
     """The service's structured lines on this replica's stderr (Ray keeps them in its worker logs), tagged
     ``worker=NAME`` in a worker as the local pool tags its workers'. Ray's own loggers stay as Ray set them."""
-    from app.cli import StructuredFormatter
+    from app.log_format import StructuredFormatter
 
     handler = logging.StreamHandler()
     handler.setFormatter(StructuredFormatter(style))

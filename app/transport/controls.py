@@ -1,7 +1,7 @@
 """The v1 control messages (docs/PROTOCOL.md), applied to a session: one dispatcher for every transport that
 carries them (the WebSocket today; a WebRTC data channel would carry the same messages).
 
-    parsed client message ──▶ the registry's control ──▶ Applied: the new state to announce + extra ``ack`` fields
+    parsed client message ──▶ the registry's control ──▶ Applied: the new state to announce, extra ``ack`` fields
 
 What a control does to a session is the engine's (``engine/controls.py``); this only routes a message to it
 and says what the client is answered. Sending the ``ack`` and ``state`` is the transport's.
