@@ -6,10 +6,12 @@ same calls for several workers (``app/cluster/frontend.py``).
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request, Response, WebSocket
 
 from app.registry import RegisteredSession
-from app.routes import PER_CLIENT_RETRY_AFTER_S, ApiError
+from app.routes import PER_CLIENT_RETRY_AFTER_S, UNAVAILABLE_RETRY_AFTER_S, ApiError
 from app.routes.stream import admit_socket, refuse_not_ready, refuse_socket, socket_pace
 from app.schemas import (
     MAX_ID_CHARS,
@@ -25,6 +27,7 @@ from app.schemas import (
 from app.security import Caller
 from app.service import Service
 from app.streaming import CLOSE_UNKNOWN_SESSION, StreamConnection
+from app.webrtc import OfferRefused, PeerStream, check_offer, offer_text, set_peer_timeout
 from engine.api import NotReady
 from engine.errors import CapacityFull, EngineError, EngineUnavailable
 
@@ -33,6 +36,10 @@ class LocalSessions:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.registry = service.registry
+        set_peer_timeout(service.settings.webrtc_peer_timeout_s)
+        self.negotiating: set[str] = set()  # sessions whose WebRTC offer is being answered
+        self._negotiating_from: dict[str, int] = {}  # client address -> offers being answered
+        self._peers: set[asyncio.Task] = set()
 
     # --- REST ---------------------------------------------------------------------------------------
     async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> SessionCreated:
@@ -121,6 +128,73 @@ class LocalSessions:
             await refuse_not_ready(websocket, self.service, reason)
             return None
         return caller
+
+
+    # --- WebRTC (app/webrtc.py) ----------------------------------------------------------------------
+    async def create_peer(self, request: Request, caller: Caller, pace: bool) -> Response:
+        offer = await self._offer(request, caller)
+        record = self.registry.create(caller, options=SessionOptions(pace=pace), via="webrtc")
+        if isinstance(record, CapacityFull):
+            raise ApiError.capacity(record)
+        try:
+            return await self._answer(request, caller, record.session_id, offer)
+        except ApiError:
+            self.registry.delete(record.session_id)  # nothing was negotiated: the session goes with the offer
+            raise
+
+    async def attach_peer(self, request: Request, caller: Caller, session_id: str) -> Response:
+        offer = await self._offer(request, caller)
+        try:
+            self.registry.get(session_id)
+        except EngineError as error:
+            raise ApiError.from_engine(error) from None
+        if session_id in self.negotiating:
+            raise ApiError(409, "conflict", "an offer for this session is being answered; wait for it")
+        return await self._answer(request, caller, session_id, offer)
+
+    async def _offer(self, request: Request, caller: Caller) -> str:
+        """The request's SDP offer, checked, from a caller allowed one more peer (else refused, before a session)."""
+        reason = self.service.not_ready()
+        if reason is not None:
+            raise ApiError.from_code("unavailable", reason.value, UNAVAILABLE_RETRY_AFTER_S)
+        limit = self.service.settings.max_peers_per_client
+        held = sum(1 for peer in self.service.connections if isinstance(peer, PeerStream)
+                   and peer.caller.address == caller.address)
+        if held + self._negotiating_from.get(caller.address, 0) >= limit:
+            raise ApiError.from_code("rate_limited", f"this client already holds {held} peer connections "
+                                                     f"(limit {limit})", PER_CLIENT_RETRY_AFTER_S)
+        try:
+            offer = offer_text(await request.body())
+            check_offer(offer)
+        except OfferRefused as refused:
+            raise ApiError(refused.status, refused.code, refused.message) from None
+        return offer
+
+    async def _answer(self, request: Request, caller: Caller, session_id: str, offer: str) -> Response:
+        peer = PeerStream(self.service, session_id, caller)
+        self.negotiating.add(session_id)
+        self._negotiating_from[caller.address] = self._negotiating_from.get(caller.address, 0) + 1
+        try:
+            answer = await peer.answer(offer)
+        except OfferRefused as refused:
+            await peer.pc.close()
+            raise ApiError(refused.status, refused.code, refused.message) from None
+        except Exception:
+            await peer.pc.close()
+            raise
+        finally:
+            self.negotiating.discard(session_id)
+            left = self._negotiating_from.get(caller.address, 1) - 1
+            if left > 0:
+                self._negotiating_from[caller.address] = left
+            else:
+                self._negotiating_from.pop(caller.address, None)
+        task = asyncio.get_running_loop().create_task(peer.run(), name="arstream-webrtc-peer")
+        self._peers.add(task)
+        task.add_done_callback(self._peers.discard)
+        location = str(request.url_for("attach_peer", session_id=session_id).path)
+        return Response(answer, status_code=201, media_type="application/sdp",
+                        headers={"Location": location, "X-Session-Id": session_id})
 
 
 def _stream_url(request: Request, session_id: str) -> str:

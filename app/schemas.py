@@ -295,6 +295,9 @@ class SessionMessage(BaseModel):
     video: VideoInfo
     audio: AudioInfo | None
     protocol: int = PROTOCOL_VERSION
+    # How this session's media travels to this client: "websocket" (fragmented MP4 segments after each `chunk`)
+    # or "webrtc" (RTP tracks of a peer connection; `mime` is then the video track's codec).
+    transport: Literal["websocket", "webrtc"] = "websocket"
 
 
 class ChunkTimingsOut(BaseModel):

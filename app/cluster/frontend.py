@@ -310,6 +310,37 @@ class FrontEnd:
         soonest = min(placement.refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else math.inf)
         return proxied_response(soonest.answer)  # the same 503 `capacity` + Retry-After a single full engine answers
 
+    # --- WebRTC: the worker that admits the session answers the offer (its host candidates: one host) -----
+    async def create_peer(self, request: Request, caller: Caller, pace: bool) -> Response:
+        if self.draining:
+            raise ApiError.from_code("unavailable", "the server is draining", UNAVAILABLE_RETRY_AFTER_S)
+        raw = await request.body()
+        path = "/v1/webrtc" if pace else "/v1/webrtc?pace=false"
+
+        async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
+            try:
+                answer = await self.http.call(endpoint, "POST", path, headers=forwarded_headers(request), body=raw)
+            except WorkerUnreachable:
+                return None
+            session_id = answer.headers.get("x-session-id") if answer.status == 201 else None
+            return Attempt(session_id=session_id, retry_after_s=answer.retry_after_s,
+                           final=session_id is None and answer.status != 503, answer=answer)
+
+        placement = await self._place(caller, "webrtc", ask)
+        if placement.attempt is not None:
+            return proxied_response(placement.attempt.answer)
+        if placement.refused == "too_many":
+            raise ApiError.from_code("rate_limited", placement.message, PER_CLIENT_RETRY_AFTER_S)
+        if placement.refused == "table_full":
+            raise ApiError.from_code("capacity", placement.message, PER_CLIENT_RETRY_AFTER_S)
+        if placement.refused == "none_ready":
+            raise ApiError.from_code("unavailable", placement.message, UNAVAILABLE_RETRY_AFTER_S)
+        soonest = min(placement.refusals, key=lambda r: r.retry_after_s if r.retry_after_s is not None else math.inf)
+        return proxied_response(soonest.answer)
+
+    async def attach_peer(self, request: Request, caller: Caller, session_id: str) -> Response:
+        return await self._forward(request, session_id, "POST", "/webrtc", await request.body())
+
     async def list_sessions(self, request: Request, caller: Caller) -> SessionList:
         """Every worker's list (each shows only the caller's sessions when a token is configured)."""
         headers = forwarded_headers(request)
