@@ -66,3 +66,9 @@ class SessionsApi(Protocol):
 
     async def attach_stream(self, websocket: WebSocket, session_id: str) -> None:
         """``WS /v1/sessions/{id}/stream``."""
+
+    async def create_peer(self, request: Request, caller: Caller, pace: bool) -> Response:
+        """``POST /v1/webrtc``: a new session over a peer connection; the SDP answer (``app/transport/webrtc.py``)."""
+
+    async def attach_peer(self, request: Request, caller: Caller, session_id: str) -> Response:
+        """``POST /v1/sessions/{id}/webrtc``."""

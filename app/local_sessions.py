@@ -6,6 +6,8 @@ same calls for several workers (``app/cluster/frontend.py``).
 
 from __future__ import annotations
 
+import asyncio
+
 from fastapi import Request, Response, WebSocket
 
 from app.registry import RegisteredSession, TooManySessions
@@ -22,8 +24,9 @@ from app.schemas import (
 )
 from app.security import Caller
 from app.service import Service
-from app.transport.refusal import capacity_full, not_ready, too_many_sessions
+from app.transport.refusal import capacity_full, not_ready, too_many_peers, too_many_sessions
 from app.transport.rest import ApiError
+from app.transport.webrtc import OfferRefused, PeerStream, check_offer, offer_text, set_peer_timeout
 from app.transport.websocket import (
     StreamConnection,
     admit_socket,
@@ -39,6 +42,10 @@ class LocalSessions:
     def __init__(self, service: Service) -> None:
         self.service = service
         self.registry = service.registry
+        set_peer_timeout(service.settings.webrtc_peer_timeout_s)
+        self.negotiating: set[str] = set()  # sessions whose WebRTC offer is being answered
+        self._negotiating_from: dict[str, int] = {}  # client address -> offers being answered
+        self._peers: set[asyncio.Task] = set()
 
     # --- REST ---------------------------------------------------------------------------------------
     async def create_session(self, request: Request, caller: Caller, body: CreateSessionRequest) -> SessionCreated:
@@ -125,6 +132,77 @@ class LocalSessions:
             await refuse_socket(websocket, self.service, not_ready(reason))
             return None
         return caller
+
+
+    # --- WebRTC (app/transport/webrtc.py) -------------------------------------------------------------
+    async def create_peer(self, request: Request, caller: Caller, pace: bool) -> Response:
+        offer = await self._offer(request, caller)
+        try:
+            record = self.registry.create(caller, options=SessionOptions(pace=pace), via="webrtc")
+        except EngineUnavailable:  # it stopped serving meanwhile
+            raise ApiError.refused(not_ready(self.service.not_ready() or NotReady.DEAD)) from None
+        except TooManySessions as error:
+            raise ApiError.refused(too_many_sessions(error.message)) from None
+        if isinstance(record, CapacityFull):
+            raise ApiError.refused(capacity_full(record))
+        try:
+            return await self._answer(request, caller, record.session_id, offer)
+        except ApiError:
+            self.registry.delete(record.session_id)  # nothing was negotiated: the session goes with the offer
+            raise
+
+    async def attach_peer(self, request: Request, caller: Caller, session_id: str) -> Response:
+        offer = await self._offer(request, caller)
+        try:
+            self.registry.get(session_id)
+        except EngineError as error:
+            raise ApiError.from_engine(error) from None
+        if session_id in self.negotiating:
+            raise ApiError(409, "conflict", "an offer for this session is being answered; wait for it")
+        return await self._answer(request, caller, session_id, offer)
+
+    async def _offer(self, request: Request, caller: Caller) -> str:
+        """The request's SDP offer, checked, from a caller allowed one more peer (else refused, before a session)."""
+        reason = self.service.not_ready()
+        if reason is not None:
+            raise ApiError.refused(not_ready(reason))
+        limit = self.service.settings.max_peers_per_client
+        held = sum(1 for peer in self.service.connections if isinstance(peer, PeerStream)
+                   and peer.caller.address == caller.address)
+        if held + self._negotiating_from.get(caller.address, 0) >= limit:
+            raise ApiError.refused(too_many_peers(held, limit))
+        try:
+            offer = offer_text(await request.body())
+            check_offer(offer)
+        except OfferRefused as refused:
+            raise ApiError(refused.status, refused.code, refused.message) from None
+        return offer
+
+    async def _answer(self, request: Request, caller: Caller, session_id: str, offer: str) -> Response:
+        peer = PeerStream(self.service, session_id, caller)
+        self.negotiating.add(session_id)
+        self._negotiating_from[caller.address] = self._negotiating_from.get(caller.address, 0) + 1
+        try:
+            answer = await peer.answer(offer)
+        except OfferRefused as refused:
+            await peer.pc.close()
+            raise ApiError(refused.status, refused.code, refused.message) from None
+        except Exception:
+            await peer.pc.close()
+            raise
+        finally:
+            self.negotiating.discard(session_id)
+            left = self._negotiating_from.get(caller.address, 1) - 1
+            if left > 0:
+                self._negotiating_from[caller.address] = left
+            else:
+                self._negotiating_from.pop(caller.address, None)
+        task = asyncio.get_running_loop().create_task(peer.run(), name="arstream-webrtc-peer")
+        self._peers.add(task)
+        task.add_done_callback(self._peers.discard)
+        location = str(request.url_for("attach_peer", session_id=session_id).path)
+        return Response(answer, status_code=201, media_type="application/sdp",
+                        headers={"Location": location, "X-Session-Id": session_id})
 
 
 def _stream_url(request: Request, session_id: str) -> str:

@@ -17,7 +17,7 @@ from fastapi.responses import FileResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 
-from app.routes import health, internal, metrics, sessions, stream
+from app.routes import health, internal, metrics, sessions, stream, webrtc
 from app.log_redaction import install_log_redaction, quiet_polls
 from app.security import BodySizeLimit, InternalCallerOnly, StrictRequestTarget
 from app.local_sessions import LocalSessions
@@ -68,6 +68,7 @@ def create_app(settings: Settings) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(sessions.router)
     app.include_router(stream.router)
+    app.include_router(webrtc.router)
     add_demo_page(app)
     return app
 

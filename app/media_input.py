@@ -155,16 +155,17 @@ def _sample(decoded, kept: deque, size: FrameSize, *, fps: int, max_seconds: flo
         if previous is not None:
             # Every output time before this frame shows the previous frame.
             while target / fps < time - 1e-6:
-                kept.append(_fit_video_frame(previous[1], size))
+                kept.append(fit_video_frame(previous[1], size))
                 target += 1
         previous = (time, frame)
     if previous is not None:
         while target / fps <= previous[0] + 1e-6:
-            kept.append(_fit_video_frame(previous[1], size))
+            kept.append(fit_video_frame(previous[1], size))
             target += 1
 
 
-def _fit_video_frame(frame: av.VideoFrame, size: FrameSize) -> np.ndarray:
+def fit_video_frame(frame: av.VideoFrame, size: FrameSize) -> np.ndarray:
+    """A decoded video frame (a clip's, a camera's) scaled to cover ``size`` and cropped around its centre."""
     return _fit(frame.to_image(), size)
 
 

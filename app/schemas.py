@@ -191,12 +191,18 @@ def _refuse_json_constant(name: str) -> float:
     raise ValueError(f"{name} is not JSON")  # NaN, Infinity: Python's json accepts them, JSON does not
 
 
+def decode_client_json(text: str) -> object:
+    """A client's text frame as JSON, or ``bad_json``: whatever the text (NaN, nesting deeper than Python's
+    recursion limit, an integer over its 4300-digit limit), the one way every reader of client text decodes it."""
+    try:
+        return json.loads(text, parse_constant=_refuse_json_constant)
+    except (ValueError, RecursionError):
+        raise ProtocolError("bad_json", "the message is not valid JSON") from None
+
+
 def parse_client_message(text: str) -> AnyClientMessage:
     """One text frame -> a validated message, or :class:`ProtocolError` with the protocol's code."""
-    try:
-        payload = json.loads(text, parse_constant=_refuse_json_constant)
-    except (ValueError, RecursionError):  # includes integers over Python's 4300-digit limit
-        raise ProtocolError("bad_json", "the message is not valid JSON") from None
+    payload = decode_client_json(text)
     if not isinstance(payload, dict):
         raise ProtocolError("bad_json", "a message is a JSON object with a 'type'")
     message_id = readable_id(payload)
@@ -289,6 +295,9 @@ class SessionMessage(BaseModel):
     video: VideoInfo
     audio: AudioInfo | None
     protocol: int = PROTOCOL_VERSION
+    # How this session's media travels to this client: "websocket" (fragmented MP4 segments after each `chunk`)
+    # or "webrtc" (RTP tracks of a peer connection; `mime` is then the video track's codec).
+    transport: Literal["websocket", "webrtc"] = "websocket"
 
 
 class ChunkTimingsOut(BaseModel):

@@ -183,18 +183,21 @@ class InternalCallerOnly:
 class BodySizeLimit:
     """Refuse HTTP bodies over ``max_bytes`` with 413 before the app reads them into memory."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, *, sdp_bytes: int = 64 * 1024) -> None:
+        """``sdp_bytes``: the bound of a WebRTC offer (``POST …/webrtc``): SDP is larger than a control."""
         self.app = app
         self.max_bytes = max_bytes
+        self.sdp_bytes = sdp_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        max_bytes = self.sdp_bytes if scope.get("path", "").endswith("/webrtc") else self.max_bytes
         declared = Headers(scope=scope).get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
             _count_rejected(scope, "body_too_large")
-            await _send_too_large(send, self.max_bytes)
+            await _send_too_large(send, max_bytes)
             return
         received = 0
         too_large = False
@@ -204,7 +207,7 @@ class BodySizeLimit:
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
-                if received > self.max_bytes:
+                if received > max_bytes:
                     too_large = True
                     # The app sees a truncated, invalid body; we answer 413 instead of its reply.
                     return {"type": "http.request", "body": b"", "more_body": False}
@@ -218,7 +221,7 @@ class BodySizeLimit:
                 if not response_started:
                     response_started = True
                     _count_rejected(scope, "body_too_large")
-                    await _send_too_large(send, self.max_bytes)
+                    await _send_too_large(send, max_bytes)
                 return
             response_started = response_started or message["type"] == "http.response.start"
             await send(message)

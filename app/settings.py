@@ -121,6 +121,17 @@ class Settings(BaseSettings):
     max_sessions_per_client: int | None = Field(
         default=None, ge=1, le=256, description="open sessions per client address; None: only engine capacity"
     )
+    max_peers_per_client: int = Field(
+        default=4, ge=1, le=256, description="WebRTC peer connections (and offers being answered) per client address"
+    )
+    webrtc_peer_timeout_s: float = Field(
+        default=30.0, ge=1.0, le=600.0,
+        description="a WebRTC peer whose network is gone (no ICE consent answers) is dropped after about this long",
+    )
+    webrtc_ice_servers: list[str] = Field(
+        default_factory=list, max_length=16,
+        description="STUN/TURN URLs for WebRTC peers; empty (the default): host candidates only, nothing is contacted",
+    )
     stall_chunks: float = Field(
         default=2.0, ge=0.5, le=64,
         description="a socket whose media send stays blocked this many chunk durations is detached (client stalled)",

@@ -134,22 +134,23 @@ def _arstream_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
 
 
-def start_server(*extra_args: str, env: dict | None = None) -> RunningServer:
-    """Start `arstream serve` on a free port (``--port 0``) with the small engine; wait until it serves."""
-    args = [
-        *_arstream_command(), "serve", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
-        "--preset", "tiny", "--height", str(SMALL_ENGINE["height"]), "--width", str(SMALL_ENGINE["width"]),
-        "--cpu-threads", "1", "--warmup-blocks", "0",
-        "--sink-frames", str(SMALL_ENGINE["sink_frames"]), "--window-frames", str(SMALL_ENGINE["window_frames"]),
-        *extra_args,
-    ]
+def start_server(*extra_args: str, env: dict | None = None, small: bool = True) -> RunningServer:
+    """Start `arstream serve` on a free port (``--port 0``) with the small engine (``small=False``: the tiny preset
+    as shipped, its trained weights at their own size, for tests that read what the frames show); wait until it
+    serves."""
+    args = [*_arstream_command(), "serve", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
+            "--preset", "tiny", "--cpu-threads", "1"]
+    if small:
+        args += ["--height", str(SMALL_ENGINE["height"]), "--width", str(SMALL_ENGINE["width"]), "--warmup-blocks", "0",
+                 "--sink-frames", str(SMALL_ENGINE["sink_frames"]), "--window-frames", str(SMALL_ENGINE["window_frames"])]
+    # The small engine is the seeded random model, as SMALL_ENGINE: these tests pin its output.
+    weights = {"ARSTREAM_ENGINE__RANDOM_WEIGHTS": "true"} if small else {}
     process = subprocess.Popen(
-        args,
+        [*args, *extra_args],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        # The seeded random model, as SMALL_ENGINE: these tests pin its output (a flag will say it too, once wired).
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "ARSTREAM_ENGINE__RANDOM_WEIGHTS": "true", **(env or {})},
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **weights, **(env or {})},
     )
     server = RunningServer(process=process, base_url="")
     server.base_url = follow_serving_url(process, server.log_lines, SERVER_START_TIMEOUT_S) or ""

@@ -85,12 +85,16 @@ def server(tmp_path_factory):
         yield base
 
 
+# Chromium's fake camera (a test pattern), allowed without asking.
+CAMERA_ARGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
+
+
 @pytest.fixture()
 def browser():
     if not os.path.exists(CHROMIUM):
         pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (this test never skips)")
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + CAMERA_ARGS)
         try:
             yield browser
         finally:
@@ -142,6 +146,8 @@ def _number(text: str) -> float:
 
 
 def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
+    """Over the WebSocket (fragmented MP4 through Media Source Extensions): start, a prompt change, a reset and
+    close from the page's controls, the video playing on one timeline throughout."""
     page = browser.new_page(viewport={"width": 1280, "height": 800})
     problems: list[str] = []
     page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
@@ -156,6 +162,7 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         # Start: the page connects, sends `start`, and plays what arrives.
         page.fill("#prompt", "a red fox running through fresh snow")
         page.fill("#seed", "7")
+        page.select_option("#transport", "websocket")
         page.click("#start")
         page.wait_for_function(
             """() => {
@@ -168,6 +175,7 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         _wait_for_log(page, "ack", "ack start", 5)
         first = _player(page)
         assert first["state"] == "active", first
+        assert page.inner_text("#transport-in-use") == "WebSocket"
         assert _number(first["ttfc"]) > 0, first  # "345 ms"
         assert first["latency"] != "–" and first["server"] != "–", first
         mime = page.evaluate("() => document.getElementById('media-info').textContent")
@@ -227,11 +235,12 @@ _COLOUR_READER = """() => {
 }"""
 
 
-def test_a_prompt_change_reaches_the_screen_and_the_page_times_it(server, browser):
-    """Change the object's colour from the page and read the frames Chromium shows: the first frame showing the
-    new colour comes after the click, and the page's own control-to-screen readout (from the chunk that names
-    the change) agrees with it. How long it took is reported; the bound is generous (the speed targets live in
-    bench/control_to_screen.py)."""
+def test_over_webrtc_a_prompt_change_reaches_the_screen_and_the_camera_drives_the_session(server, browser):
+    """Over WebRTC (the page's default): change the object's colour from the page and read the frames Chromium
+    shows: the first frame showing the new colour comes after the click, and the page's own control-to-screen
+    readout (from the chunk that names the change) agrees with it. How long it took is reported; the bound is
+    generous (the speed targets live in bench/control_to_screen.py). Then the camera (Chromium's fake device)
+    goes to the session as a video track: the session uses its frames and the page goes on showing new ones."""
     page = browser.new_page(viewport={"width": 1280, "height": 800})
     problems: list[str] = []
     page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
@@ -239,10 +248,12 @@ def test_a_prompt_change_reaches_the_screen_and_the_page_times_it(server, browse
         page.goto(f"{server}/", wait_until="load")
         page.fill("#prompt", "a red square drifting on a blue background")
         page.fill("#seed", "3")
+        page.select_option("#transport", "webrtc")
         page.click("#start")
         page.wait_for_function(
             """() => document.querySelector("video").currentTime > 1.0
                 && Number(document.getElementById("chunks").textContent) >= 6""", timeout=60_000)
+        assert page.inner_text("#transport-in-use") == "WebRTC"
         page.evaluate(_COLOUR_READER)
         page.wait_for_function("() => window.shown.length >= 8", timeout=20_000)
         before = page.evaluate("() => window.shown.slice(-8)")
@@ -263,10 +274,27 @@ def test_a_prompt_change_reaches_the_screen_and_the_page_times_it(server, browse
         print(json.dumps({"chromium": browser.version, "control_to_screen_pixels_ms": round(pixels_ms, 1),
                           "control_to_screen_page_ms": round(timed["ms"], 1), "readout": readout}))
         assert 0 < pixels_ms < 10_000 and 0 < timed["ms"] < 10_000
-        # The frame the page timed (the chunk naming the change) is the one the colour first shows in, give or
-        # take the model's own blending of the first changed frame.
-        assert abs(first_yellow["mediaTime"] - timed["mediaTime"]) <= 4 / 16 + 1e-3, (first_yellow, timed)
+        # The frame the page timed (the first of the chunk naming the change) is the one the colour first shows
+        # in, give or take the model's own blending of the first changed latent frame (4 frames) and a frame of
+        # the browser's presentation.
+        assert abs(pixels_ms - timed["ms"]) <= 5 * 1000 / 16, (first_yellow, timed, pixels_ms)
         assert readout.endswith("ms)") and page.inner_text("#errors") == "0", page.inner_text("#log")
+
+        # The camera: a video track on the same peer connection, the session's live input.
+        page.click("#camera")
+        _wait_for_log(page, "ack", "ack live", 10)
+        session_id = page.evaluate("() => window.arstreamDemo.sessionId")
+        page.wait_for_function(
+            """async (url) => {
+                const status = await (await fetch(url)).json();
+                return status.input.live && status.input.frames_used >= 9;
+            }""",
+            arg=f"{server}/v1/sessions/{session_id}", timeout=30_000)
+        shown_so_far = page.evaluate("() => window.shown.length")
+        page.wait_for_function("(n) => window.shown.length >= n + 8", arg=shown_so_far, timeout=20_000)
+        page.click("#camera")  # off: the session goes on from the prompt
+        _wait_for_log(page, "ack", "live off", 10)
+        assert page.inner_text("#errors") == "0", page.inner_text("#log")
         page.click("#close")
         page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
         assert not problems, problems
@@ -315,9 +343,10 @@ def _open_sessions(base: str) -> list[dict]:
     return [s for s in listed if s["state"] != "closed"]
 
 
-def test_a_picture_start_and_the_camera_as_live_input(server, tmp_path):
-    """The picker sends a picture with `start` (its frame comes first, then the stream); the camera (Chromium's
-    fake device) streams frames as live input at the slider's strength; input and output show side by side."""
+def test_a_picture_start_and_the_camera_as_live_input(server, browser, tmp_path):
+    """The picker sends a picture with `start` (its frame comes first, then the stream: over the socket, which
+    "auto" picks for a picture); the camera (Chromium's fake device) streams frames as live input at the slider's
+    strength; input and output show side by side."""
     from PIL import Image
 
     base = server
@@ -326,52 +355,47 @@ def test_a_picture_start_and_the_camera_as_live_input(server, tmp_path):
         time.sleep(0.2)
     picture = tmp_path / "red-circle.png"
     Image.new("RGB", (320, 180), (20, 36, 133)).save(picture)
-    if not os.path.exists(CHROMIUM):
-        pytest.fail(f"{CHROMIUM} is missing: apt-get install -y chromium (this test never skips)")
-    camera_args = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + camera_args)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        problems: list[str] = []
-        page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
-        try:
-            page.goto(f"{base}/", wait_until="load")
-            page.set_input_files("#media", str(picture))
-            page.wait_for_selector("#input-image:not([hidden])", timeout=5_000)
-            page.fill("#prompt", "a red circle still on a blue background")
-            page.click("#start")
-            _wait_for_log(page, "ack", "from the image", 20)
-            page.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 2", timeout=30_000)
-            [session] = _open_sessions(base)
-            status = json.loads(urllib.request.urlopen(f"{base}/v1/sessions/{session['session_id']}", timeout=5).read())
-            assert status["input"]["context_frames"] == 1, status
+    page = browser.new_page(viewport={"width": 1280, "height": 800})
+    problems: list[str] = []
+    page.on("pageerror", lambda err: problems.append(f"page error: {err}"))
+    try:
+        page.goto(f"{base}/", wait_until="load")
+        page.set_input_files("#media", str(picture))
+        page.wait_for_selector("#input-image:not([hidden])", timeout=5_000)
+        page.fill("#prompt", "a red circle still on a blue background")
+        page.click("#start")
+        _wait_for_log(page, "ack", "from the image", 20)
+        page.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 2", timeout=30_000)
+        assert page.inner_text("#transport-in-use") == "WebSocket"  # auto: a picture's bytes go over the socket
+        [session] = _open_sessions(base)
+        status = json.loads(urllib.request.urlopen(f"{base}/v1/sessions/{session['session_id']}", timeout=5).read())
+        assert status["input"]["context_frames"] == 1, status
 
-            # The camera: live input at the slider's strength (0.7 -> the schedule point 0.625, one step).
-            page.click("#camera")
-            _wait_for_log(page, "ack", "ack live", 10)
-            page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0.625')",
-                                   timeout=5_000)
-            assert page.is_visible("#input-video") and page.is_visible("#video")  # side by side
-            page.wait_for_function(
-                """async (url) => {
-                    const status = await (await fetch(url)).json();
-                    return status.input.live && status.input.frames_used >= 9;
-                }""",
-                arg=f"{base}/v1/sessions/{session['session_id']}", timeout=30_000,
-            )
-            before = _player(page)
-            after = _wait_for_more(page, before, chunks=1, timeout_s=20)
-            page.fill("#strength", "0")
-            page.dispatch_event("#strength", "change")
-            page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0 ')",
-                                   timeout=10_000)
-            page.click("#camera")  # off: the session goes on from the prompt
-            _wait_for_log(page, "ack", "live off", 10)
-            page.screenshot(path=str(tmp_path / "demo_input.png"))
-            assert after["errors"] == "0" and page.inner_text("#errors") == "0", page.inner_text("#log")
-            page.click("#close")
-            page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
-            assert not problems, problems
-        finally:
-            page.close()
-            browser.close()
+        # The camera: live input at the slider's strength (0.7 -> the schedule point 0.625, one step).
+        page.click("#camera")
+        _wait_for_log(page, "ack", "ack live", 10)
+        page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0.625')",
+                               timeout=5_000)
+        assert page.is_visible("#input-video") and page.is_visible("#video")  # side by side
+        page.wait_for_function(
+            """async (url) => {
+                const status = await (await fetch(url)).json();
+                return status.input.live && status.input.frames_used >= 9;
+            }""",
+            arg=f"{base}/v1/sessions/{session['session_id']}", timeout=30_000,
+        )
+        before = _player(page)
+        after = _wait_for_more(page, before, chunks=1, timeout_s=20)
+        page.fill("#strength", "0")
+        page.dispatch_event("#strength", "change")
+        page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0 ')",
+                               timeout=10_000)
+        page.click("#camera")  # off: the session goes on from the prompt
+        _wait_for_log(page, "ack", "live off", 10)
+        page.screenshot(path=str(tmp_path / "demo_input.png"))
+        assert after["errors"] == "0" and page.inner_text("#errors") == "0", page.inner_text("#log")
+        page.click("#close")
+        page.wait_for_function("() => document.getElementById('state').textContent === 'closed'", timeout=10_000)
+        assert not problems, problems
+    finally:
+        page.close()

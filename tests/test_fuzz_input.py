@@ -188,7 +188,7 @@ def fuzz(server, witness: Witness, fuzzed) -> None:
         sent += len(frames)
         for reply in replies:
             if reply["type"] == "error":
-                assert reply["code"] != "internal", reply
+                assert reply["code"] != "internal", "\n".join([str(reply), *server.log_lines[-12:]])  # with why
                 codes[reply["code"]] = codes.get(reply["code"], 0) + 1
             else:
                 codes["ack"] = codes.get("ack", 0) + 1

@@ -207,3 +207,17 @@ def test_live_input_that_stops_or_floods_never_stalls_its_session_or_costs_anoth
         await other.close()
 
     run(scenario())
+
+
+@pytest.mark.parametrize("text", ["[" * 5000, '{"type": "start", "input": ' * 3000])
+def test_text_nested_deeper_than_python_recurses_is_bad_json_for_every_reader(text):
+    """Found by the fuzz: a refused message is read a second time to see whether it announced a picture; that
+    reading met Python's recursion limit and the client got ``internal``. Both readings answer it as JSON that
+    is not valid, and such text announces nothing."""
+    from app.schemas import ProtocolError, parse_client_message
+    from app.transport.socket_input import SocketInput
+
+    with pytest.raises(ProtocolError) as refused:
+        parse_client_message(text)
+    assert refused.value.code == "bad_json"
+    assert SocketInput.announces_bytes(text) is False

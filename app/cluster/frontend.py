@@ -302,18 +302,35 @@ class FrontEnd:
                                               body=raw)
             except WorkerUnreachable:
                 return None
-            session_id = answer.json().get("session_id") if answer.status == 201 else None
-            if isinstance(session_id, str):
-                return Attempt(session_id=session_id, answer=answer)
-            if answer.status != 503:  # refused for what it asked (400, 409, 413, ...): the same on any worker
-                return Attempt(final=True, answer=answer)
-            error = answer.error
-            return Attempt(refusal=worker_full(error.get("code"), error.get("message"), answer.retry_after_s))
+            return _rest_attempt(answer, answer.json().get("session_id") if answer.status == 201 else None)
 
         placement = await self._place(caller, "rest", ask)
         if placement.attempt is not None:
             return proxied_response(placement.attempt.answer)
         raise ApiError.refused(placement.refusal)
+
+    # --- WebRTC: the worker that admits the session answers the offer (its host candidates: one host) -----
+    async def create_peer(self, request: Request, caller: Caller, pace: bool) -> Response:
+        """As ``create_session``: the first worker that admits it answers the offer (its host candidates)."""
+        if self.draining:
+            raise ApiError.refused(not_ready(NotReady.DRAINING))
+        raw = await request.body()
+        path = "/v1/webrtc" if pace else "/v1/webrtc?pace=false"
+
+        async def ask(endpoint: WorkerEndpoint) -> Attempt | None:
+            try:
+                answer = await self.http.call(endpoint, "POST", path, headers=forwarded_headers(request), body=raw)
+            except WorkerUnreachable:
+                return None
+            return _rest_attempt(answer, answer.headers.get("x-session-id") if answer.status == 201 else None)
+
+        placement = await self._place(caller, "webrtc", ask)
+        if placement.attempt is not None:
+            return proxied_response(placement.attempt.answer)
+        raise ApiError.refused(placement.refusal)
+
+    async def attach_peer(self, request: Request, caller: Caller, session_id: str) -> Response:
+        return await self._forward(request, session_id, "POST", "/webrtc", await request.body())
 
     async def list_sessions(self, request: Request, caller: Caller) -> SessionList:
         """Every worker's list (each shows only the caller's sessions when a token is configured)."""
@@ -478,6 +495,16 @@ class Attempt:
     refusal: Refusal | None = None  # refused for room (with when it expects some)
     final: bool = False  # refused for what was asked: the same on any worker
     answer: Any = None  # what the caller passes on (the worker's HTTP answer, the upstream socket)
+
+
+def _rest_attempt(answer, session_id: object) -> Attempt:
+    """A worker's REST answer to a new session (``session_id``: the id it created, read from its answer)."""
+    if isinstance(session_id, str):
+        return Attempt(session_id=session_id, answer=answer)
+    if answer.status != 503:  # refused for what it asked (400, 409, 413, ...): the same on any worker
+        return Attempt(final=True, answer=answer)
+    error = answer.error
+    return Attempt(refusal=worker_full(error.get("code"), error.get("message"), answer.retry_after_s))
 
 
 @dataclass(frozen=True)

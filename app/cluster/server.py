@@ -13,7 +13,7 @@ from app.cluster.frontend import FrontEnd
 from app.cluster.pool import WorkerPool
 from app.log_redaction import install_log_redaction
 from app.main import API_DESCRIPTION, add_demo_page
-from app.routes import health, metrics, sessions, stream
+from app.routes import health, metrics, sessions, stream, webrtc
 from app.security import BodySizeLimit, StrictRequestTarget
 from app.settings import Settings
 from app.transport.rest import install_error_handlers
@@ -49,5 +49,6 @@ def create_frontend_app(settings: Settings, pool: WorkerPool, secret: str) -> Fa
     app.include_router(metrics.router)
     app.include_router(sessions.router)
     app.include_router(stream.router)
+    app.include_router(webrtc.router)
     add_demo_page(app)
     return app

@@ -2,6 +2,7 @@
 // Media Source Extensions. Plain ES module, no dependencies, no build step.
 
 import { InputPanel } from "./input.js";
+import { PeerTransport, SocketTransport } from "./transports.js";
 
 const KEEP_BEHIND_S = 30;     // media kept behind the playhead; older ranges are removed
 const TRIM_STEP_S = 5;        // remove in steps, not after every segment
@@ -27,6 +28,7 @@ const ui = {
   state: $("state"), mediaInfo: $("media-info"), log: $("log"), notice: $("notice"),
   fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
   buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"), toScreen: $("to-screen"),
+  transport: $("transport"), transportInUse: $("transport-in-use"),
 };
 // Pictures and video in: the picker and the camera (input.js).
 const input = new InputPanel({
@@ -59,20 +61,8 @@ function notice(text) {
 const short = (text, n = 40) => (text.length > n ? `${text.slice(0, n - 1)}…` : text);
 const median = (xs) => { const s = [...xs].sort((a, b) => a - b); return s[Math.floor(s.length / 2)]; };
 
-function streamUrl() {
-  const scheme = location.protocol === "https:" ? "wss" : "ws";
-  return `${scheme}://${location.host}/v1/stream`;
-}
-
-function subprotocols() {
-  // With a token configured, open the page as /#token=...: browsers cannot set headers on a
-  // WebSocket, so the token travels as the subprotocol bearer.<token> (it stays out of URLs in logs).
-  const token = new URLSearchParams(location.hash.slice(1)).get("token");
-  return token ? ["arstream.v1", `bearer.${token}`] : ["arstream.v1"];
-}
-
 class Session {
-  constructor(startFields) {
+  constructor(startFields, transportChoice) {
     this.startFields = startFields;  // sent as `start` once the session is announced
     this.state = "connecting";
     this.sessionId = null;
@@ -98,14 +88,49 @@ class Session {
     this.controlsDue = [];           // {id, sentAt, mediaTime}: named by a chunk, waiting to be on screen
     this.toScreen = [];              // ms from sending a control to its first frame shown
 
-    this.ws = new WebSocket(streamUrl(), subprotocols());
-    this.ws.binaryType = "arraybuffer";
-    this.ws.onmessage = (ev) => this.onMessage(ev.data);
-    this.ws.onclose = (ev) => this.onSocketClose(ev);
-    this.ws.onerror = () => log("error", "WebSocket error");
+    this.transport = null;           // SocketTransport or PeerTransport (transports.js)
+    this.rtp = null;                 // WebRTC: {rtp, pts} of the first frame shown, to read a frame's pts
+    this.firstPts = null;
+    this.connect(transportChoice);
   }
 
-  get open() { return this.ws.readyState === WebSocket.OPEN; }
+  // "auto": WebRTC where it connects, the socket otherwise (and always for a picture or clip to start from,
+  // whose bytes go over the socket).
+  async connect(choice) {
+    const handlers = {
+      onText: (text) => this.onMessage(text),
+      onBinary: (buf) => this.onBinary(buf),
+      onClose: (why) => this.onTransportClose(why),
+      onError: (why) => log("error", why),
+    };
+    const picture = input.startInput() !== null;
+    if (choice === "webrtc" || (choice === "auto" && !picture && "RTCPeerConnection" in window)) {
+      const peer = new PeerTransport(handlers, ui.video);
+      this.transport = peer;
+      try {
+        await peer.connect();
+        render();
+        return;
+      } catch (err) {
+        peer.close();
+        if (this.state === "closed") return;
+        if (choice === "webrtc" || err.status === 503 || err.status === 429) {
+          // Refused before any media: told as a socket's `closed` would tell it (the same notice and log).
+          log("error", `WebRTC: ${err.message}`);
+          this.lastError = { message: err.message };
+          if (err.code) this.onClosed({ reason: err.code, retry_after_s: err.retryAfter });
+          else this.setState("closed");
+          return;
+        }
+        log("info", `WebRTC did not connect (${err.message}): using the WebSocket`);
+      }
+    }
+    this.transport = new SocketTransport(handlers);
+    render();
+  }
+
+  get open() { return this.transport !== null && this.transport.isOpen; }
+  get transportKind() { return this.transport ? this.transport.kind : null; }
 
   send(type, fields = {}, description = type) {
     if (!this.open) { log("error", `cannot send ${type}: not connected`); return; }
@@ -114,26 +139,31 @@ class Session {
     // Controls whose effect the server names in a chunk (`controls`): timed from here to the screen.
     const shows = type === "prompt" || type === "reset" || (type === "live" && fields.strength !== null);
     if (shows) this.controlsSent.set(id, performance.now());
-    this.ws.send(JSON.stringify({ type, id, ...fields }));
+    this.transport.send(JSON.stringify({ type, id, ...fields }));
   }
 
   // `start`, announcing the chosen picture or clip, whose bytes must be the very next message.
   sendStart(fields) {
-    const media = input.startInput();
+    let media = input.startInput();
+    if (media && this.transportKind === "webrtc") {
+      log("hint", "pictures and clips go over the WebSocket: choose it (or auto) to start from one");
+      media = null;
+    }
     const described = `start “${short(fields.prompt)}”${media ? ` from the ${media.announcement.kind}` : ""}`;
     this.send("start", media ? { ...fields, input: media.announcement } : fields, described);
-    if (media && this.open) this.ws.send(media.buffer);
+    if (media && this.open) this.transport.sendBinary(media.buffer);
   }
 
   // --- messages from the server ---
 
   onMessage(data) {
-    if (typeof data !== "string") { this.onBinary(data); return; }
     let msg;
     try { msg = JSON.parse(data); } catch { log("error", "unreadable message from the server"); return; }
     switch (msg.type) {
       case "session": this.onSession(msg); break;
-      case "chunk": this.pendingChunk = msg; this.expect = "media"; break;
+      case "chunk":
+        if (this.transportKind === "webrtc") { this.onChunk(msg); break; }  // its frames come on the track
+        this.pendingChunk = msg; this.expect = "media"; break;
       case "ack": this.onAck(msg); break;
       case "state":
         this.setState(msg.state);
@@ -168,15 +198,23 @@ class Session {
 
   onSession(msg) {
     this.sessionId = msg.session_id;
+    window.arstreamDemo.sessionId = msg.session_id;
     const v = msg.video || {};
     const audio = msg.audio ? `${msg.audio.codec} ${msg.audio.sample_rate / 1000} kHz` : "no audio";
-    ui.mediaInfo.textContent = `${v.width}×${v.height} @ ${v.fps} fps · ${v.codec} · ${audio}`;
+    const over = msg.transport === "webrtc" ? "WebRTC" : "WebSocket";
+    ui.mediaInfo.textContent = `${v.width}×${v.height} @ ${v.fps} fps · ${v.codec} · ${audio} · over ${over}`;
+    ui.transportInUse.textContent = over;
     this.frameSize = { width: v.width, height: v.height };
     this.fps = v.fps;
     ui.mute.title = msg.audio ? "Toggle sound" : "This stream has no audio track";
     log("info", `session ${msg.session_id.slice(0, 6)}… ${msg.mime}`);
-    if (!this.setupMedia(msg.mime)) { this.ws.close(1000); return; }
-    this.expect = "init";
+    if (msg.transport !== "webrtc") {
+      if (!this.setupMedia(msg.mime)) { this.transport.close(); return; }
+      this.expect = "init";
+    } else {
+      if (ui.video.paused) ui.video.play().catch(() => {});
+      watchFrames(this, true);  // from the first frame: it calibrates the RTP timestamps
+    }
     this.setState(msg.state);
     if (msg.state === "created" && this.startFields) {
       this.sendStart(this.startFields);
@@ -215,12 +253,13 @@ class Session {
   onChunk(chunk) {
     const now = performance.now();
     this.chunks += 1;
+    if (this.firstPts === null) this.firstPts = chunk.pts;
     // The chunk's first frame is the first to show these controls: time them to the screen.
     for (const id of chunk.controls || []) {
       const sentAt = this.controlsSent.get(id);
       if (sentAt === undefined) continue;
       this.controlsSent.delete(id);
-      this.controlsDue.push({ id, sentAt, mediaTime: chunk.pts / (this.fps || 16) });
+      this.controlsDue.push({ id, sentAt, pts: chunk.pts });
       watchFrames(this);
     }
     if (this.firstChunkMs === null) this.firstChunkMs = now - this.startClick;
@@ -236,9 +275,9 @@ class Session {
     render();
   }
 
-  onSocketClose(ev) {
+  onTransportClose(why) {
     if (this.state !== "closed") {
-      log("error", `connection closed (${ev.code}${ev.reason ? ` ${ev.reason}` : ""})`);
+      log("error", `connection closed (${why})`);
     }
     this.setState("closed");
     this.ending = true;
@@ -320,8 +359,19 @@ class Session {
   }
 
   close() {
-    this.ws.onmessage = this.ws.onclose = this.ws.onerror = null;
-    if (this.open) this.ws.close(1000);
+    if (this.transport) this.transport.close();
+    if (ui.video.srcObject) ui.video.srcObject = null;
+  }
+
+  // The pts of a frame the video element presents: over the socket its media time; over WebRTC its RTP timestamp
+  // (90 kHz, from a random origin) against the first frame shown, which is the first frame sent.
+  presentedPts(meta) {
+    const fps = this.fps || 16;
+    if (this.transportKind !== "webrtc") return Math.round(meta.mediaTime * fps);
+    if (typeof meta.rtpTimestamp !== "number") return null;
+    if (this.rtp === null) this.rtp = { rtp: meta.rtpTimestamp, pts: this.firstPts || 0 };
+    const ticks = (meta.rtpTimestamp - this.rtp.rtp + 2 ** 32) % 2 ** 32;
+    return this.rtp.pts + Math.round(ticks / (90000 / fps));
   }
 }
 
@@ -329,29 +379,33 @@ class Session {
 
 // Each frame the video element presents is checked against the controls waiting to be seen; the first frame
 // at or after a control's chunk is when it reached the screen (requestVideoFrameCallback: per presented frame).
-function watchFrames(s) {
+function watchFrames(s, always = false) {
   const v = ui.video;
   if (s.watching || !("requestVideoFrameCallback" in v)) return;
+  s.watchAlways = s.watchAlways || always;
   s.watching = true;
   const onFrame = (now, meta) => {
-    const halfFrame = 0.5 / (s.fps || 16);
     const shownAt = meta.expectedDisplayTime || now;
+    const pts = s.presentedPts(meta);
     s.controlsDue = s.controlsDue.filter((due) => {
-      if (meta.mediaTime + halfFrame < due.mediaTime) return true;
+      if (pts === null || pts < due.pts) return true;
       s.toScreen.push(shownAt - due.sentAt);
       if (s.toScreen.length > CONTROL_KEEP) s.toScreen.shift();
-      window.arstreamDemo.toScreen.push({ id: due.id, ms: shownAt - due.sentAt, mediaTime: meta.mediaTime });
+      window.arstreamDemo.toScreen.push({ id: due.id, ms: shownAt - due.sentAt, pts, mediaTime: pts / (s.fps || 16) });
       return false;
     });
-    if (s.controlsDue.length && s === current) v.requestVideoFrameCallback(onFrame);
-    else s.watching = false;
+    if ((s.controlsDue.length || s.watchAlways) && s === current && s.state !== "closed") {
+      v.requestVideoFrameCallback(onFrame);
+    } else {
+      s.watching = false;
+    }
     render();
   };
   v.requestVideoFrameCallback(onFrame);
 }
 
-// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame).
-window.arstreamDemo = { toScreen: [] };
+// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame) and the session.
+window.arstreamDemo = { toScreen: [], sessionId: null };
 
 // --- playback upkeep: gaps, live edge, readouts ---
 
@@ -462,7 +516,7 @@ function start() {
   if (current) current.close();
   errorCount = 0;  // the counter is per session
   ui.errors.textContent = "0";
-  current = new Session(fields);
+  current = new Session(fields, ui.transport.value);
   render();
 }
 
@@ -496,7 +550,7 @@ ui.prompt.addEventListener("keydown", (ev) => {
   if (!ui.apply.disabled) changePrompt(); else if (!ui.start.disabled) start();
 });
 window.addEventListener("pagehide", () => {
-  if (current && current.open) current.ws.send(JSON.stringify({ type: "close" }));  // free the session now
+  if (current && current.open) current.transport.send(JSON.stringify({ type: "close" }));  // free the session now
 });
 
 ui.prompt.placeholder = `e.g. ${EXAMPLE_PROMPT}`;

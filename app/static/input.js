@@ -78,6 +78,7 @@ export class InputPanel {
     for (const track of this.stream ? this.stream.getTracks() : []) track.stop();
     this.stream = null;
     this.ui.inputVideo.srcObject = null;
+    if (this.session && this.session.transportKind === "webrtc") this.session.transport.setCamera(null).catch(() => {});
     if (this.session && this.session.open) this.session.send("live", { strength: null }, "live off");
     this.used = null;
     this.log("info", "camera off");
@@ -105,6 +106,11 @@ export class InputPanel {
     const session = this.session;
     session.send("live", { strength: this.strength }, `live ${this.strength}`);
     clearInterval(this.timer);
+    if (session.transportKind === "webrtc") {
+      // Over WebRTC the camera is a video track of the peer connection: the browser encodes and paces it.
+      session.transport.setCamera(this.stream.getVideoTracks()[0]).catch((err) => this.log("error", `camera: ${err}`));
+      return;
+    }
     this.timer = setInterval(() => this.sendFrame(session), 1000 / (session.fps || 16));
   }
 
@@ -116,7 +122,7 @@ export class InputPanel {
   sendFrame(session) {
     const video = this.ui.inputVideo;
     if (!session.open || !session.frameSize || video.readyState < 2) return;
-    if (session.ws.bufferedAmount > MAX_UNSENT_BYTES) { this.framesSkipped += 1; return; }
+    if (session.transport.bufferedAmount > MAX_UNSENT_BYTES) { this.framesSkipped += 1; return; }
     // Cover and centre-crop to the session's frame here, as the server would: fewer bytes on the wire.
     const { width, height } = session.frameSize;
     const canvas = this.canvas;
@@ -130,7 +136,7 @@ export class InputPanel {
     canvas.toBlob((blob) => {
       // Encoding is asynchronous: the camera may have been stopped (`live` off sent) meanwhile.
       if (!blob || !session.open || this.session !== session || run !== this.liveRun || !this.stream) return;
-      session.ws.send(blob);
+      session.transport.sendBinary(blob);
       this.framesSent += 1;
       this.render();
     }, "image/jpeg", FRAME_QUALITY);
@@ -155,8 +161,10 @@ export class InputPanel {
       if (picked.kind === "image") ui.inputImage.src = picked.url;
       else if (ui.inputVideo.src !== picked.url) { ui.inputVideo.src = picked.url; ui.inputVideo.loop = true; ui.inputVideo.play().catch(() => {}); }
     }
+    const overPeer = this.session && this.session.transportKind === "webrtc";
     ui.inputInfo.textContent = stream
-      ? `camera · ${this.framesSent} frames sent${this.framesSkipped ? `, ${this.framesSkipped} skipped` : ""}`
+      ? (overPeer ? "camera · a WebRTC video track"
+        : `camera · ${this.framesSent} frames sent${this.framesSkipped ? `, ${this.framesSkipped} skipped` : ""}`)
       : picked ? `${picked.kind}: ${picked.name}` : "";
   }
 }

@@ -8,4 +8,7 @@
     websocket.py     the socket transport: accept or close unaccepted, a refusal as ``error`` + ``closed`` +
                      close code, then one attached socket (media pump, control receiver)
     socket_input.py  the pictures and video a socket's client sends
+    webrtc.py        the WebRTC transport: an SDP offer answered (or refused as REST refuses), then one peer
+                     connection (tracks out, the v1 controls on a data channel, the camera in)
+    webrtc_media.py  the peer's tracks: the session's frames and sound at their presentation times, the camera
 """

@@ -1,5 +1,5 @@
 """The v1 control messages (docs/PROTOCOL.md), applied to a session: one dispatcher for every transport that
-carries them (the WebSocket today; a WebRTC data channel would carry the same messages).
+carries them (the WebSocket, and a WebRTC peer's data channel).
 
     parsed client message ──▶ the registry's control ──▶ Applied: the new state to announce, extra ``ack`` fields
 

@@ -15,6 +15,7 @@ A single server and a front end build refusals here, so a client is refused alik
     engine dead or failed to start    failed    unavailable    5 (a socket's ``closed``: none)
     no session slot or device time    capacity  capacity       the engine's estimate
     too many sessions for a client    capacity  rate_limited   1
+    too many WebRTC peers for one     capacity  rate_limited   1
     a front end's table full          capacity  capacity       1
     no engine worker ready            capacity  unavailable    5
     every ready worker refused        capacity  the worker's   the soonest any worker said (at least 1)
@@ -66,6 +67,12 @@ def capacity_full(refusal: CapacityFull) -> Refusal:
 def too_many_sessions(message: str) -> Refusal:
     """The caller's address holds ``max_sessions_per_client`` open sessions already."""
     return Refusal("capacity", "rate_limited", message, PER_CLIENT_RETRY_AFTER_S)
+
+
+def too_many_peers(held: int, limit: int) -> Refusal:
+    """The caller's address holds (or is negotiating) ``max_peers_per_client`` WebRTC peer connections."""
+    return Refusal("capacity", "rate_limited", f"this client already holds {held} peer connections (limit {limit})",
+                   PER_CLIENT_RETRY_AFTER_S)
 
 
 def table_full() -> Refusal:

@@ -35,6 +35,7 @@ STATUS_BY_CODE = {
     "already_started": 409,
     "not_started": 409,
     "session_closed": 409,
+    "conflict": 409,
     "rate_limited": 429,
     "internal": 500,
     "capacity": 503,

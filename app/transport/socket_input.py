@@ -13,7 +13,6 @@ loop and never in front of another session's media encoding. Decoding itself is 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -21,7 +20,7 @@ import numpy as np
 from starlette.websockets import WebSocket
 
 from app.media_input import FrameSize, MediaRejected, decode_clip, decode_image
-from app.schemas import MAX_ANNOUNCED_BYTES, MediaAnnouncement, ProtocolError
+from app.schemas import MAX_ANNOUNCED_BYTES, MediaAnnouncement, ProtocolError, decode_client_json
 from engine.errors import EngineError, NotLive, SessionClosed, UnknownSession
 from engine.plan import InputContext
 
@@ -106,8 +105,8 @@ class SocketInput:
         """Whether a message that was refused before it was read whole announced bytes to follow (its ``input``
         looks like an announcement, whatever else is wrong with it)."""
         try:
-            parsed = json.loads(text)
-        except ValueError:
+            parsed = decode_client_json(text)
+        except ProtocolError:
             return False
         announced = parsed.get("input") if isinstance(parsed, dict) else None
         if not isinstance(announced, dict) or parsed.get("type") not in ("start", "reset"):

@@ -1,0 +1,234 @@
+"""WebRTC beside the WebSocket (app/transport/webrtc.py), against a real `arstream serve` and a real aiortc peer.
+
+The tiny preset's shipped weights at their own size, so the frames can be read: a peer negotiates, receives frames
+of the prompt's colours, changes the prompt over the data channel and sees the new colour, and closes. Bad offers
+and bad peers get clear errors and cost no other session anything; a peer whose client vanishes releases what
+its session held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import httpx
+import pytest
+from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+
+from tests.conftest import start_server
+from world.measure import colour_name, read_frame
+
+TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def server():
+    # The shipped tiny weights at 256x144; two peers per address (the limit test needs a low one); a short grace
+    # and peer timeout so a vanished client's session ends within the test.
+    running = start_server(
+        "--preset", "tiny", "--max-sessions", "4", "--detach-grace-s", "1",
+        env={"ARSTREAM_MAX_PEERS_PER_CLIENT": "2", "ARSTREAM_WEBRTC_PEER_TIMEOUT_S": "3"},
+        small=False,
+    )
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+class Peer:
+    """A client's peer connection: video (and audio) received, the `arstream` data channel, messages kept."""
+
+    def __init__(self, *, video: str = "recvonly", audio: bool = True, channel: bool = True) -> None:
+        self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
+        if video:
+            self.pc.addTransceiver("video", direction=video)
+        if audio:
+            self.pc.addTransceiver("audio", direction="recvonly")
+        self.channel = self.pc.createDataChannel("arstream") if channel else None
+        self.messages: list[dict] = []
+        self.frames: list[tuple[float, object]] = []  # (arrival, rgb)
+        self.opened = asyncio.Event()
+        self.tasks: list[asyncio.Task] = []
+        if self.channel is not None:
+            self.channel.on("open", self.opened.set)
+            self.channel.on("message", lambda m: self.messages.append(json.loads(m)))
+        self.pc.on("track", self._on_track)
+
+    def _on_track(self, track) -> None:
+        async def read():
+            while True:
+                try:
+                    frame = await track.recv()
+                except Exception:
+                    return
+                if track.kind == "video":
+                    self.frames.append((time.monotonic(), frame.to_ndarray(format="rgb24")))
+        self.tasks.append(asyncio.ensure_future(read()))
+
+    async def offer(self) -> str:
+        await self.pc.setLocalDescription(await self.pc.createOffer())
+        return self.pc.localDescription.sdp
+
+    async def connect(self, base_url: str, path: str = "/v1/webrtc") -> httpx.Response:
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(base_url + path, content=await self.offer(),
+                                     headers={"content-type": "application/sdp"})
+        if answer.status_code == 201:
+            await self.pc.setRemoteDescription(RTCSessionDescription(sdp=answer.text, type="answer"))
+            await asyncio.wait_for(self.opened.wait(), 20)
+        return answer
+
+    def send(self, **message) -> None:
+        self.channel.send(json.dumps(message))
+
+    async def wait_for(self, predicate, timeout_s: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for message in self.messages:
+                if predicate(message):
+                    return message
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"no such message; got {[m['type'] for m in self.messages][-20:]}")
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        await self.pc.close()
+
+
+def _colours(frames) -> list[str | None]:
+    return [colour_name(read_frame(rgb)) for _, rgb in frames]
+
+
+def _sessions(server) -> list[dict]:
+    with urllib.request.urlopen(f"{server.base_url}/v1/sessions", timeout=10) as response:
+        return [s for s in json.loads(response.read())["sessions"] if s["state"] != "closed"]
+
+
+def run(coroutine):
+    return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
+
+
+def test_a_peer_streams_the_prompts_colours_follows_a_prompt_change_and_closes(server):
+    async def scenario():
+        peer = Peer()
+        answer = await peer.connect(server.base_url)
+        assert answer.status_code == 201 and answer.headers["content-type"].startswith("application/sdp")
+        session = await peer.wait_for(lambda m: m["type"] == "session")
+        assert session["transport"] == "webrtc" and session["video"]["codec"] in ("h264", "vp8")
+        assert answer.headers["location"] == f"/v1/sessions/{session['session_id']}/webrtc"
+        peer.send(type="start", prompt="a red square drifting on a blue background", seed=3, id="s")
+        await peer.wait_for(lambda m: m["type"] == "ack" and m["id"] == "s")
+        while len(peer.frames) < 40:
+            await asyncio.sleep(0.05)
+        red = _colours(peer.frames[-16:])
+        peer.send(type="prompt", prompt="a yellow square drifting on a blue background", policy="soft", id="p")
+        named = await peer.wait_for(lambda m: m["type"] == "chunk" and "p" in m.get("controls", ()))
+        named_at = time.monotonic()
+        while not peer.frames or peer.frames[-1][0] < named_at + 1.5:
+            await asyncio.sleep(0.05)
+        yellow = _colours([f for f in peer.frames if f[0] > named_at + 0.75])
+        peer.send(type="close", id="c")
+        closed = await peer.wait_for(lambda m: m["type"] == "closed")
+        await peer.close()
+        return red, yellow, named, closed
+
+    red, yellow, named, closed = run(scenario())
+    assert red.count("red") >= 12, red  # the prompt's object, as the world's reader sees it
+    assert yellow.count("yellow") >= 0.75 * len(yellow), yellow  # the new colour, a moment after the change
+    assert named["frames"] >= 1 and closed["reason"] == "client"
+
+
+def test_bad_offers_and_peers_get_clear_errors_and_cost_no_other_session(server):
+    async def scenario():
+        witness = Peer()
+        assert (await witness.connect(server.base_url)).status_code == 201
+        witness.send(type="start", prompt="a green circle orbiting on a black background", seed=1, id="w")
+        await witness.wait_for(lambda m: m["type"] == "ack")
+        answers = {}
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            sdp = {"content-type": "application/sdp"}
+
+            async def post(body, path="/v1/webrtc"):
+                reply = await http.post(path, content=body, headers=sdp)
+                return reply.status_code, reply.json()["error"]["code"] if reply.status_code >= 400 else None
+
+            answers["not SDP"] = await post("hello")
+            answers["malformed SDP"] = await post("v=0\r\nm=video this is not an SDP offer\r\n")
+            answers["over 64 KiB"] = await post("v=0\r\n" + "a=x\r\n" * 20000)
+            answers["no video"] = await post(await Peer(video="", audio=True).offer())
+            answers["sends video only"] = await post(await Peer(video="sendonly").offer())
+            answers["unknown session"] = await post(await Peer().offer(), "/v1/sessions/AAAAAAAAAAAAAAAAAAAAAA/webrtc")
+        # The witness holds one peer of this address's two; one more connects (best effort: this CPU keeps one live
+        # session in real time), the next is refused.
+        second = Peer()
+        assert (await second.connect(server.base_url, "/v1/webrtc?pace=false")).status_code == 201
+        third = Peer()
+        refused = await third.connect(server.base_url, "/v1/webrtc?pace=false")
+        answers["a third peer from one address"] = (refused.status_code, refused.json()["error"]["code"])
+        await third.close()
+        # A flood of messages on a data channel: refused beyond the rate, the session and the witness go on.
+        second.send(type="start", prompt="a white square still on a grey background", seed=2, id="s2")
+        await second.wait_for(lambda m: m["type"] == "ack")
+        for index in range(150):
+            second.send(type="pause" if index % 2 else "resume", id=f"f{index}")
+        limited = await second.wait_for(lambda m: m["type"] == "error" and m["code"] == "rate_limited")
+        second.channel.send(b"binary")  # no binary messages on this transport
+        binary = await second.wait_for(lambda m: m["type"] == "error" and m["code"] == "bad_json")
+        frames_before = len(witness.frames)
+        await asyncio.sleep(1.5)
+        witness_went_on = len(witness.frames) > frames_before + 10
+        witness_errors = [m for m in witness.messages if m["type"] in ("error", "closed")]
+        for peer in (second, witness):
+            peer.send(type="close")
+            await peer.wait_for(lambda m: m["type"] == "closed")
+            await peer.close()
+        return answers, limited, binary, witness_went_on, witness_errors
+
+    answers, limited, binary, witness_went_on, witness_errors = run(scenario())
+    assert answers == {
+        "not SDP": (400, "invalid_field"), "malformed SDP": (400, "invalid_field"), "over 64 KiB": (413, "invalid_field"),
+        "no video": (400, "invalid_field"), "sends video only": (400, "invalid_field"),
+        "unknown session": (404, "unknown_session"), "a third peer from one address": (429, "rate_limited"),
+    }, answers
+    assert limited["id"].startswith("f") and "binary" in binary["message"]
+    assert witness_went_on and not witness_errors
+
+
+def test_a_client_that_vanishes_releases_its_session(server):
+    """A peer killed mid-stream (no close, no goodbye): the server stops hearing it (ICE consent), the session
+    detaches, and after the grace period the session table is back where it was."""
+    baseline = len(_sessions(server))
+    script = (
+        "import asyncio, sys\n"
+        "sys.path.insert(0, %r)\n"
+        "from tests.test_webrtc import Peer\n"
+        "async def main():\n"
+        "    peer = Peer()\n"
+        "    assert (await peer.connect(%r)).status_code == 201\n"
+        "    peer.send(type='start', prompt='a red circle bouncing on a blue background', seed=4, id='s')\n"
+        "    await peer.wait_for(lambda m: m['type'] == 'chunk')\n"
+        "    print('streaming', flush=True)\n"
+        "    await asyncio.sleep(60)\n"
+        "asyncio.run(main())\n"
+    ) % (os.getcwd(), server.base_url)
+    client = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert client.stdout.readline().strip() == "streaming"
+        assert len(_sessions(server)) == baseline + 1
+        client.send_signal(signal.SIGKILL)
+        client.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while len(_sessions(server)) > baseline and time.monotonic() < deadline:
+            time.sleep(0.25)
+        assert len(_sessions(server)) == baseline
+    finally:
+        if client.poll() is None:
+            client.kill()
