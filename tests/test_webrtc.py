@@ -29,11 +29,13 @@ TIMEOUT_S = 120
 
 @pytest.fixture(scope="module")
 def server():
-    # The shipped tiny weights at 256x144; two peers per address (the limit test needs a low one); a short grace
-    # and peer timeout so a vanished client's session ends within the test.
+    # The shipped tiny weights at their own size (256x144, where the world's reader reads them), no warm-up; two
+    # peers per address (the limit test needs a low one); a short grace and peer timeout so a vanished client's
+    # session ends within the test.
     running = start_server(
-        "--preset", "tiny", "--max-sessions", "4", "--detach-grace-s", "1",
-        env={"ARSTREAM_MAX_PEERS_PER_CLIENT": "2", "ARSTREAM_WEBRTC_PEER_TIMEOUT_S": "3"},
+        "--preset", "tiny", "--warmup-blocks", "0", "--max-sessions", "4",
+        "--detach-grace-s", "1",
+        env={"ARSTREAM_MAX_PEERS_PER_CLIENT": "2", "ARSTREAM_WEBRTC_PEER_TIMEOUT_S": "1.5"},
         small=False,
     )
     try:
