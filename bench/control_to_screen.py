@@ -16,12 +16,18 @@ Cases:
   with a bright square moving with the frame count (the marker), and reads the square's place in the frames shown:
   send of camera frame k -> the first frame on screen that shows frame k's marker.
 
+`--transport webrtc` runs the prompt case over a WebRTC peer instead (bench/webrtc_viewer.py: aiortc, "on screen"
+when aiortc hands over the decoded frame); `--transport both` runs the socket and then WebRTC, each on its own
+server, so the two are compared in one run (and the server's CPU seconds of each: the engine's work is the
+same, the difference is each transport's own encoding).
+
 `--reference` repeats the case on a second server with the lead as it was before (`playout_margin_s` = two blocks,
 whole-block chunks, no cut on reset): the naive path, in the same run. Prints ONE JSON line (and writes it to
 `--out`); a short table goes to stderr.
 
     python bench/control_to_screen.py --changes 20 --interval 3 --read-pixels --reference -- --preset tiny
     python bench/control_to_screen.py --live 0 --seconds 30 -- --preset tiny
+    python bench/control_to_screen.py --transport both --changes 10 --read-pixels -- --preset tiny
 """
 
 from __future__ import annotations
@@ -284,7 +290,7 @@ def _cpu_seconds(pid: int) -> float | None:
         return None
 
 
-def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str) -> dict:
+def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str, transport: str = "websocket") -> dict:
     port = free_port()
     server = ServerProcess([*server_args, "--port", str(port)], port,
                            Path(args.log_dir) / f"{args.tag}{label}.log" if args.log_dir else None)
@@ -293,8 +299,19 @@ def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str)
     try:
         server.start()
         ready = server.wait_ready(args.ready_timeout)
-        result = asyncio.run(run_case(server.url, args, seconds=args.seconds))
-        return {"label": label, **ready, **result, "server_cpu_s": _cpu_seconds(server.process.pid),
+        cpu_before = _cpu_seconds(server.process.pid)
+        if transport == "webrtc":
+            from webrtc_viewer import run_webrtc_case
+
+            result = asyncio.run(run_webrtc_case(server.url, args, seconds=args.seconds, caption=caption,
+                                                 colours=COLOURS, backgrounds=BACKGROUNDS))
+            result["controls"] = _summaries(result.pop("results"))
+        else:
+            result = asyncio.run(run_case(server.url, args, seconds=args.seconds))
+        cpu_after = _cpu_seconds(server.process.pid)
+        session_cpu = round(cpu_after - cpu_before, 2) if cpu_before is not None and cpu_after is not None else None
+        return {"label": label, "transport": transport, **ready, **result, "server_cpu_s": cpu_after,
+                "session_cpu_s": session_cpu,
                 "server_problems": list(server.problems)[-3:]}
     finally:
         server.stop()
@@ -315,18 +332,26 @@ def main() -> None:
     parser.add_argument("--read-pixels", action="store_true", help="decode and read the frames (the tiny world)")
     parser.add_argument("--live", type=float, default=None, help="live input at this strength instead of prompts")
     parser.add_argument("--reference", action="store_true", help="also run the lead as it was before")
+    parser.add_argument("--transport", choices=("websocket", "webrtc", "both"), default="websocket",
+                        help="how the viewer reaches the session (both: the socket, then WebRTC, same case)")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None)
     parser.add_argument("--tag", default="", help="prefix of the server logs' names")
     parser.add_argument("--out", default=None)
     parser.add_argument("server_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
+    if args.live is not None and args.transport != "websocket":
+        parser.error("--live runs over the socket only (its camera frames are JPEG messages)")
     server_args = [a for a in args.server_args if a != "--"]
     if args.seconds is None:
         args.seconds = args.first_change + args.changes * args.interval + 4.0 if args.live is None else 30.0
     result = {"bench": "control_to_screen", "date": time.strftime("%Y-%m-%d"), "gpu": gpu_name(),
               "server_args": server_args, "case": "live" if args.live is not None else "prompt",
-              "live_strength": args.live, "runs": [serve_and_run(server_args, args, {}, "lead_on_server")]}
+              "live_strength": args.live, "runs": []}
+    transports = ("websocket", "webrtc") if args.transport == "both" else (args.transport,)
+    for transport in transports:
+        label = "lead_on_server" if transport == "websocket" else "lead_on_server_webrtc"
+        result["runs"].append(serve_and_run(server_args, args, {}, label, transport))
     if args.reference:
         result["runs"].append(serve_and_run(server_args, args, REFERENCE_ENV, "reference_lead_two_blocks"))
     line = json.dumps(result)

@@ -118,7 +118,7 @@ def run(coroutine):
     return asyncio.run(asyncio.wait_for(coroutine, TIMEOUT_S))
 
 
-def test_a_peer_streams_the_prompts_colours_follows_a_prompt_change_and_closes(server):
+def test_a_peer_streams_the_prompts_colours_follows_a_change_is_replaced_by_a_second_offer_and_ends_on_delete(server):
     async def scenario():
         peer = Peer()
         answer = await peer.connect(server.base_url)
@@ -137,15 +137,29 @@ def test_a_peer_streams_the_prompts_colours_follows_a_prompt_change_and_closes(s
         while not peer.frames or peer.frames[-1][0] < named_at + 1.5:
             await asyncio.sleep(0.05)
         yellow = _colours([f for f in peer.frames if f[0] > named_at + 0.75])
-        peer.send(type="close", id="c")
-        closed = await peer.wait_for(lambda m: m["type"] == "closed")
+        # A second offer for the session (a reload, a new network): it attaches, the first peer is told `replaced`.
+        again = Peer()
+        reattached = await again.connect(server.base_url, answer.headers["location"])
+        replaced = await peer.wait_for(lambda m: m["type"] == "closed")
+        hello = await again.wait_for(lambda m: m["type"] == "session")
+        frames_then = len(again.frames)
+        while len(again.frames) < frames_then + 8:
+            await asyncio.sleep(0.05)
         await peer.close()
-        return red, yellow, named, closed
+        # DELETE on the resource ends the session: its peer hears `closed` (client).
+        async with httpx.AsyncClient(base_url=server.base_url) as http:
+            deleted = await http.delete(answer.headers["location"])
+        closed = await again.wait_for(lambda m: m["type"] == "closed")
+        await again.close()
+        return red, yellow, named, (reattached.status_code, replaced, hello, session), (deleted.status_code, closed)
 
-    red, yellow, named, closed = run(scenario())
+    red, yellow, named, reattach, (deleted, closed) = run(scenario())
     assert red.count("red") >= 12, red  # the prompt's object, as the world's reader sees it
     assert yellow.count("yellow") >= 0.75 * len(yellow), yellow  # the new colour, a moment after the change
-    assert named["frames"] >= 1 and closed["reason"] == "client"
+    assert named["frames"] >= 1
+    status, replaced, hello, session = reattach
+    assert status == 201 and replaced["reason"] == "replaced" and hello["session_id"] == session["session_id"]
+    assert deleted == 204 and closed["reason"] == "client"
 
 
 def test_bad_offers_and_peers_get_clear_errors_and_cost_no_other_session(server):
