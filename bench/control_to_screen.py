@@ -292,6 +292,8 @@ def _cpu_seconds(pid: int) -> float | None:
 
 def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str, transport: str = "websocket") -> dict:
     port = free_port()
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
     server = ServerProcess([*server_args, "--port", str(port)], port,
                            Path(args.log_dir) / f"{args.tag}{label}.log" if args.log_dir else None)
     saved = {key: os.environ.get(key) for key in env}

@@ -139,6 +139,13 @@ async def run_webrtc_case(url: str, args, *, seconds: float, caption, colours, b
         if args.read_pixels:
             result.update(_pixels(viewer.frames, named[control_id], at, kind, expected))
         results.append(result)
+    # How long after its chunk message a chunk's first frame was handed over (the socket player's "slack" is
+    # the other way round: how long before it shows a segment came).
+    shown_at = {}
+    for pts, t, _ in viewer.frames:
+        shown_at.setdefault(pts, t)
+    arrivals = [(t, m["pts"]) for t, m in viewer.messages if m["type"] == "chunk"]
+    after_message = [round(shown_at[pts] - t, 3) for t, pts in arrivals if pts in shown_at]
     gaps = [(pts / fps, t1 - t0) for (_, t0, _), (pts, t1, _) in zip(viewer.frames, viewer.frames[1:])
             if t1 - first_shown > STARTUP_S and t1 - t0 > STALL_FRAMES / fps]
     return {"transport": "webrtc", "connect_s": round(connect_s, 3), "chunks": len(chunks),
@@ -148,7 +155,16 @@ async def run_webrtc_case(url: str, args, *, seconds: float, caption, colours, b
             "stalls_per_min": round(60 * len(gaps) / max(seconds, 1e-9), 2),
             "stall_list": [(round(at, 2), round(g, 3)) for at, g in gaps[:20]],
             "buffered_at_send_s": ahead_at_send, "named": f"{len(named)} of {len(sent)}",
+            "shown_after_chunk_message_s": _stats(after_message[8:]),
             "results": results}
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {"n": len(values), "median_s": ordered[len(ordered) // 2], "p10_s": ordered[len(ordered) // 10],
+            "p90_s": ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], "max_s": ordered[-1]}
 
 
 def _pixels(frames, named_pts: int, at: float, kind: str, expected: str) -> dict:

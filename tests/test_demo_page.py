@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from playwright.sync_api import Page, sync_playwright
 
-from tests.browser import CHROMIUM, CHROMIUM_ARGS
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER
 
 READY_TIMEOUT_S = 45
 HEIGHT, WIDTH = 96, 160
@@ -210,31 +210,6 @@ def test_demo_page_plays_and_controls_the_stream(server, browser, tmp_path):
         page.close()
 
 
-# Reads each frame the video element presents (requestVideoFrameCallback) into a canvas and counts the pixels
-# near yellow and near red: what a viewer sees, not what the server logged.
-_COLOUR_READER = """() => {
-    const v = document.querySelector("video");
-    const canvas = document.createElement("canvas");
-    const ctx = canvas.getContext("2d", { willReadFrequently: true });
-    window.shown = [];
-    const onFrame = (now, meta) => {
-        canvas.width = v.videoWidth; canvas.height = v.videoHeight;
-        ctx.drawImage(v, 0, 0);
-        const px = ctx.getImageData(0, 0, canvas.width, canvas.height).data;
-        let yellow = 0, red = 0;
-        for (let i = 0; i < px.length; i += 4) {
-            const [r, g, b] = [px[i], px[i + 1], px[i + 2]];
-            if (r > 170 && g > 150 && b < 110) yellow += 1;
-            else if (r > 150 && g < 90 && b < 90) red += 1;
-        }
-        window.shown.push({ at: meta.expectedDisplayTime || now, mediaTime: meta.mediaTime, yellow, red });
-        if (window.shown.length > 4000) window.shown.shift();
-        v.requestVideoFrameCallback(onFrame);
-    };
-    v.requestVideoFrameCallback(onFrame);
-}"""
-
-
 def test_over_webrtc_a_prompt_change_reaches_the_screen_and_the_camera_drives_the_session(server, browser):
     """Over WebRTC (the page's default): change the object's colour from the page and read the frames Chromium
     shows: the first frame showing the new colour comes after the click, and the page's own control-to-screen
@@ -254,7 +229,7 @@ def test_over_webrtc_a_prompt_change_reaches_the_screen_and_the_camera_drives_th
             """() => document.querySelector("video").currentTime > 1.0
                 && Number(document.getElementById("chunks").textContent) >= 6""", timeout=60_000)
         assert page.inner_text("#transport-in-use") == "WebRTC"
-        page.evaluate(_COLOUR_READER)
+        page.evaluate(COLOUR_READER)
         page.wait_for_function("() => window.shown.length >= 8", timeout=20_000)
         before = page.evaluate("() => window.shown.slice(-8)")
         assert all(f["red"] > f["yellow"] for f in before), before  # the prompted red square, not yet yellow

@@ -68,7 +68,10 @@ MAX_OFFER_BYTES = 64 * 1024
 NEGOTIATION_TIMEOUT_S = 10.0  # an offer is answered within this (host candidates gather in milliseconds)
 CONNECT_TIMEOUT_S = 20.0  # a peer that never connects after its answer is dropped (its session detaches)
 MAX_PENDING_MESSAGES = 64  # server messages waiting for the data channel to open
-SEND_AHEAD_S = 0.05  # frames go to the encoder this long after the engine released them (it released them early)
+# The first frame goes to the encoder as it arrives: it plays then on the engine's playback clock, and every later
+# piece is released playout_margin_s before its time, so the peer's timeline needs no delay of its own for jitter
+# (0.05 s here was 0.05 s more control-to-screen, docs/BENCHMARKS.md).
+FIRST_FRAME_DELAY_S = 0.0
 
 
 class OfferRefused(Exception):
@@ -98,6 +101,24 @@ def check_offer(sdp: str) -> None:
         raise OfferRefused(400, "invalid_field", "the offer receives no video: its video section is sendonly")
 
 
+def without_mdns_candidates(sdp: str) -> str:
+    """The offer less its mDNS host candidates (``<uuid>.local``, what browsers offer instead of their addresses).
+
+    aiortc resolves each one before it answers, and a name nobody answers for (a container, a server off the
+    browser's LAN) holds the answer for aioice's 1 s timeout: measured, the demo page's first media 1.6 s instead of
+    0.5 s. Without them the peer still connects: the browser's checks reach the server's own candidates, and the
+    server learns the browser's address from them (a peer-reflexive candidate)."""
+    lines = sdp.split("\n")
+    kept = [line for line in lines if not (line.startswith("a=candidate:") and _candidate_address(line).endswith(".local"))]
+    return "\n".join(kept)
+
+
+def _candidate_address(line: str) -> str:
+    """``a=candidate:<foundation> <component> <transport> <priority> <address> <port> typ ...``: the address."""
+    fields = line.split()
+    return fields[4].rstrip("\r").lower() if len(fields) > 4 else ""
+
+
 def ice_servers(urls: list[str]) -> list[RTCIceServer]:
     return [RTCIceServer(urls=url) for url in urls]
 
@@ -112,7 +133,7 @@ class PeerStream:
         settings = service.settings
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(settings.webrtc_ice_servers)))
         geometry = service.geometry
-        self.timeline = Timeline(geometry.fps, delay_s=SEND_AHEAD_S)
+        self.timeline = Timeline(geometry.fps, delay_s=FIRST_FRAME_DELAY_S)
         self.video = SessionVideoTrack(self.timeline)
         self.audio = None
         if geometry.audio_sample_rate:
@@ -137,7 +158,8 @@ class PeerStream:
         pc.on("track", self._on_track)
         pc.on("connectionstatechange", self._on_state)
         try:
-            await asyncio.wait_for(pc.setRemoteDescription(RTCSessionDescription(sdp=offer_sdp, type="offer")),
+            await asyncio.wait_for(pc.setRemoteDescription(RTCSessionDescription(sdp=without_mdns_candidates(offer_sdp),
+                                                                                 type="offer")),
                                    NEGOTIATION_TIMEOUT_S)
         except (ValueError, KeyError, IndexError, TypeError, AssertionError) as error:
             raise OfferRefused(400, "invalid_field", f"the SDP offer could not be read ({type(error).__name__})") from None

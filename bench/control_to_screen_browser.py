@@ -1,0 +1,144 @@
+"""Control to screen in a real browser: the demo page in headless Chromium, over the WebSocket and over WebRTC.
+
+For each transport a fresh `arstream serve` (the server arguments after `--`; its first session after `/readyz` is
+the one measured) and a fresh page: Start with a red object, then every `--interval` seconds a `soft` prompt change
+of the object's colour (red <-> yellow) clicked on the page. Two figures per change:
+
+- **pixels**: the click -> the first frame Chromium presents (requestVideoFrameCallback, `expectedDisplayTime`)
+  whose pixels show the new colour (a canvas read of the shown frame: what a viewer sees);
+- **page**: what the page's own "to screen" readout timed (the click -> the first frame shown of the chunk that
+  names the change, `chunk.controls`).
+
+Also the page's first-chunk time, and frames shown per second. Prints ONE JSON line (and writes it to `--out`).
+
+    python bench/control_to_screen_browser.py --changes 12 -- --preset tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_service_gpu import ServerProcess, free_port  # noqa: E402
+
+from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER  # noqa: E402
+
+COLOURS = ("red", "yellow")
+MIN_PIXELS = 20  # an object's colour counts as shown with this many pixels of it, more than of the other
+
+
+def caption(colour: str) -> str:
+    return f"a {colour} circle drifting on a blue background"
+
+
+def measure(url: str, transport: str, args) -> dict:
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1280, "height": 800})
+        try:
+            page.goto(f"{url}/", wait_until="load")
+            page.fill("#prompt", caption(COLOURS[0]))
+            page.fill("#seed", str(args.seed))
+            page.select_option("#transport", transport)
+            page.click("#start")
+            page.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 2",
+                                   timeout=120_000)
+            in_use = page.inner_text("#transport-in-use")
+            page.evaluate(COLOUR_READER)
+            # A stall as the viewer meets it: the video element waits for data (MSE), or a frame is shown more
+            # than twice a frame's time after the one before (either transport).
+            page.evaluate("() => { window.waits = 0; document.querySelector('video')"
+                          ".addEventListener('waiting', () => { window.waits += 1; }); }")
+            page.wait_for_timeout(args.first_change * 1000)
+            changes = []
+            colour = COLOURS[0]
+            # A change lands anywhere in a block (0.75 s): seeded waits of the interval plus up to one block, the
+            # same for every transport, so no run is timed at one phase of the block only.
+            phases = random.Random(args.seed)
+            for index in range(args.changes):
+                colour = COLOURS[(COLOURS.index(colour) + 1) % 2]
+                page.fill("#prompt", caption(colour))
+                page.select_option("#policy", "soft")
+                clicked = page.evaluate("() => { const t = performance.now(); "
+                                        "document.getElementById('apply').click(); return t; }")
+                changes.append((clicked, colour))
+                page.wait_for_timeout((args.interval + phases.uniform(0, 0.75)) * 1000)
+            shown = page.evaluate("() => window.shown")
+            timed = page.evaluate("() => window.arstreamDemo.toScreen")
+            waits = page.evaluate("() => window.waits")
+            first_chunk = page.inner_text("#ttfc")
+            errors = page.inner_text("#errors")
+        finally:
+            page.close()
+            browser.close()
+    pixels, page_ms = [], [t["ms"] / 1000 for t in timed]
+    for clicked, colour in changes:
+        other = "red" if colour == "yellow" else "yellow"
+        first = next((f for f in shown if f["at"] > clicked and f[colour] > MIN_PIXELS and f[colour] > f[other]),
+                     None)
+        if first is not None and first["at"] - clicked < args.interval * 1000:
+            pixels.append((first["at"] - clicked) / 1000)
+    span_s = (shown[-1]["at"] - shown[0]["at"]) / 1000 if len(shown) > 1 else 0
+    late = [b["at"] - a["at"] for a, b in zip(shown, shown[1:]) if b["at"] - a["at"] > 2 * 1000 / 16]
+    return {"transport": transport, "in_use": in_use, "first_chunk": first_chunk, "errors": errors,
+            "frames_shown_per_s": round((len(shown) - 1) / span_s, 2) if span_s else None,
+            "waiting_events": waits, "frame_gaps_over_2_frames": len(late),
+            "frame_gap_s": round(sum(late) / 1000, 3), "seconds_watched": round(span_s, 1),
+            "pixels": _stats(pixels) | {"read": f"{len(pixels)} of {len(changes)}"},
+            "page": _stats(page_ms)}
+
+
+def _stats(values: list[float]) -> dict:
+    if not values:
+        return {"n": 0}
+    ordered = sorted(values)
+    return {"n": len(values), "median_s": round(statistics.median(values), 3),
+            "p90_s": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3),
+            "max_s": round(ordered[-1], 3), "all_s": [round(v, 3) for v in values]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--changes", type=int, default=12)
+    parser.add_argument("--interval", type=float, default=3.0, help="seconds between changes (plus 0-0.75 s)")
+    parser.add_argument("--first-change", type=float, default=3.0, help="seconds of playback before the first")
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--transports", default="websocket,webrtc")
+    parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("server_args", nargs=argparse.REMAINDER)
+    args = parser.parse_args()
+    server_args = [a for a in args.server_args if a != "--"]
+    result = {"bench": "control_to_screen_browser", "date": time.strftime("%Y-%m-%d"), "server_args": server_args,
+              "chromium": CHROMIUM, "runs": []}
+    for transport in args.transports.split(","):
+        port = free_port()
+        server = ServerProcess([*server_args, "--port", str(port)], port, None)
+        try:
+            server.start()
+            ready = server.wait_ready(args.ready_timeout)
+            result["runs"].append({**ready, **measure(server.url, transport, args)})
+        finally:
+            server.stop()
+    line = json.dumps(result)
+    print(line)
+    if args.out:
+        Path(args.out).write_text(line + "\n")
+    for run in result["runs"]:
+        print(f"{run['transport']:10s} pixels median {run['pixels'].get('median_s')} p90 {run['pixels'].get('p90_s')} "
+              f"({run['pixels']['read']}) page median {run['page'].get('median_s')} "
+              f"first chunk {run['first_chunk']} gaps {run['frame_gaps_over_2_frames']} waiting {run['waiting_events']}",
+              file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
