@@ -428,6 +428,35 @@ def test_a_client_that_stops_reading_holds_back_only_its_own_session(front):
     run(scenario())
 
 
+def test_a_webrtc_offer_through_the_front_end_is_answered_by_a_worker_that_streams_to_the_peer(front):
+    """`POST /v1/webrtc` to the front end: placed as a REST or socket session is, the worker that admits it answers
+    (its resource and session id come back through the front end), the peer connects to that worker directly and
+    streams; `DELETE` through the front end ends the session."""
+    from tests.webrtc_peer import Peer
+
+    async def scenario() -> None:
+        async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as rest:
+            await _wait_for_empty_workers(rest)
+            peer = Peer()
+            answer = await peer.connect(front.base_url)
+            assert answer.status_code == 201, answer.text
+            session_id = answer.headers["x-session-id"]
+            assert answer.headers["location"] == f"/v1/sessions/{session_id}/webrtc"
+            assert await front.worker_of(session_id) in ("cpu-0", "cpu-1")
+            hello = await peer.wait_for(lambda m: m["type"] == "session")
+            assert hello["session_id"] == session_id and hello["transport"] == "webrtc"
+            peer.send(type="start", prompt="a peer through the front end", seed=5, id="s")
+            await peer.wait_for(lambda m: m["type"] == "chunk")
+            while len(peer.frames) < 4:
+                await asyncio.sleep(0.05)
+            assert (await rest.delete(answer.headers["location"])).status_code == 204
+            closed = await peer.wait_for(lambda m: m["type"] == "closed")
+            await peer.close()
+            assert closed["reason"] == "client"
+
+    run(scenario())
+
+
 def test_sigterm_drains_relayed_clients_with_closed_and_1001(front):
     """Last in this module: it stops the front end (and with it, both workers)."""
     async def scenario() -> None:
