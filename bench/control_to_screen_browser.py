@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,6 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_service_gpu import ServerProcess, free_port  # noqa: E402
+from control_to_screen import _stats  # noqa: E402
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER  # noqa: E402
 
@@ -95,15 +95,6 @@ def measure(url: str, transport: str, args) -> dict:
             "frame_gap_s": round(sum(late) / 1000, 3), "seconds_watched": round(span_s, 1),
             "pixels": _stats(pixels) | {"read": f"{len(pixels)} of {len(changes)}"},
             "page": _stats(page_ms)}
-
-
-def _stats(values: list[float]) -> dict:
-    if not values:
-        return {"n": 0}
-    ordered = sorted(values)
-    return {"n": len(values), "median_s": round(statistics.median(values), 3),
-            "p90_s": round(ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))], 3),
-            "max_s": round(ordered[-1], 3), "all_s": [round(v, 3) for v in values]}
 
 
 def main() -> None:
