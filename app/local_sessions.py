@@ -147,7 +147,7 @@ class LocalSessions:
             raise ApiError.refused(capacity_full(record))
         try:
             return await self._answer(request, caller, record.session_id, offer)
-        except ApiError:
+        except BaseException:  # refused, failed, or the client went away meanwhile
             self.registry.delete(record.session_id)  # nothing was negotiated: the session goes with the offer
             raise
 
@@ -187,7 +187,10 @@ class LocalSessions:
         except OfferRefused as refused:
             await peer.pc.close()
             raise ApiError(refused.status, refused.code, refused.message) from None
-        except Exception:
+        except TimeoutError:  # aiortc did not answer within NEGOTIATION_TIMEOUT_S (a starved event loop)
+            await peer.pc.close()
+            raise ApiError.from_code("unavailable", "the offer could not be answered in time; try again", 1.0) from None
+        except BaseException:
             await peer.pc.close()
             raise
         finally:
