@@ -40,7 +40,7 @@ import torch
 from diffusers import AutoencoderOobleck
 
 from decoders.audio import check_latents, decoded_samples, hop_length, plan_tiles, receptive_field
-from engine.models.graph_capture import GraphCache, capture
+from decoders.graph_capture import GraphCache, capture
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +101,8 @@ class AudioDecodeGraphs:
 
         # One exact-length graph per window length, retired together at max_graphs (see the module docstring).
         self._plain: GraphCache[_GraphEntry] = GraphCache("audio decode", int(max_graphs), on_full="retire")
-        self._compiled: dict[int, _GraphEntry] = {}
+        # One graph per bucket of compile_shapes, all kept for this object's life (captured at warm-up only).
+        self._compiled: GraphCache[_GraphEntry] = GraphCache("audio decode compiled", max(1, len(shapes)))
         self.compile_errors: dict[int, str] = {}
         self.last_mode: str | None = None
         self.last_window_modes: list[str] = []
@@ -159,7 +160,7 @@ class AudioDecodeGraphs:
         frames = latents.shape[2]
         bucket = self.compiled_bucket(frames, padding_allowed=padding_allowed)
         if bucket is not None:
-            entry, self.last_mode = self._compiled[bucket], "compiled"
+            entry, self.last_mode = self._compiled.get(bucket), "compiled"
         else:
             entry = self._plain_graph(frames, latents.device)
             if entry is None:
@@ -185,17 +186,18 @@ class AudioDecodeGraphs:
         return None
 
     def _ready_buckets(self) -> tuple[int, ...]:
-        return tuple(sorted(self._compiled))
+        return tuple(sorted(self._compiled.keys()))
 
     def warmup(self, device: torch.device | str) -> None:
         """Compile the decoder and capture one graph per bucket (start-up cost: one compilation each).
 
-        A bucket that fails is recorded in ``compile_errors`` and logged; its
-        windows go to plain graphs. Does nothing off CUDA, when disabled, or
-        inside an outer capture.
+        A bucket whose capture fails is recorded in ``compile_errors`` and logged, and
+        no further bucket is captured (the graph caches' one rule for a failure); their
+        windows go to plain graphs. Does nothing off CUDA, when disabled, or inside an
+        outer capture.
         """
         device = torch.device(device)
-        if not self.enabled or not self.compile_shapes or self._compiled or device.type != "cuda":
+        if not self.enabled or not self.compile_shapes or len(self._compiled) or device.type != "cuda":
             return
         if not torch.cuda.is_available() or torch.cuda.is_current_stream_capturing():
             return
@@ -205,14 +207,12 @@ class AudioDecodeGraphs:
             logger.warning("audio decode: torch.compile failed; plain CUDA graphs only: %r", error)
             self.compile_errors = {size: repr(error) for size in self.compile_shapes}
             return
-        # Bucket graphs live as long as this object; one pool for all of them.
-        pool = torch.cuda.graph_pool_handle()
+        # Bucket graphs live as long as this object, in their cache's one pool.
         for size in self.compile_shapes:
-            try:
-                self._compiled[size] = self._capture(size, device, compiled, warm_iters=3, pool=pool)
-            except Exception as error:  # noqa: BLE001
-                logger.warning("audio decode: compiled bucket of %d frames failed: %r", size, error)
-                self.compile_errors[size] = repr(error)
+            captured = self._compiled.capture(
+                size, lambda pool, size=size: self._capture(size, device, compiled, warm_iters=3, pool=pool))
+            if captured is None:  # the cache logged why, and is off from now on
+                self.compile_errors[size] = "capture failed or skipped after an earlier failure (see the log)"
         logger.info("audio decode: compiled buckets %s of %s", self._ready_buckets(), self.compile_shapes)
 
     # -- plain graphs ------------------------------------------------------

@@ -295,7 +295,7 @@ def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry():
                                   mirror_v.float() * per_key(3, 4))
     assert not out.isnan().any()
     assert _relative(out, reference) < 0.035
-    from engine.models.graph_capture import capture
+    from decoders.graph_capture import capture
 
     graph, graphed = capture(forward)
     graph.replay()

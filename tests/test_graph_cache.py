@@ -1,4 +1,4 @@
-"""The CUDA-graph cache every graph user shares (engine/models/graph_capture.py): its bound, its pool and its
+"""The CUDA-graph cache every graph user shares (decoders/graph_capture.py): its bound, its pool and its
 failure rule. The bookkeeping needs no GPU: entries here are plain objects recorded into plain pools (the
 graphs themselves are checked on the device: tests/test_fast_paths.py, tests/test_audio_decoder.py)."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from engine.models.graph_capture import GraphCache
+from decoders.graph_capture import GraphCache
 
 
 def cache(max_graphs: int, on_full: str = "eager") -> GraphCache:

@@ -118,3 +118,12 @@ def test_the_command_line_is_imported_by_nothing():
     format) has its own module, so a Ray worker or a test of them never loads the command line."""
     graph = import_graph()
     assert sorted(name for name, targets in graph.items() if "app.cli" in targets) == []
+
+
+def test_the_decoders_sit_below_the_engine():
+    """The engine builds and runs the decoders; the decoders import nothing of the engine (what both need, CUDA
+    graph capture, lives in ``decoders/graph_capture.py``)."""
+    graph = import_graph()
+    upward = sorted((name, target) for name, targets in graph.items() if _within(name, "decoders")
+                    for target in targets if _within(target, "engine"))
+    assert upward == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from train.common import LossLog, StageClock
+from train.progress import LossLog, StageClock
 from world import sound
 from world.clips import AUDIO_FRAMES_PER_LATENT
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from decoders.taehv import MemoryBlock, TAEHVConfig, TAEHVDecoder
 from decoders.taehv_encoder import TAEHVEncoder, TAEHVEncoderConfig
-from train.common import LossLog, StageClock
+from train.progress import LossLog, StageClock
 from world.clips import first_video_frame, random_scene, video_frames
 from world.motion import Jitter, centre
 from world.render import frame_times, render_with_coverage

@@ -1,9 +1,9 @@
-"""What every training stage shares: the checkpoint directory, the loss log, the stage clock, the modules."""
+"""What every training stage shares: the checkpoint directory and the modules (the loss log and the stage clock:
+``train/progress.py``)."""
 
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import torch
@@ -13,38 +13,10 @@ from safetensors.torch import load_file, save_file
 from engine.models.audio_tokens import AudioTiming, AudioTokenProjections
 from engine.models.presets import TINY_AUDIO_VAE_CONFIG, TINY_TRANSFORMER_CONFIG, get_preset
 from engine.models.text_encoder import WordTextEncoder
+from train.codec import TinyCodec
 from world.grammar import VOCABULARY
 
 MODULE_FILES = ("codec", "audio_vae", "transformer", "audio_tokens", "text_encoder")
-
-
-class LossLog:
-    """Appends one line per logged step: ``stage step seconds name=value ...`` (flushed at once)."""
-
-    def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-        self.start = time.monotonic()
-        self.last: dict[str, dict[str, float]] = {}
-
-    def write(self, stage: str, step: int, **values: float) -> None:
-        self.last[stage] = {"step": step, **values}
-        fields = " ".join(f"{k}={v:.5f}" for k, v in values.items())
-        line = f"{stage} step={step} t={time.monotonic() - self.start:.1f}s {fields}"
-        print(line, flush=True)
-        with self.path.open("a") as handle:
-            handle.write(line + "\n")
-
-
-class StageClock:
-    """A stage's time budget: ``expired`` once ``seconds`` have passed (or ``max_steps`` were taken)."""
-
-    def __init__(self, seconds: float, max_steps: int | None = None) -> None:
-        self.deadline = time.monotonic() + seconds
-        self.max_steps = max_steps
-
-    def expired(self, step: int) -> bool:
-        return time.monotonic() >= self.deadline or (self.max_steps is not None and step >= self.max_steps)
 
 
 class Checkpoint:
@@ -96,8 +68,6 @@ def build_modules(device) -> dict[str, torch.nn.Module]:
     preset = get_preset("tiny")
     torch.manual_seed(0)
     transformer = WanTransformer3DModel(**TINY_TRANSFORMER_CONFIG)
-    from train.codec import TinyCodec
-
     codec = TinyCodec(preset.codec_encoder, preset.codec_decoder)
     audio_vae = AutoencoderOobleck(**TINY_AUDIO_VAE_CONFIG)
     timing = AudioTiming(sample_rate=48000, fps=16, hop=600)

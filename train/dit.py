@@ -38,7 +38,7 @@ from engine.models.attention import DenseContext, project_cross_kv
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.latents import BlockLatents
 from engine.models.schedule import shifted_sigmas
-from train.common import LossLog, StageClock
+from train.progress import LossLog, StageClock
 from train.data import LatentSet
 
 # The decorated forward runs under no_grad; training needs the same arithmetic with gradients.

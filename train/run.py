@@ -43,7 +43,8 @@ import torch
 from engine.models.causal_wan import CausalWanTransformer
 from engine.models.trained import TrainedWeights
 from train.audio import train_audio_decoder
-from train.common import Checkpoint, LossLog, StageClock, build_modules, latent_stats_metadata, load_module_file
+from train.common import Checkpoint, build_modules, latent_stats_metadata, load_module_file
+from train.progress import LossLog, StageClock
 from train.data import build_latent_set
 from train.dit import DiTTrainer, Sampler, sample_session
 

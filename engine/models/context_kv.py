@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 
 from engine.models import fp8_attention as fa
-from engine.models.graph_capture import GraphCache, capture
+from decoders.graph_capture import GraphCache, capture
 
 HISTORY, CURRENT = 0, 1  # the segments of the FP8 mirror's scales
 

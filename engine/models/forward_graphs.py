@@ -28,7 +28,7 @@ import torch
 
 from engine.models.attention import AttentionContext, GatheredContext
 from engine.models.causal_wan import CausalWanTransformer
-from engine.models.graph_capture import GraphCache, capture
+from decoders.graph_capture import GraphCache, capture
 from engine.models.latents import BlockLatents
 
 MAX_GRAPHS = 64  # shapes x fixed buffers of one engine: ~14 for the standard window, more with CFG branches

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.models.graph_capture import GraphCache, capture
+from decoders.graph_capture import GraphCache, capture
 
 TOKEN_BUCKETS = (16, 32, 64, 128, 256)
 WARMUP_RUNS = 2  # eager runs before a capture

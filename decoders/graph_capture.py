@@ -1,9 +1,11 @@
 """CUDA graphs: recording one (the side-stream warm-up capture needs), and the cache every graph user keeps.
 
-Four places replay graphs: the DiT forwards (``forward_graphs.py``), the history load (``context_kv.py``),
-the text encoder (``text_graphs.py``) and the audio decoder (``decoders/audio_graphs.py``). They share
-:func:`capture` and :class:`GraphCache`: one memory pool per cache, a bound on its graphs, and one rule
-for a failed capture (that cache runs eagerly from then on: the eager path is the reference anyway).
+Four places replay graphs: the DiT forwards (``engine/models/forward_graphs.py``), the history load
+(``engine/models/context_kv.py``), the text encoder (``engine/models/text_graphs.py``) and the audio decoder
+(``decoders/audio_graphs.py``: its compiled buckets and its plain graphs, one cache each). They share
+:func:`capture` and :class:`GraphCache`: one memory pool per cache, a bound on its graphs, and one rule for a
+failed capture (that cache runs eagerly from then on: the eager path is the reference anyway). It lives in
+``decoders/``, the lowest of the packages, so that the engine and the decoders both import it downward.
 """
 
 from __future__ import annotations
