@@ -75,6 +75,7 @@ def measure(url: str, transport: str, args) -> dict:
             shown = page.evaluate("() => window.shown")
             timed = page.evaluate("() => window.arstreamDemo.toScreen")
             waits = page.evaluate("() => window.waits")
+            server_readout = page.inner_text("#server")
             first_chunk = page.inner_text("#ttfc")
             errors = page.inner_text("#errors")
         finally:
@@ -90,6 +91,7 @@ def measure(url: str, transport: str, args) -> dict:
     span_s = (shown[-1]["at"] - shown[0]["at"]) / 1000 if len(shown) > 1 else 0
     late = [b["at"] - a["at"] for a, b in zip(shown, shown[1:]) if b["at"] - a["at"] > 2 * 1000 / 16]
     return {"transport": transport, "in_use": in_use, "first_chunk": first_chunk, "errors": errors,
+            "server_readout": server_readout,
             "frames_shown_per_s": round((len(shown) - 1) / span_s, 2) if span_s else None,
             "waiting_events": waits, "frame_gaps_over_2_frames": len(late),
             "frame_gap_s": round(sum(late) / 1000, 3), "seconds_watched": round(span_s, 1),
@@ -105,6 +107,7 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--transports", default="websocket,webrtc")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
+    parser.add_argument("--log-dir", default=None, help="keep each server's log here")
     parser.add_argument("--out", default=None)
     parser.add_argument("server_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -113,7 +116,10 @@ def main() -> None:
               "chromium": CHROMIUM, "runs": []}
     for transport in args.transports.split(","):
         port = free_port()
-        server = ServerProcess([*server_args, "--port", str(port)], port, None)
+        log_path = Path(args.log_dir) / f"browser-{transport}.log" if args.log_dir else None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        server = ServerProcess([*server_args, "--port", str(port)], port, log_path)
         try:
             server.start()
             ready = server.wait_ready(args.ready_timeout)
