@@ -26,7 +26,14 @@ from app.security import Caller
 from app.service import Service
 from app.transport.refusal import capacity_full, not_ready, too_many_peers, too_many_sessions
 from app.transport.rest import ApiError
-from app.transport.webrtc import OfferRefused, PeerStream, check_offer, offer_text, set_peer_timeout
+from app.transport.webrtc import (
+    OfferRefused,
+    PeerStream,
+    check_offer,
+    ice_server_links,
+    offer_text,
+    set_peer_timeout,
+)
 from app.transport.websocket import (
     StreamConnection,
     admit_socket,
@@ -205,7 +212,8 @@ class LocalSessions:
         task.add_done_callback(self._peers.discard)
         location = str(request.url_for("attach_peer", session_id=session_id).path)
         return Response(answer, status_code=201, media_type="application/sdp",
-                        headers={"Location": location, "X-Session-Id": session_id})
+                        headers={"Location": location, "X-Session-Id": session_id,
+                                 **ice_server_links(self.service.settings.webrtc_ice_servers)})
 
 
 def _stream_url(request: Request, session_id: str) -> str:

@@ -72,6 +72,28 @@ class ClusterSettings(BaseModel):
     )
 
 
+class IceServer(BaseModel):
+    """A STUN or TURN server for WebRTC peers (the server's own and, through ``Link`` headers, its clients')."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    urls: str = Field(max_length=512, pattern=r"^(stun|stuns|turn|turns):[^\s<>\",;]+$",
+                      description="stun:, stuns:, turn: or turns: URL (RFC 7064/7065)")
+    username: str | None = Field(default=None, max_length=256, pattern=r"^[^\s\"]*$")
+    credential: str | None = Field(default=None, max_length=256, pattern=r"^[^\s\"]*$")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_url(cls, value):
+        return {"urls": value} if isinstance(value, str) else value  # a plain URL: a STUN server, most often
+
+    @model_validator(mode="after")
+    def _turn_has_credentials(self) -> "IceServer":
+        if self.urls.startswith("turn") and (self.username is None or self.credential is None):
+            raise ValueError("a TURN server needs a username and a credential")
+        return self
+
+
 class InputLimits(BaseModel):
     """Bounds on pictures and video a client sends (docs/PROTOCOL.md, "Pictures and video in")."""
 
@@ -128,9 +150,11 @@ class Settings(BaseSettings):
         default=30.0, ge=1.0, le=600.0,
         description="a WebRTC peer whose network is gone (no ICE consent answers) is dropped after about this long",
     )
-    webrtc_ice_servers: list[str] = Field(
+    webrtc_ice_servers: list[IceServer] = Field(
         default_factory=list, max_length=16,
-        description="STUN/TURN URLs for WebRTC peers; empty (the default): host candidates only, nothing is contacted",
+        description="STUN/TURN servers for WebRTC peers (a URL, or {urls, username, credential}), used by the server "
+                    "and told to clients (Link headers); empty (the default): host candidates only, nothing is "
+                    "contacted",
     )
     stall_chunks: float = Field(
         default=2.0, ge=0.5, le=64,

@@ -437,6 +437,7 @@ def test_a_webrtc_offer_through_the_front_end_is_answered_by_a_worker_that_strea
     async def scenario() -> None:
         async with httpx.AsyncClient(base_url=front.base_url, timeout=30) as rest:
             await _wait_for_empty_workers(rest)
+            assert (await rest.options("/v1/webrtc")).status_code == 204  # no STUN/TURN configured: no Link
             peer = Peer()
             answer = await peer.connect(front.base_url)
             assert answer.status_code == 201, answer.text

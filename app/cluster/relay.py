@@ -54,7 +54,7 @@ log = logging.getLogger("arstream.cluster")
 ABNORMAL_CLOSE_CODES = (None, 1005, 1006)  # no close frame from the worker: it died, or dropped the socket
 LOSS_VERDICT_S = 2.0  # a worker socket that dropped: how long to wait for the pool to say the worker died
 # Response headers a worker's answer keeps on its way through the front end (a WebRTC answer's resource too).
-KEPT_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate", "location", "x-session-id")
+KEPT_RESPONSE_HEADERS = ("content-type", "retry-after", "www-authenticate", "location", "x-session-id", "link")
 
 
 class WorkerUnreachable(Exception):

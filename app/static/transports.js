@@ -39,7 +39,34 @@ export class PeerTransport {
     this.kind = "webrtc";
     this.handlers = handlers;  // {onText, onClose, onError}
     this.video = video;
-    this.pc = new RTCPeerConnection({ iceServers: [] });  // host candidates: the server's own are enough here
+    this.pc = null;            // made in connect(), once the server said which STUN/TURN servers to use
+    this.channel = null;
+    this.videoTransceiver = null;
+    this.closed = false;
+    this.resource = null;      // the session's WebRTC resource (Location), for DELETE
+  }
+
+  // The server's STUN/TURN servers, as WHEP tells them: `Link: <url>; rel="ice-server"; username=...` on
+  // OPTIONS /v1/webrtc. None configured (the default): host candidates only.
+  async iceServers(headers) {
+    let link = null;
+    try { link = (await fetch("/v1/webrtc", { method: "OPTIONS", headers })).headers.get("Link"); } catch { /* none */ }
+    const servers = [];
+    for (const value of (link || "").split(/,(?=\s*<)/)) {
+      const url = /<([^>]+)>/.exec(value);
+      if (!url || !/rel="ice-server"/.test(value)) continue;
+      const server = { urls: url[1] };
+      const username = /username="([^"]*)"/.exec(value);
+      const credential = /credential="([^"]*)"/.exec(value);
+      if (username && credential) { server.username = username[1]; server.credential = credential[1]; }
+      servers.push(server);
+    }
+    return servers;
+  }
+
+  setUp(iceServers) {
+    const handlers = this.handlers;
+    this.pc = new RTCPeerConnection({ iceServers });
     // One video transceiver both ways: the server's frames come in, the camera (when on) goes out on it, so
     // switching the camera on needs no renegotiation (replaceTrack).
     this.videoTransceiver = this.pc.addTransceiver("video", { direction: "sendrecv" });
@@ -52,22 +79,23 @@ export class PeerTransport {
       this.stream.addTrack(ev.track);
       if (this.video.srcObject !== this.stream) this.video.srcObject = this.stream;
     };
-    this.closed = false;
     this.pc.onconnectionstatechange = () => {
       if (["failed", "closed"].includes(this.pc.connectionState) && !this.closed) {
         this.closed = true;
         handlers.onClose(`peer ${this.pc.connectionState}`);
       }
     };
-    this.resource = null;  // the session's WebRTC resource (Location), for DELETE
   }
 
   async connect() {
+    const auth = {};
+    const token = bearerToken();
+    if (token) auth.Authorization = `Bearer ${token}`;
+    this.setUp(await this.iceServers(auth));
+    if (this.closed) throw new Error("closed");
     await this.pc.setLocalDescription(await this.pc.createOffer());
     await this.iceGathered();
-    const headers = { "Content-Type": "application/sdp" };
-    const token = bearerToken();
-    if (token) headers.Authorization = `Bearer ${token}`;
+    const headers = { ...auth, "Content-Type": "application/sdp" };
     const answer = await fetch("/v1/webrtc", { method: "POST", headers, body: this.pc.localDescription.sdp });
     if (answer.status !== 201) {
       let detail = `HTTP ${answer.status}`;
@@ -104,18 +132,22 @@ export class PeerTransport {
     });
   }
 
-  get isOpen() { return this.channel.readyState === "open"; }
-  get bufferedAmount() { return this.channel.bufferedAmount; }
+  get isOpen() { return this.channel !== null && this.channel.readyState === "open"; }
+  get bufferedAmount() { return this.channel ? this.channel.bufferedAmount : 0; }
   send(text) { this.channel.send(text); }
   sendBinary() { throw new Error("pictures go over the socket"); }
 
   // The camera as the session's live input (null: off).
-  setCamera(track) { return this.videoTransceiver.sender.replaceTrack(track); }
+  setCamera(track) {
+    return this.videoTransceiver ? this.videoTransceiver.sender.replaceTrack(track) : Promise.resolve();
+  }
 
   close() {
     this.closed = true;
-    this.channel.onmessage = this.channel.onclose = null;
-    this.pc.onconnectionstatechange = null;
-    this.pc.close();
+    if (this.channel) this.channel.onmessage = this.channel.onclose = null;
+    if (this.pc) {
+      this.pc.onconnectionstatechange = null;
+      this.pc.close();
+    }
   }
 }

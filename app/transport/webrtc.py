@@ -20,7 +20,8 @@ One peer connection per session (:class:`PeerStream`):
   counted like socket frames when it outruns the engine.
 
 Host ICE candidates only by default: nothing reaches a STUN or TURN server unless the service's
-``webrtc_ice_servers`` lists some (passed through to aiortc and to the client's answer).
+``webrtc_ice_servers`` lists some: the server gathers through them, and tells clients of them as WHEP does
+(``Link`` headers on ``OPTIONS /v1/webrtc`` and on every answer).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from app.schemas import (
     to_text,
 )
 from app.security import Caller, TokenBucket
+from app.settings import IceServer
 from app.transport.controls import apply_control
 from app.transport.webrtc_media import SessionAudioTrack, SessionVideoTrack, Timeline, read_camera
 from engine.errors import EngineError, NotLive, SessionClosed, UnknownSession
@@ -119,8 +121,21 @@ def _candidate_address(line: str) -> str:
     return fields[4].rstrip("\r").lower() if len(fields) > 4 else ""
 
 
-def ice_servers(urls: list[str]) -> list[RTCIceServer]:
-    return [RTCIceServer(urls=url) for url in urls]
+def ice_servers(servers: list[IceServer]) -> list[RTCIceServer]:
+    """The configured STUN/TURN servers, as aiortc takes them (the server's own candidates)."""
+    return [RTCIceServer(urls=s.urls, username=s.username, credential=s.credential) for s in servers]
+
+
+def ice_server_links(servers: list[IceServer]) -> dict[str, str]:
+    """The configured STUN/TURN servers as WHEP tells a client: one ``Link`` header of ``rel="ice-server"`` values
+    (empty: no header). A client configures its peer connection with them before it makes its offer."""
+    values = []
+    for server in servers:
+        value = f'<{server.urls}>; rel="ice-server"'
+        if server.username is not None:
+            value += f'; username="{server.username}"; credential="{server.credential}"; credential-type="password"'
+        values.append(value)
+    return {"Link": ", ".join(values)} if values else {}
 
 
 class PeerStream:
