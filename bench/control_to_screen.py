@@ -16,7 +16,7 @@ Cases:
   with a bright square moving with the frame count (the marker), and reads the square's place in the frames shown:
   send of camera frame k -> the first frame on screen that shows frame k's marker.
 
-`--transport webrtc` runs the prompt case over a WebRTC peer instead (bench/webrtc_viewer.py: aiortc, "on screen"
+`--transport webrtc` runs the case over a WebRTC peer instead (the live case: the camera as a video track) (bench/webrtc_viewer.py: aiortc, "on screen"
 when aiortc hands over the decoded frame); `--transport both` runs the socket and then WebRTC, each on its own
 server, so the two are compared in one run (and the server's CPU seconds of each: the engine's work is the
 same, the difference is each transport's own encoding).
@@ -96,16 +96,21 @@ def decode_segment(init: bytes, segment: bytes) -> list[np.ndarray]:
         return [frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)]
 
 
-def marker_frame(index: int, width: int, height: int) -> bytes:
-    """Camera frame ``index``: dark grey with a white square whose place moves with the frame count (JPEG)."""
-    from PIL import Image
-
+def marker_pixels(index: int, width: int, height: int) -> np.ndarray:
+    """Camera frame ``index``: dark grey with a white square whose place moves with the frame count (RGB)."""
     pixels = np.full((height, width, 3), 40, np.uint8)
     x = marker_x(index, width)
     y = (height - MARKER) // 2
     pixels[y:y + MARKER, x:x + MARKER] = 255
+    return pixels
+
+
+def marker_frame(index: int, width: int, height: int) -> bytes:
+    """Camera frame ``index`` as the socket sends it (JPEG)."""
+    from PIL import Image
+
     out = io.BytesIO()
-    Image.fromarray(pixels).save(out, format="JPEG", quality=90)
+    Image.fromarray(marker_pixels(index, width, height)).save(out, format="JPEG", quality=90)
     return out.getvalue()
 
 
@@ -302,7 +307,13 @@ def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str,
         server.start()
         ready = server.wait_ready(args.ready_timeout)
         cpu_before = _cpu_seconds(server.process.pid)
-        if transport == "webrtc":
+        if transport == "webrtc" and args.live is not None:
+            from webrtc_viewer import run_webrtc_live
+
+            result = asyncio.run(run_webrtc_live(server.url, args, seconds=args.seconds,
+                                                 prompt=caption(COLOURS[0], BACKGROUNDS[0]), picture=marker_pixels,
+                                                 read_marker=read_marker, marker_x=marker_x))
+        elif transport == "webrtc":
             from webrtc_viewer import run_webrtc_case
 
             result = asyncio.run(run_webrtc_case(server.url, args, seconds=args.seconds, caption=caption,
@@ -342,8 +353,6 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("server_args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
-    if args.live is not None and args.transport != "websocket":
-        parser.error("--live runs over the socket only (its camera frames are JPEG messages)")
     server_args = [a for a in args.server_args if a != "--"]
     if args.seconds is None:
         args.seconds = args.first_change + args.changes * args.interval + 4.0 if args.live is None else 30.0

@@ -10,6 +10,10 @@ frame times after the first second (the server paces; nothing else should leave 
 Control to screen = the send of a `prompt` on the data channel -> the first frame handed over whose pts is at or
 after the chunk that names the message (`chunk.controls`); with ``--read-pixels`` also -> the first frame that
 reads as what was asked (world.measure).
+
+Live (``--live STRENGTH``): the peer sends a camera track of marker frames (control_to_screen.marker_frame's
+picture: a white square whose place moves with the frame count) at 16 frames/s; camera frame k's effect on screen
+= the moment the track hands frame k to its encoder -> the first frame handed over that shows frame k's marker.
 """
 
 from __future__ import annotations
@@ -18,20 +22,51 @@ import asyncio
 import json
 import time
 
+import fractions
+
+import av
 import httpx
 import numpy as np
-from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
+from aiortc import MediaStreamTrack, RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
 VIDEO_CLOCK = 90_000  # RTP's video clock rate
 STALL_FRAMES = 2.0  # a gap of more than this many frame times between frames handed over is a stall
 STARTUP_S = 1.0
 
 
+class MarkerCamera(MediaStreamTrack):
+    """A camera of marker frames at ``fps``: frame k (its white square at ``place(k)``) handed over at start + k/fps;
+    ``sent[k]`` is when."""
+
+    kind = "video"
+
+    def __init__(self, width: int, height: int, fps: int, picture) -> None:
+        super().__init__()
+        self.width, self.height, self.fps, self.picture = width, height, fps, picture
+        self.sent: list[float] = []
+        self._start: float | None = None
+
+    async def recv(self) -> av.VideoFrame:
+        k = len(self.sent)
+        if self._start is None:
+            self._start = time.monotonic()
+        wait = self._start + k / self.fps - time.monotonic()
+        if wait > 0:
+            await asyncio.sleep(wait)
+        frame = av.VideoFrame.from_ndarray(self.picture(k, self.width, self.height), format="rgb24")
+        frame.pts, frame.time_base = k * VIDEO_CLOCK // self.fps, fractions.Fraction(1, VIDEO_CLOCK)
+        self.sent.append(time.monotonic())
+        return frame
+
+
 class WebRTCViewer:
-    def __init__(self, fps: int = 16) -> None:
+    def __init__(self, fps: int = 16, camera: MarkerCamera | None = None) -> None:
         self.fps = fps
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=[]))
-        self.pc.addTransceiver("video", direction="recvonly")
+        if camera is not None:
+            self.pc.addTransceiver(camera, direction="sendrecv")  # the camera out, the session's video in
+        else:
+            self.pc.addTransceiver("video", direction="recvonly")
         self.pc.addTransceiver("audio", direction="recvonly")
         self.channel = self.pc.createDataChannel("arstream")
         self.opened = asyncio.Event()
@@ -178,3 +213,33 @@ def _pixels(frames, named_pts: int, at: float, kind: str, expected: str) -> dict
         if got == expected:
             return {"pixels_s": shown - at}
     return {}
+
+
+async def run_webrtc_live(url: str, args, *, seconds: float, prompt: str, picture, read_marker, marker_x,
+                          width: int = 256, height: int = 144) -> dict:
+    """The live case over a peer: camera frame k's marker -> the first frame handed over that shows it."""
+    fps = 16
+    camera = MarkerCamera(width, height, fps, picture)
+    viewer = WebRTCViewer(fps, camera)
+    viewer.keep_pixels = True
+    started = time.monotonic()
+    await viewer.connect(url)
+    viewer.send({"type": "start", "prompt": prompt, "seed": args.seed,
+                 "options": {"pace": True}, "id": "start"})
+    viewer.send({"type": "live", "strength": args.live, "id": "live"})
+    await asyncio.sleep(max(0.0, started + seconds - time.monotonic()))
+    viewer.send({"type": "close"})
+    await asyncio.sleep(0.2)
+    await viewer.close()
+    latencies = []
+    for _, shown, rgb in viewer.frames:
+        x = read_marker(rgb)
+        if x is None:
+            continue
+        candidates = [k for k, at in enumerate(camera.sent) if at <= shown and abs(marker_x(k, width) - x) <= 3]
+        if candidates:
+            latencies.append(shown - camera.sent[candidates[-1]])
+    live = _stats(latencies) | {"frames_read": len(latencies)}
+    return {"transport": "webrtc", "frames_shown": len(viewer.frames), "camera_frames_sent": len(camera.sent),
+            "first_media_s": round(viewer.frames[0][1] - started, 3) if viewer.frames else None,
+            "stalls": 0, "live": live}
