@@ -11,6 +11,10 @@
 # 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16;
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
+# TRANSPORT=both runs each prompt part over the socket and then over WebRTC (issue 29; needs aiortc's wheels in
+# .whl: aiortc, aioice, pylibsrtp, pyee, google-crc32c, pyopenssl, dnspython, ifaddr, and cryptography + cffi +
+# pycparser unless the image has them: about 8 MB, which with av's 36 MB is just over the 64 MiB a call carries
+# unless the image holds cryptography; `python3 bench/device/check_wheels.py --wheels .whl` says).
 # Everything lands in $OUT: one JSON per part and a tarball of the logs.
 set -u -o pipefail
 # shellcheck source=bench/device/common.sh
@@ -18,6 +22,7 @@ set -u -o pipefail
 start_run "${1:-560}"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 CHANGES=${CHANGES:-16}
+TRANSPORT=${TRANSPORT:-websocket}
 
 bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `arstream serve`'s)
   local name=$1 limit=$2; shift 2
@@ -28,12 +33,13 @@ bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `ar
 }
 
 if [ "${FAST:-1}" = 1 ]; then
-  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_prompt "${FAST_S:-140}" --changes "$CHANGES" --interval 3 -- \
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_prompt "${FAST_S:-140}" --changes "$CHANGES" --interval 3 \
+    --transport "$TRANSPORT" -- \
     --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention
 fi
 if [ "${TINY:-1}" = 1 ]; then
   # shellcheck disable=SC2046  # TINY_REF=0: without the reference run (the lead as before)
-  bench tiny_prompt "${TINY_S:-220}" --changes "$CHANGES" --interval 3 --read-pixels \
+  bench tiny_prompt "${TINY_S:-220}" --changes "$CHANGES" --interval 3 --read-pixels --transport "$TRANSPORT" \
     $([ "${TINY_REF:-1}" = 1 ] && echo --reference) -- --preset tiny --device cuda
 fi
 if [ "${TINY_LIVE:-1}" = 1 ]; then
