@@ -35,3 +35,30 @@ COLOUR_READER = """() => {
     };
     v.requestVideoFrameCallback(onFrame);
 }"""
+
+
+# Installs window.likeness(mode): how far the video element's frame is from the camera's preview
+# (`#input-video`), both cover-cropped to the video's aspect and scaled to 32 x 18: the mean absolute difference
+# per colour channel (0-255). mode "keep" keeps the video's current frame (window.kept); "kept" compares that
+# frame instead of the live one.
+LIKENESS = """() => {
+    const small = (source, sw, sh) => {
+        const c = document.createElement("canvas"); c.width = 32; c.height = 18;
+        const ctx = c.getContext("2d", { willReadFrequently: true });
+        const scale = Math.max(32 / sw, 18 / sh);
+        const w = sw * scale, h = sh * scale;
+        ctx.drawImage(source, (32 - w) / 2, (18 - h) / 2, w, h);
+        return ctx.getImageData(0, 0, 32, 18).data;
+    };
+    window.likeness = (mode) => {
+        const v = document.querySelector("#video"), cam = document.querySelector("#input-video");
+        if (mode === "keep") { window.kept = small(v, v.videoWidth, v.videoHeight); return null; }
+        const out = mode === "kept" ? window.kept : small(v, v.videoWidth, v.videoHeight);
+        const inp = small(cam, cam.videoWidth, cam.videoHeight);
+        let total = 0, n = 0;
+        for (let i = 0; i < out.length; i += 4) {
+            for (let k = 0; k < 3; k++) { total += Math.abs(out[i + k] - inp[i + k]); n += 1; }
+        }
+        return total / n;
+    };
+}"""
