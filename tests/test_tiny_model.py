@@ -7,11 +7,13 @@ docs/TINY_MODEL.md (``python -m train.score`` measures them).
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from train import checks
 from world.grammar import EXAMPLE_PROMPTS, SHAPES, Scene
+from world.measure import colour_name
 
 torch.set_num_threads(1)
 MIN_SHARE = 0.8  # of frames
@@ -110,6 +112,21 @@ def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
     result = _stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2)  # the model runs every block
     scores = checks.colour_scores(result.frames[-1], prompt)
     assert scores["object_present"] >= MIN_SHARE and scores["foreground_colour"] >= MIN_SHARE, scores
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 30: on the shipped weights a fast object fades once the session runs "
+                                        "past ~10 s (its area 0 % of the opening's at 18 s); passes once retrained")
+def test_a_fast_bouncing_object_keeps_half_its_opening_area_past_the_window(bundle):
+    """The demo's "a red circle bouncing on a blue background", 285 frames (18 s, far past the attention window):
+    the object keeps at least half its opening area, in its colour, in the last chunk's frames."""
+    prompt = Scene("circle", "red", "bouncing", "blue").caption
+    opening = checks.readings(np.concatenate(_stream(bundle, prompt, chunks=3).frames[1:]))
+    opening_area = float(np.median([r.foreground_pixels for r in opening]))
+    chunks = 24  # 9 + 12 * 23 frames
+    late = checks.readings(_stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2).frames[-1])
+    late_area = float(np.median([r.foreground_pixels for r in late]))
+    assert late_area >= 0.5 * opening_area, (opening_area, late_area)
+    assert np.mean([colour_name(r) == "red" for r in late]) >= MIN_SHARE
 
 
 def test_the_demo_pages_default_prompt_is_one_the_model_can_show():
