@@ -43,8 +43,9 @@ def build(**overrides) -> ModelBundle:
 
 @torch.no_grad()
 def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: tuple[int, str] | None = None,
-           keep_every: int = 1, decode_from: int = 0) -> Stream:
-    """``chunks`` blocks of a session; ``switch=(k, prompt)`` changes the prompt (soft) before chunk ``k``.
+           keep_every: int = 1, decode_from: int = 0, policy: str = "soft") -> Stream:
+    """``chunks`` blocks of a session; ``switch=(k, prompt)`` changes the prompt (``policy``: soft or recache)
+    before chunk ``k``.
 
     ``keep_every``: keep only every n-th chunk's frames (long sessions). ``decode_from``: decode only
     the chunks from this one on (long sessions: the model runs every block, the decoders start there
@@ -61,7 +62,7 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
     try:
         for index in range(chunks):
             if switch is not None and index == switch[0]:
-                pipeline.set_prompt(kv, progress, switch[1], "", "soft")
+                pipeline.set_prompt(kv, progress, switch[1], "", policy)
             clean = pipeline.run_block(kv, progress)
             if index < decode_from:
                 continue
