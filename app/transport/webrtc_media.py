@@ -100,7 +100,7 @@ class SessionAudioTrack(MediaStreamTrack):
         self.timeline = timeline
         self.sample_rate = sample_rate
         self.channels = channels
-        self._pcm: deque[np.ndarray] = deque()  # float32 [channels, n], contiguous from self._buffered_from
+        self._pcm: deque[np.ndarray] = deque()  # float32 [channels, n], contiguous from timeline sample self._next
         self._buffered = 0
         self._next = 0  # the timeline sample of the next frame sent
         self._started = False
