@@ -4,6 +4,7 @@
     access.py        who may be served: origin, then token → Caller (or AccessDenied)
     refusal.py       why a caller gets no session, as one transport-neutral value
     controls.py      the v1 control messages applied to a session, for any transport that carries them
+    messages.py      server messages every transport words alike (a chunk's ``chunk``, ``rate_limited``)
     rest.py          the REST transport: ApiError, the one JSON error shape, a refusal as 503 / 429
     websocket.py     the socket transport: accept or close unaccepted, a refusal as ``error`` + ``closed`` +
                      close code, then one attached socket (media pump, control receiver)

@@ -42,8 +42,6 @@ from app.registry import Attachment
 from app.schemas import (
     AckMessage,
     AudioInfo,
-    ChunkMessage,
-    ChunkTimingsOut,
     ClosedMessage,
     ErrorMessage,
     MediaAnnouncement,
@@ -57,6 +55,7 @@ from app.schemas import (
 from app.security import Caller, TokenBucket
 from app.settings import IceServer
 from app.transport.controls import apply_control
+from app.transport.messages import chunk_message, rate_limited
 from app.transport.webrtc_media import SessionAudioTrack, SessionVideoTrack, Timeline, read_camera
 from engine.errors import EngineError, NotLive, SessionClosed, UnknownSession
 from engine.session import Chunk, now_ms
@@ -70,10 +69,6 @@ MAX_OFFER_BYTES = 64 * 1024
 NEGOTIATION_TIMEOUT_S = 10.0  # an offer is answered within this (host candidates gather in milliseconds)
 CONNECT_TIMEOUT_S = 20.0  # a peer that never connects after its answer is dropped (its session detaches)
 MAX_PENDING_MESSAGES = 64  # server messages waiting for the data channel to open
-# The first frame goes to the encoder as it arrives: it plays then on the engine's playback clock, and every later
-# piece is released playout_margin_s before its time, so the peer's timeline needs no delay of its own for jitter
-# (0.05 s here was 0.05 s more control-to-screen, docs/BENCHMARKS.md).
-FIRST_FRAME_DELAY_S = 0.0
 
 
 class OfferRefused(Exception):
@@ -148,7 +143,7 @@ class PeerStream:
         settings = service.settings
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(settings.webrtc_ice_servers)))
         geometry = service.geometry
-        self.timeline = Timeline(geometry.fps, delay_s=FIRST_FRAME_DELAY_S)
+        self.timeline = Timeline(geometry.fps)
         self.video = SessionVideoTrack(self.timeline)
         self.audio = None
         if geometry.audio_sample_rate:
@@ -273,17 +268,9 @@ class PeerStream:
         self.video.push(chunk.pts, chunk.frames)
         if self.audio is not None and chunk.audio is not None:
             self.audio.push(chunk.audio_start, chunk.audio)
-        timings = chunk.timings
-        self._send(ChunkMessage(
-            index=chunk.index, pts=chunk.pts, frames=int(chunk.frames.shape[0]),
-            audio_samples=int(chunk.audio.shape[-1]) if chunk.audio is not None else 0,
-            timings=ChunkTimingsOut(started_at=timings.started_at, queued_ms=round(timings.queued_ms, 3),
-                                    denoise_ms=round(timings.denoise_ms, 3), decode_ms=round(timings.decode_ms, 3),
-                                    encode_ms=0.0, sent_at=now_ms()),
-            controls=[m.control_id for m in chunk.marks if m.control_id is not None] or None,
-        ))
+        self._send(chunk_message(chunk, 0.0))  # encoded by aiortc as the track sends each frame
         metrics = self.service.metrics
-        metrics.chunk_sent(int(chunk.frames.shape[0]), 0, (now_ms() - timings.started_at) / 1000.0, 0.0)
+        metrics.chunk_sent(int(chunk.frames.shape[0]), 0, (now_ms() - chunk.timings.started_at) / 1000.0, 0.0)
         for mark in chunk.marks:
             if mark.latency_s is not None:
                 metrics.control_shown(mark.kind, mark.latency_s)
@@ -365,15 +352,10 @@ class PeerStream:
         try:
             parsed = parse_client_message(message)
         except ProtocolError as error:
-            rate = settings.control_rate_per_s
-            return self._refuse(error if allowed else ProtocolError("rate_limited", f"more than {rate:g} messages "
-                                                                                    "per second; slow down",
-                                                                    error.message_id))
+            return self._refuse(error if allowed else rate_limited(settings.control_rate_per_s, error.message_id))
         metrics.count(metrics.client_messages, parsed.type)
         if not allowed:
-            rate = settings.control_rate_per_s
-            return self._refuse(ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down",
-                                              parsed.id))
+            return self._refuse(rate_limited(settings.control_rate_per_s, parsed.id))
         if isinstance(getattr(parsed, "input", None), MediaAnnouncement):
             return self._refuse(ProtocolError("input_unsupported", "pictures and clips go over the socket; over "
                                                                    "WebRTC the camera is a video track", parsed.id))

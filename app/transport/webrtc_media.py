@@ -34,18 +34,19 @@ MAX_QUEUED_FRAMES = 48  # two merged chunks: the engine releases media just in t
 
 class Timeline:
     """The viewer's clock for one peer: frame ``pts`` shows at ``anchor + pts / fps``. The first frame sets the
-    anchor (it shows ``delay_s`` after it arrives: the engine released it that much before its time); a frame
-    that comes after its time moves the clock on (a stall)."""
+    anchor: it shows as it arrives (it plays then on the engine's playback clock, and every later piece is
+    released ``playout_margin_s`` before its time, so the peer needs no delay of its own for jitter: 0.05 s here
+    was 0.05 s more control-to-screen, docs/BENCHMARKS.md); a frame that comes after its time moves the clock on
+    (a stall)."""
 
-    def __init__(self, fps: int, delay_s: float, clock=time.monotonic) -> None:
+    def __init__(self, fps: int, clock=time.monotonic) -> None:
         self.fps = fps
-        self.delay_s = delay_s
         self.clock = clock
         self.anchor: float | None = None
 
     def show_time(self, pts: int, arrived: float) -> float:
         if self.anchor is None:
-            self.anchor = arrived + self.delay_s - pts / self.fps
+            self.anchor = arrived - pts / self.fps
         due = self.anchor + pts / self.fps
         if arrived > due:  # late: it shows on arrival, and so does everything after it, that much later
             self.anchor += arrived - due

@@ -53,7 +53,6 @@ from app.schemas import (
     AckMessage,
     AudioInfo,
     ChunkMessage,
-    ChunkTimingsOut,
     ClosedMessage,
     ErrorMessage,
     MediaAnnouncement,
@@ -69,6 +68,7 @@ from app.schemas import (
 from app.security import PROTOCOL_SUBPROTOCOL, Caller, TokenBucket, client_address
 from app.transport.access import AccessDenied, identify
 from app.transport.controls import apply_control
+from app.transport.messages import chunk_message, rate_limited
 from app.transport.refusal import Refusal
 from app.transport.socket_input import ReceiverEnds, SocketInput
 from engine.errors import EngineError, SessionClosed, UnknownSession
@@ -472,23 +472,8 @@ class StreamConnection:
 
     async def _hand_over(self, chunk: Chunk, segment: bytes, encode_s: float) -> ChunkMessage:
         """The `chunk` message and its segment, back to back under the send lock."""
-        timings = chunk.timings
         async with self._send_lock:
-            message = ChunkMessage(
-                index=chunk.index,
-                pts=chunk.pts,
-                frames=int(chunk.frames.shape[0]),
-                audio_samples=int(chunk.audio.shape[-1]) if chunk.audio is not None else 0,
-                timings=ChunkTimingsOut(
-                    started_at=timings.started_at,
-                    queued_ms=round(timings.queued_ms, 3),
-                    denoise_ms=round(timings.denoise_ms, 3),
-                    decode_ms=round(timings.decode_ms, 3),
-                    encode_ms=round(encode_s * 1000.0, 3),
-                    sent_at=now_ms(),
-                ),
-                controls=[mark.control_id for mark in chunk.marks if mark.control_id is not None] or None,
-            )
+            message = chunk_message(chunk, encode_s * 1000.0)
             await self._send_text(to_text(message))
             await self._send_bytes(segment)
         return message
@@ -586,8 +571,7 @@ class StreamConnection:
         return leftover
 
     def _rate_limited(self, message_id: str | None) -> ProtocolError:
-        rate = self.service.settings.control_rate_per_s
-        return ProtocolError("rate_limited", f"more than {rate:g} messages per second; slow down", message_id)
+        return rate_limited(self.service.settings.control_rate_per_s, message_id)
 
     # --- sending ---------------------------------------------------------------------------------
     async def _send_error(self, error: ProtocolError) -> None:
