@@ -38,7 +38,10 @@ class TooManySessions(EngineError):
 
 
 class AttachedSocket(Protocol):
-    """What the table needs of an attached socket (``app.transport.websocket.StreamConnection``)."""
+    """What the table needs of an attached socket (``app.transport.websocket.StreamConnection``) or peer."""
+
+    # How long before it plays the consumer needs each paced piece (None: the engine's playout_margin_s).
+    playout_margin_s: float | None
 
     async def replace(self) -> None: ...
 
@@ -164,7 +167,7 @@ class SessionRegistry:
         if not status.is_open:
             raise SessionClosed(f"session is closed ({status.close_reason})")
         # From here to the return nothing awaits: the engine's attach and the timeline start agree.
-        status = self.engine.attach(session_id)
+        status = self.engine.attach(session_id, connection.playout_margin_s)
         record.connection = connection
         return Attachment(record=record, start_pts=status.counters.frames, audio_start=status.counters.audio_samples)
 

@@ -150,6 +150,14 @@ class Settings(BaseSettings):
         default=30.0, ge=1.0, le=600.0,
         description="a WebRTC peer whose network is gone (no ICE consent answers) is dropped after about this long",
     )
+    webrtc_playout_margin_s: float | None = Field(
+        default=None, ge=0.0, le=5.0,
+        description="how long before it plays a paced piece reaches a WebRTC peer's track; None (the default): the "
+                    "engine's playout_margin_s, as for the socket. The peer paces its frames in this process, so a "
+                    "smaller one saves control-to-screen time where the engine's blocks keep time; on the 2-core CPU "
+                    "0.05 s gave stalls, and sound later than the picture by its decoder's lookahead "
+                    "(docs/BENCHMARKS.md)",
+    )
     webrtc_ice_servers: list[IceServer] = Field(
         default_factory=list, max_length=16,
         description="STUN/TURN servers for WebRTC peers (a URL, or {urls, username, credential}), used by the server "

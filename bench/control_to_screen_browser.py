@@ -7,7 +7,11 @@ of the object's colour (red <-> yellow) clicked on the page. Two figures per cha
 - **pixels**: the click -> the first frame Chromium presents (requestVideoFrameCallback, `expectedDisplayTime`)
   whose pixels show the new colour (a canvas read of the shown frame: what a viewer sees);
 - **page**: what the page's own "to screen" readout timed (the click -> the first frame shown of the chunk that
-  names the change, `chunk.controls`).
+  names the change, `chunk.controls`), split in two: **named** (the click -> that chunk's message arrives: the
+  server's part) and **player** (that message -> its first frame shown: the release margin, the transport's
+  pacing, the browser's buffer, decode and paint);
+- **server**: the session's own control latency (`GET /v1/sessions/{id}`: arrival -> the first frame on the
+  viewer's clock, as the engine planned it).
 
 Also the page's first-chunk time, and frames shown per second. Prints ONE JSON line (and writes it to `--out`).
 
@@ -32,6 +36,25 @@ from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER  # noqa: E402
 
 COLOURS = ("red", "yellow")
 MIN_PIXELS = 20  # an object's colour counts as shown with this many pixels of it, more than of the other
+
+
+# The peer's receive side (WebRTC only): per kind, the jitter buffer's mean delay and target and the decode time
+# per frame (ms) -- where the player's share of the latency goes.
+RECEIVE_STATS = """async () => {
+  const pc = window.arstreamDemo.peer;
+  if (!pc) return null;
+  const out = {};
+  (await pc.getStats()).forEach((r) => {
+    if (r.type !== "inbound-rtp") return;
+    const n = r.jitterBufferEmittedCount || 0;
+    const per = (x) => (n && typeof x === "number" ? Math.round(1000 * x / n * 10) / 10 : null);
+    out[r.kind] = { jitter_buffer_ms: per(r.jitterBufferDelay), target_ms: per(r.jitterBufferTargetDelay),
+                    minimum_ms: per(r.jitterBufferMinimumDelay),
+                    decode_ms: r.framesDecoded ? Math.round(1000 * r.totalDecodeTime / r.framesDecoded * 10) / 10 : null,
+                    processing_ms: per(r.totalProcessingDelay), jitter_ms: r.jitter ? Math.round(1000 * r.jitter) : null };
+  });
+  return out;
+}"""
 
 
 def caption(colour: str) -> str:
@@ -77,11 +100,16 @@ def measure(url: str, transport: str, args) -> dict:
             waits = page.evaluate("() => window.waits")
             server_readout = page.inner_text("#server")
             first_chunk = page.inner_text("#ttfc")
+            session_id = page.evaluate("() => window.arstreamDemo.sessionId")
+            receive_stats = page.evaluate(RECEIVE_STATS)
+            server_latency = _server_control_latency(url, session_id)
             errors = page.inner_text("#errors")
         finally:
             page.close()
             browser.close()
     pixels, page_ms = [], [t["ms"] / 1000 for t in timed]
+    named = [t["namedMs"] / 1000 for t in timed if "namedMs" in t]
+    player = [(t["ms"] - t["namedMs"]) / 1000 for t in timed if "namedMs" in t]
     for clicked, colour in changes:
         other = "red" if colour == "yellow" else "yellow"
         first = next((f for f in shown if f["at"] > clicked and f[colour] > MIN_PIXELS and f[colour] > f[other]),
@@ -96,7 +124,18 @@ def measure(url: str, transport: str, args) -> dict:
             "waiting_events": waits, "frame_gaps_over_2_frames": len(late),
             "frame_gap_s": round(sum(late) / 1000, 3), "seconds_watched": round(span_s, 1),
             "pixels": _stats(pixels) | {"read": f"{len(pixels)} of {len(changes)}"},
-            "page": _stats(page_ms)}
+            "page": _stats(page_ms), "named": _stats(named), "player": _stats(player),
+            "server": server_latency, "receiver": receive_stats}
+
+
+def _server_control_latency(url: str, session_id: str | None) -> dict | None:
+    """The session's recent control latencies as the engine stamped them (count, median, p90, max: seconds)."""
+    if not session_id:
+        return None
+    import httpx
+
+    response = httpx.get(f"{url}/v1/sessions/{session_id}", timeout=10)
+    return response.json().get("control_latency") if response.status_code == 200 else None
 
 
 def main() -> None:
@@ -133,7 +172,8 @@ def main() -> None:
     for run in result["runs"]:
         print(f"{run['transport']:10s} pixels median {run['pixels'].get('median_s')} p90 {run['pixels'].get('p90_s')} "
               f"({run['pixels']['read']}) page median {run['page'].get('median_s')} "
-              f"first chunk {run['first_chunk']} gaps {run['frame_gaps_over_2_frames']} waiting {run['waiting_events']}",
+              f"named {run['named'].get('median_s')} player {run['player'].get('median_s')} "
+              f"server {(run['server'] or {}).get('median_s')} receiver {run['receiver']} first chunk {run['first_chunk']} gaps {run['frame_gaps_over_2_frames']} waiting {run['waiting_events']}",
               file=sys.stderr)
 
 

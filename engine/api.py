@@ -178,13 +178,15 @@ class Engine:
             return record
         return core.status(record.session_id)
 
-    def attach(self, session_id: str) -> SessionStatus:
+    def attach(self, session_id: str, margin_s: float | None = None) -> SessionStatus:
         """Mark a consumer attached; the queue is cleared (no replay: the consumer gets live chunks).
 
-        The snapshot returned says where the consumer's timeline starts (``frames``, ``audio_samples``).
+        ``margin_s``: how long before it plays the consumer needs each piece of a paced session (the engine's
+        ``playout_margin_s`` when None). The snapshot returned says where the consumer's timeline starts
+        (``frames``, ``audio_samples``).
         """
         core = self._known()
-        core.attach(session_id)
+        core.attach(session_id, margin_s)
         return core.status(session_id)
 
     def detach(self, session_id: str) -> None:

@@ -75,7 +75,9 @@ class Close:
 
 @dataclass(frozen=True)
 class Attach:
-    pass
+    # The new viewer's jitter margin (``EngineConfig.playout_margin_s`` when None): a peer whose track paces the
+    # frames in this process needs less than a player across the network.
+    margin_s: float | None = None
 
 
 @dataclass(frozen=True)

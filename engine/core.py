@@ -258,12 +258,12 @@ class EngineCore:
         self.wake.set()
         return new_state
 
-    def attach(self, session_id: str) -> None:
+    def attach(self, session_id: str, margin_s: float | None = None) -> None:
         """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
         record = self.record(session_id)
         if record.projected().state is SessionState.CLOSED:
             raise SessionClosed(f"session is closed ({record.close_reason or 'closing'})")
-        self.submit(session_id, Attach())
+        self.submit(session_id, Attach(margin_s))
         record.queue.clear()  # no replay: whatever waited belongs to the previous consumer
 
     def _apply_controls(self) -> None:
@@ -317,6 +317,7 @@ class EngineCore:
             self._cut_for_restart(record, now)
         elif isinstance(control, Attach):
             record.detached_at = None
+            record.playout.margin_s = self.config.playout_margin_s if control.margin_s is None else control.margin_s
             # A new viewer's playback starts at its first chunk.
             record.playout.reanchor = record.playout.anchor is not None
         elif isinstance(control, Detach):
@@ -422,10 +423,11 @@ class EngineCore:
     def lead_target(self, record: SessionRecord) -> float:
         """How far ahead of its viewer a paced session's made media runs before its next block is due: its next
         block's first frames (and the other live sessions' blocks, which may run first) must be made by the time
-        they are released, ``playout_margin_s`` before they play."""
+        they are released, the viewer's margin (``playout_margin_s`` unless its transport asked for another) before
+        they play."""
         others = sum(self.cost_of(r) for r in self._open_records()
                      if r is not record and r.pace and r.state is SessionState.ACTIVE)
-        return self._first_piece_cost(record) + others + self.config.playout_margin_s
+        return self._first_piece_cost(record) + others + record.playout.margin_s
 
     # --- the tick -------------------------------------------------------------------------------
     async def step(self) -> bool:

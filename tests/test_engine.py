@@ -280,11 +280,13 @@ def test_what_superseding_keeps_per_session_stays_within_what_admission_reserves
     assert runner.kv_manager.blocks_in_use == 0  # the held frames went back with the session
 
 
-@pytest.mark.parametrize("blocks_in_flight", [1, 2])
-def test_a_paced_session_sends_each_piece_just_before_it_plays_and_makes_it_just_in_time(blocks_in_flight):
+@pytest.mark.parametrize("blocks_in_flight, viewer_margin_s", [(1, None), (2, None), (1, 0.05)])
+def test_a_paced_session_sends_each_piece_just_before_it_plays_and_makes_it_just_in_time(blocks_in_flight,
+                                                                                         viewer_margin_s):
     """The lead lives on the server: each chunk leaves about the playout margin before it plays on the viewer's
     clock (never earlier), and its block was begun no more than ``lead_chunks`` blocks ahead of it (blocks
-    dispatched ahead of their delivery count as made: the bound holds with two in flight too)."""
+    dispatched ahead of their delivery count as made: the bound holds with two in flight too). A viewer that
+    attaches with a margin of its own (a WebRTC peer: 0.05 s) gets each chunk no earlier than that."""
 
     async def scenario():
         config = small_config(window_frames=3, lead_chunks=2, blocks_in_flight=blocks_in_flight)
@@ -292,6 +294,9 @@ def test_a_paced_session_sends_each_piece_just_before_it_plays_and_makes_it_just
         await engine.start()
         try:
             sid = engine.create_session(seed=1, prompt="paced", pace=True).session_id
+            if viewer_margin_s is not None:
+                engine.attach(sid, viewer_margin_s)
+            margin_s = config.playout_margin_s if viewer_margin_s is None else viewer_margin_s
             chunks = await take(engine, sid, 12)
             first_ready = chunks[0].ready_at
             block_seconds = 4 * config.frames_per_block / config.fps
@@ -299,7 +304,7 @@ def test_a_paced_session_sends_each_piece_just_before_it_plays_and_makes_it_just
             for chunk in chunks[1:]:
                 plays_at = chunk.pts / config.fps  # on the viewer's clock, from the first chunk's arrival
                 released_ahead = plays_at - (chunk.ready_at - first_ready) / 1000.0
-                assert released_ahead <= config.playout_margin_s + 0.02
+                assert released_ahead <= margin_s + 0.02
                 begun_ahead = plays_at - (chunk.timings.started_at - first_ready) / 1000.0
                 assert begun_ahead <= config.lead_chunks * block_seconds + 0.05
             # and pacing really held it back: 12 chunks of 45 frames play 2.8 s; they were not made in one go

@@ -85,7 +85,7 @@ class Session {
     this.frameSize = null;           // {width, height} of the session's video (live input is sent at this size)
     this.fps = null;
     this.controlsSent = new Map();   // id of a prompt change / reset / live change -> performance.now() at send
-    this.controlsDue = [];           // {id, sentAt, mediaTime}: named by a chunk, waiting to be on screen
+    this.controlsDue = [];           // {id, sentAt, namedAt, pts}: named by a chunk, waiting to be on screen
     this.toScreen = [];              // ms from sending a control to its first frame shown
 
     this.transport = null;           // SocketTransport or PeerTransport (transports.js)
@@ -259,7 +259,7 @@ class Session {
       const sentAt = this.controlsSent.get(id);
       if (sentAt === undefined) continue;
       this.controlsSent.delete(id);
-      this.controlsDue.push({ id, sentAt, pts: chunk.pts });
+      this.controlsDue.push({ id, sentAt, namedAt: now, pts: chunk.pts });
       watchFrames(this);
     }
     if (this.firstChunkMs === null) this.firstChunkMs = now - this.startClick;
@@ -391,7 +391,10 @@ function watchFrames(s, always = false) {
       if (pts === null || pts < due.pts) return true;
       s.toScreen.push(shownAt - due.sentAt);
       if (s.toScreen.length > CONTROL_KEEP) s.toScreen.shift();
-      window.arstreamDemo.toScreen.push({ id: due.id, ms: shownAt - due.sentAt, pts, mediaTime: pts / (s.fps || 16) });
+      // namedMs: the chunk naming the control arrived (the server's part and the network's); the rest is the
+      // player's (its buffer, the transport's pacing, decode and paint).
+      window.arstreamDemo.toScreen.push({ id: due.id, ms: shownAt - due.sentAt, namedMs: due.namedAt - due.sentAt,
+                                          pts, mediaTime: pts / (s.fps || 16) });
       return false;
     });
     if ((s.controlsDue.length || s.watchAlways) && s === current && s.state !== "closed") {

@@ -67,6 +67,7 @@ export class PeerTransport {
   setUp(iceServers) {
     const handlers = this.handlers;
     this.pc = new RTCPeerConnection({ iceServers });
+    if (window.arstreamDemo) window.arstreamDemo.peer = this.pc;  // for tests and benchmarks: getStats()
     // One video transceiver both ways: the server's frames come in, the camera (when on) goes out on it, so
     // switching the camera on needs no renegotiation (replaceTrack).
     this.videoTransceiver = this.pc.addTransceiver("video", { direction: "sendrecv" });

@@ -33,24 +33,54 @@ MAX_QUEUED_FRAMES = 48  # two merged chunks: the engine releases media just in t
 
 
 class Timeline:
-    """The viewer's clock for one peer: frame ``pts`` shows at ``anchor + pts / fps``. The first frame sets the
-    anchor: it shows as it arrives (it plays then on the engine's playback clock, and every later piece is
-    released ``playout_margin_s`` before its time, so the peer needs no delay of its own for jitter: 0.05 s here
-    was 0.05 s more control-to-screen, docs/BENCHMARKS.md); a frame that comes after its time moves the clock on
-    (a stall)."""
+    """The viewer's clock for one peer: frame ``pts`` shows at ``anchor + pts / fps``.
 
-    def __init__(self, fps: int, clock=time.monotonic) -> None:
+    The first frame sets the anchor: it shows as it arrives (it plays then on the engine's playback clock, and every
+    later piece is released the peer's margin, ``margin_s``, before its time, so the peer needs no delay of its own
+    for jitter: 0.05 s here was 0.05 s more control-to-screen, docs/BENCHMARKS.md). A frame that comes after its
+    time moves the clock on (a stall). Behind the engine's clock after a stall (every frame of the last
+    ``CATCH_UP_WINDOW_S`` waited longer than the margin), the peer catches up by sending frames a little sooner
+    (``CATCH_UP_RATE``), so a stall does not add to every later control's time to the screen.
+    """
+
+    CATCH_UP_WINDOW_S = 2.0
+    CATCH_UP_RATE = 0.1  # at most this part of a frame's time taken off each frame: playback 1.1x while behind
+    CATCH_UP_TOLERANCE_S = 0.02
+
+    def __init__(self, fps: int, margin_s: float = 0.0, clock=time.monotonic) -> None:
         self.fps = fps
+        self.margin_s = margin_s
         self.clock = clock
         self.anchor: float | None = None
+        self.stalls = 0  # frames that came after their time
+        self.stalled_s = 0.0  # how far the clock moved on for them
+        self.caught_up_s = 0.0  # how far it was brought back since
+        self.min_slack_s: float | None = None  # the least time a frame waited for its time (the margin left)
+        self._slack: deque[float] = deque(maxlen=max(1, round(self.CATCH_UP_WINDOW_S * fps)))
 
     def show_time(self, pts: int, arrived: float) -> float:
         if self.anchor is None:
             self.anchor = arrived - pts / self.fps
+            return arrived
         due = self.anchor + pts / self.fps
         if arrived > due:  # late: it shows on arrival, and so does everything after it, that much later
+            self.stalls += 1
+            self.stalled_s += arrived - due
             self.anchor += arrived - due
-            due = arrived
+            self._slack.clear()
+            return arrived
+        slack = due - arrived
+        self.min_slack_s = slack if self.min_slack_s is None else min(self.min_slack_s, slack)
+        self._slack.append(slack)
+        if len(self._slack) == self._slack.maxlen:
+            # Behind by what it stalled and has not made up, as far as the pieces' slack shows it.
+            behind = min(min(self._slack) - self.margin_s, self.stalled_s - self.caught_up_s)
+            if behind > self.CATCH_UP_TOLERANCE_S:
+                step = min(behind, self.CATCH_UP_RATE / self.fps)
+                self.anchor -= step
+                self.caught_up_s += step
+                self._slack = deque((x - step for x in self._slack), maxlen=self._slack.maxlen)
+                due -= step
         return due
 
     def sample_time(self, sample: int, sample_rate: int) -> float | None:

@@ -231,6 +231,8 @@ class MediaEncoder:
 class StreamConnection:
     """Serves one accepted socket attached to one session until the socket or the session ends."""
 
+    playout_margin_s = None  # the engine's: the network and the client's player are between a piece and the screen
+
     def __init__(self, websocket: WebSocket, service: Service, session_id: str, caller: Caller) -> None:
         self.websocket = websocket
         self.service = service
