@@ -15,7 +15,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.models.presets import get_preset
+from engine.models.presets import PRESETS, get_preset
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -225,11 +225,17 @@ class EngineConfig(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _model_dir_settings(cls, data):
-        """Fields not given (or given as None) take the model directory's arstream.json values."""
-        if isinstance(data, dict) and data.get("model_dir") is not None:
+        """Fields not given (or given as None) take the model directory's arstream.json values, or, for a preset's
+        shipped weights, the settings they are served with (``ModelPreset.weights_settings``)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("model_dir") is not None:
             from engine.models.loading import with_model_settings
 
-            data = with_model_settings(data)
+            return with_model_settings(data)
+        preset = PRESETS.get(data.get("preset") or cls.model_fields["preset"].default)  # unknown: the field says so
+        if preset is not None and preset.weights is not None and not data.get("random_weights"):
+            data = {**data, **{key: value for key, value in preset.weights_settings.items() if data.get(key) is None}}
         return data
 
     @field_validator("device")

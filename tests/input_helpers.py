@@ -41,8 +41,8 @@ def round_trip(bundle, frames: np.ndarray) -> np.ndarray:
 def run_session(runner, session_id: str, prompt: str, *, blocks: int, seed: int = 0, context=None,
                 live: np.ndarray | None = None, strength: float = 0.0) -> list[np.ndarray]:
     """A session's chunks (uint8 frames each): opened (from ``context`` frames, when given), then ``blocks`` blocks,
-    each offered the next frames of ``live`` at ``strength`` (a block takes 9, then 12; the core's bookkeeping:
-    what the runner says a work took leaves the offer). Released at the end."""
+    each offered the next frames of ``live`` at ``strength`` (a block's worth: the opening block takes 4 fewer; the
+    core's bookkeeping: what the runner says a work took leaves the offer). Released at the end."""
     outputs = []
     first_step = runner.pipeline.first_step_for(strength)
     used = 0
@@ -64,7 +64,8 @@ def run_session(runner, session_id: str, prompt: str, *, blocks: int, seed: int 
     try:
         work(SessionWork(session_id, open=OpenSession(seed, prompt, "", context)))
         while len(outputs) < blocks + (context is not None):
-            offer = None if live is None else LiveFrames(first_step, tuple(live[used : used + 12]), used)
+            block = 4 * runner.pipeline.frames_per_block
+            offer = None if live is None else LiveFrames(first_step, tuple(live[used : used + block]), used)
             work(SessionWork(session_id, run=True, live=offer))
     finally:
         runner.release(session_id, "test")

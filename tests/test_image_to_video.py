@@ -42,7 +42,8 @@ def test_image_start_shows_the_codecs_round_trip_first_and_another_image_differs
     scene = Scene("circle", "red", "still", "blue")
     left, right = scene_picture(scene, 64, 72), scene_picture(scene, 192, 72)
     chunks = run_session(runner, "image", scene.caption, blocks=1, context=left)
-    assert [c.shape[0] for c in chunks] == [1, 12]  # the image (no audio), then a whole block: it continues
+    # The image (no audio), then a whole block: it continues.
+    assert [c.shape[0] for c in chunks] == [1, 4 * bundle.pipeline.frames_per_block]
     # The first frame is the image as the model's codec reproduces it (PSNR bound: 60 dB, i.e. within
     # rounding; measured: identical) and close to the image itself (measured ~39 dB; bound 30 dB).
     assert psnr(chunks[0][0], round_trip(bundle, left)[0]) >= 60.0
@@ -59,7 +60,8 @@ def test_image_start_shows_the_codecs_round_trip_first_and_another_image_differs
 def test_an_image_of_a_red_circle_on_blue_keeps_a_red_object_on_blue_for_3_seconds(runner):
     """From a picture of the scene, the model keeps it (measured on the shipped weights: docs/TINY_MODEL.md)."""
     scene = Scene("circle", "red", "bouncing", "blue")
-    chunks = run_session(runner, "red-on-blue", scene.caption, blocks=4, context=scene_frames(scene, 3, 1))
+    blocks = -(-FRAMES_3S // (4 * runner.pipeline.frames_per_block))  # 3 s of generated frames
+    chunks = run_session(runner, "red-on-blue", scene.caption, blocks=blocks, context=scene_frames(scene, 3, 1))
     generated = np.concatenate(chunks[1:])
     assert generated.shape[0] >= FRAMES_3S
     scores = checks.colour_scores(generated[:FRAMES_3S], scene.caption)
@@ -105,5 +107,6 @@ def test_reset_restarts_from_the_image_unless_told_otherwise(bundle, runner):
     assert runner.device_sessions[sid].context is not None
     plain = outputs(SessionWork(sid, reset=True, reset_context=InputContext(None), run=True))
     assert runner.device_sessions[sid].context is None
-    assert plain[0].shape[0] == 9  # from the prompt alone: a session's usual first block
+    # From the prompt alone: a session's usual first block (its first latent frame decodes to one frame).
+    assert plain[0].shape[0] == 4 * runner.pipeline.frames_per_block - 3
     runner.release(sid, "test")

@@ -17,7 +17,11 @@ from train import checks
 from world.grammar import Scene
 
 torch.set_num_threads(1)
-BLOCKS = 4  # 9 + 3 x 12 = 45 frames of input and output
+LATENT_FRAMES = 12  # 45 frames of input and output (1 + 11 x 4), in blocks of the model's length
+
+
+def blocks(runner) -> int:
+    return LATENT_FRAMES // runner.pipeline.frames_per_block
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +40,9 @@ def test_strength_zero_returns_the_codecs_round_trip_of_the_input(trained, movin
     bundle, runner = trained
     scene, frames = moving_input
     assert runner.pipeline.first_step_for(0.0) == runner.pipeline.num_steps  # no denoising step at all
-    output = np.concatenate(run_session(runner, "zero", scene.caption, blocks=BLOCKS, live=frames, strength=0.0))
+    output = np.concatenate(run_session(runner, "zero", scene.caption, blocks=blocks(runner), live=frames, strength=0.0))
     expected = round_trip(bundle, frames)
-    assert output.shape == expected.shape == frames.shape  # frame for frame: 9, then 12 per block
+    assert output.shape == expected.shape == frames.shape  # frame for frame, block after block
     # Normalised, committed as history, denormalised and decoded on the session's stream: within rounding.
     assert np.abs(output.astype(int) - expected.astype(int)).max() <= 1
 
@@ -49,7 +53,7 @@ def test_mid_strength_follows_the_inputs_object_and_changes_with_the_prompt(trai
     _, runner = trained
     scene, frames = moving_input
     assert runner.pipeline.strength_at(runner.pipeline.first_step_for(0.7)) == 0.625
-    output = np.concatenate(run_session(runner, "mid", scene.caption, blocks=BLOCKS, live=frames, strength=0.7))
+    output = np.concatenate(run_session(runner, "mid", scene.caption, blocks=blocks(runner), live=frames, strength=0.7))
     distances = []
     for ours, theirs in zip(output, frames):
         a, b = centroid(ours), centroid(theirs)
@@ -57,7 +61,7 @@ def test_mid_strength_follows_the_inputs_object_and_changes_with_the_prompt(trai
     assert np.median(distances) <= 8.0 and np.percentile(distances, 90) <= 12.0, distances
     travelled = np.linalg.norm(centroid(frames[-1]) - centroid(frames[0]))
     assert travelled > 40  # the input really moves: following it is not standing still
-    other = np.concatenate(run_session(runner, "mid", "a green triangle still on a purple background", blocks=BLOCKS,
+    other = np.concatenate(run_session(runner, "mid", "a green triangle still on a purple background", blocks=blocks(runner),
                                        live=frames, strength=0.7))
     assert mean_abs_step(other, output) > 10.0
 
@@ -68,14 +72,16 @@ def test_a_block_without_new_input_repeats_the_last_frame_and_the_stream_goes_on
     first = runner.pipeline.first_step_for(0.0)
     work = lambda live: StepPlan(work=[SessionWork("s", run=True, live=live)])  # noqa: E731
     runner.execute(StepPlan(work=[SessionWork("s", open=OpenSession(0, scene.caption, ""))]))
-    moving = runner.execute(work(LiveFrames(first, tuple(frames[:9]), 0))).outputs[0].frames
-    stopped = [runner.execute(work(LiveFrames(first, (), 9))) for _ in range(2)]  # the input stopped
+    opening = 4 * runner.pipeline.frames_per_block - 3  # the first block's frames (9 for blocks of 3)
+    moving = runner.execute(work(LiveFrames(first, tuple(frames[:opening]), 0))).outputs[0].frames
+    stopped = [runner.execute(work(LiveFrames(first, (), opening))) for _ in range(2)]  # the input stopped
     runner.release("s", "test")
-    assert all(len(result.outputs) == 1 and result.outputs[0].frames.shape[0] == 12 for result in stopped)
+    block = 4 * runner.pipeline.frames_per_block
+    assert all(len(result.outputs) == 1 and result.outputs[0].frames.shape[0] == block for result in stopped)
     # At strength 0 the output is the input: the last frame repeated gives a still output (the object stays
     # where the input left it), where the input's own frames moved.
     still = [centroid(frame) for frame in stopped[1].outputs[0].frames]
-    assert max(np.linalg.norm(c - centroid(frames[8])) for c in still) < 1.5
+    assert max(np.linalg.norm(c - centroid(frames[opening - 1])) for c in still) < 1.5
     assert np.linalg.norm(centroid(moving[-1]) - centroid(moving[0])) > 5.0
 
 

@@ -116,6 +116,9 @@ class ModelPreset:
     text_len: int = 512
     audio_vae_config: dict[str, Any] | None = None  # an AutoencoderOobleck config when the preset has audio
     weights: str | None = None  # shipped weights under engine/models/weights/ (engine.models.trained); None: seeded random
+    # EngineConfig fields the shipped weights are served with unless set (what a model directory's arstream.json
+    # is to its weights); not applied to random_weights.
+    weights_settings: dict[str, Any] = field(default_factory=dict)
     # "wan": the Wan VAE (vae_config) or, when asked, a TAEHV decoder of Wan2.1's latents;
     # "taehv": the preset's own TAEHV-class codec (codec_decoder / codec_encoder), always.
     video_codec: Literal["wan", "taehv"] = "wan"
@@ -134,6 +137,9 @@ PRESETS: dict[str, ModelPreset] = {
         width=256,
         audio_vae_config=TINY_AUDIO_VAE_CONFIG,
         weights="tiny",
+        # Trained with blocks of 3 latent frames, served with 2: every check of tests/test_tiny_model.py holds, and a
+        # control waits for at most a 0.5 s block instead of 0.75 s (docs/ENGINE.md, "The lead").
+        weights_settings={"frames_per_block": 2},
         video_codec="taehv",
         codec_decoder=TINY_CODEC_DECODER,
         codec_encoder=TINY_CODEC_ENCODER,
