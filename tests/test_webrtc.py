@@ -62,6 +62,13 @@ def test_a_peer_streams_the_prompts_colours_follows_a_change_is_replaced_by_a_se
         peer = Peer()
         answer = await peer.connect(server.base_url)
         assert answer.status_code == 201 and answer.headers["content-type"].startswith("application/sdp")
+        # The sound is in a media stream of its own: a browser does not hold the video back to lip-sync it.
+        streams = {}
+        for section in answer.text.split("m=")[1:]:
+            msid = next((line for line in section.splitlines() if line.startswith("a=msid:")), None)
+            if msid is not None:
+                streams[section.split(" ", 1)[0]] = msid[len("a=msid:"):].split(" ")[0]
+        assert set(streams) == {"video", "audio"} and streams["video"] != streams["audio"], streams
         session = await peer.wait_for(lambda m: m["type"] == "session")
         assert session["transport"] == "webrtc" and session["video"]["codec"] in ("h264", "vp8")
         assert answer.headers["location"] == f"/v1/sessions/{session['session_id']}/webrtc"
