@@ -22,8 +22,8 @@ MIN_SPEED_PX_S = 10.0
 # speed bound: the centroid reader jitters by ~0.2 px per frame on a generated edge, 2-4 px/s as a "speed" of an
 # object that goes nowhere (docs/TINY_MODEL.md); the moving motions travel 27-130 px/s.
 MAX_STILL_OFFSET_PX = 3.0
-CHUNKS_3S = 5  # 9 + 4 * 12 = 57 frames >= 48 = 3 s at 16 fps
 FRAMES_3S = 48
+FRAMES_CHECKED = 57  # what the content checks read: 3 s and more (9 + 4 * 12 with blocks of 3 latent frames)
 
 
 @pytest.fixture(scope="module")
@@ -31,8 +31,8 @@ def bundle():
     return checks.build()
 
 
-def _stream(bundle, prompt, seed=0, chunks=CHUNKS_3S, **kw):
-    return checks.stream(bundle, prompt, seed, chunks, **kw)
+def _stream(bundle, prompt, seed=0, chunks=None, **kw):
+    return checks.stream(bundle, prompt, seed, checks.chunks_for(bundle, FRAMES_CHECKED) if chunks is None else chunks, **kw)
 
 
 def test_tiny_preset_loads_the_shipped_weights_and_random_weights_still_differ(bundle):
@@ -62,7 +62,7 @@ def test_shape_is_the_prompted_one_for_every_shape_colour_and_seed(bundle):
         for colour in ("red", "yellow", "white"):
             for seed in (0, 1):
                 prompt = Scene(shape, colour, "drifting", "black").caption
-                share = checks.shape_score(_stream(bundle, prompt, seed, chunks=2).video, shape)
+                share = checks.shape_score(_stream(bundle, prompt, seed, chunks=checks.chunks_for(bundle, 21)).video, shape)
                 assert share >= MIN_SHARE, (prompt, seed, share)
 
 
@@ -119,7 +119,7 @@ def test_a_recache_shows_the_new_background_in_the_first_chunk_after_it_without_
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_audio_is_the_prompted_shapes_tone(bundle, shape):
-    result = _stream(bundle, Scene(shape, "white", "bouncing", "blue").caption, chunks=3)
+    result = _stream(bundle, Scene(shape, "white", "bouncing", "blue").caption, chunks=checks.chunks_for(bundle, 33))
     scores = checks.audio_score(result.mono, shape)
     assert scores["relative_error"] <= 0.05, scores
 
@@ -127,7 +127,7 @@ def test_audio_is_the_prompted_shapes_tone(bundle, shape):
 @pytest.mark.slow
 def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
     prompt = Scene("circle", "yellow", "orbiting", "blue").caption
-    chunks = 1 + (2000 - 9 + 11) // 12  # 9 + 12 k >= 2000 frames
+    chunks = checks.chunks_for(bundle, 2000)
     result = _stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2)  # the model runs every block
     scores = checks.colour_scores(result.frames[-1], prompt)
     assert scores["object_present"] >= MIN_SHARE and scores["foreground_colour"] >= MIN_SHARE, scores
@@ -139,9 +139,9 @@ def test_a_fast_bouncing_object_keeps_half_its_opening_area_past_the_window(bund
     """The demo's "a red circle bouncing on a blue background", 285 frames (18 s, far past the attention window):
     the object keeps at least half its opening area, in its colour, in the last chunk's frames."""
     prompt = Scene("circle", "red", "bouncing", "blue").caption
-    opening = checks.readings(np.concatenate(_stream(bundle, prompt, chunks=3).frames[1:]))
+    opening = checks.readings(np.concatenate(_stream(bundle, prompt, chunks=checks.chunks_for(bundle, 33)).frames[1:]))
     opening_area = float(np.median([r.foreground_pixels for r in opening]))
-    chunks = 24  # 9 + 12 * 23 frames
+    chunks = checks.chunks_for(bundle, 285)
     late = checks.readings(_stream(bundle, prompt, chunks=chunks, decode_from=chunks - 2).frames[-1])
     late_area = float(np.median([r.foreground_pixels for r in late]))
     assert late_area >= 0.5 * opening_area, (opening_area, late_area)

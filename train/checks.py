@@ -80,6 +80,13 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
     return out
 
 
+def chunks_for(bundle: ModelBundle, frames: int) -> int:
+    """Blocks (a stream's chunks) for at least ``frames`` frames in the bundle's block length (a session's first
+    latent frame decodes to one frame: 9 frames, then 12, with blocks of 3 latent frames; 5, then 8, with 2)."""
+    block = 4 * bundle.pipeline.frames_per_block
+    return 1 + max(0, -(-(frames - (block - 3)) // block))
+
+
 def readings(frames: np.ndarray) -> list[measure.FrameReading]:
     return [measure.read_frame(f) for f in frames]
 
