@@ -58,6 +58,12 @@ def test_blocks_made_again_equal_a_session_that_changed_its_prompt_before_them(b
     _check_made_again(bundle, blocks_back, skip_latents)
 
 
+def test_with_blocks_of_two_a_block_taken_back_mid_block_equals_the_changed_session():
+    """The shipped tiny weights are served with blocks of 2 latent frames: a take-back at the block's second
+    latent frame holds there too."""
+    _check_made_again(build_small(sink_frames=1, window_frames=3, audio=False, frames_per_block=2)[1], 1, 1)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_the_gpu_blocks_made_again_equal_a_session_that_changed_its_prompt_before_them():
@@ -106,7 +112,8 @@ def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
         new_latents[0][:, :, skip_latents:], new_latents[1]]
     viewer = decoder.to_uint8_tensor(decoder.decode_chunk(decoder.denormalize(torch.cat(sequence, dim=2)), state))
     sent_again = np.concatenate(again)
-    assert sent_again.shape[0] == 4 * (3 - skip_latents) + 12
+    per_block = bundle.pipeline.frames_per_block
+    assert sent_again.shape[0] == 4 * (per_block - skip_latents) + 4 * per_block
     np.testing.assert_array_equal(sent_again, viewer.cpu().numpy()[-sent_again.shape[0]:])
     # Nothing is left held: closing returns the pool whole.
     superseding.release("s", "test")
