@@ -9,10 +9,12 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 import av
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LOOKAHEAD_SAMPLES = 12 * 600  # the tiny audio codec's right receptive field (12 latent frames) x hop
@@ -35,10 +37,38 @@ def _tracks(path: Path) -> tuple[int, int | None, list[str]]:
     return frames, samples, codecs
 
 
-def test_generate_writes_video_and_the_streams_audio_of_the_requested_length(tmp_path):
-    out = tmp_path / "clip.mp4"
-    completed = subprocess.run(_generate("--prompt", "a kite", "--seconds", "1.5", "--seed", "3", "--out", str(out),
-                                         "--quiet"), capture_output=True, text=True, timeout=300, env=ENV)
+@pytest.fixture(scope="module")
+def generating(tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
+    """This module's three `arstream generate` processes (what each test runs, by the test's name), started
+    together: each keeps one core busy (one torch thread), so they share a 2-core machine. Each test then
+    reads, and the SIGINT one interrupts, its own."""
+    runs = {
+        "with_audio": ("clip.mp4", ("--prompt", "a kite", "--seconds", "1.5", "--seed", "3", "--quiet")),
+        "no_audio": ("silent.mp4", ("--prompt", "a kite", "--seconds", "0.5", "--no-audio", "--quiet")),
+        "sigint": ("long.mp4", ("--prompt", "a kite", "--seconds", "600", "--quiet")),
+    }
+    started = {}
+    try:
+        for name, (file_name, args) in runs.items():
+            out = tmp_path_factory.mktemp(name) / file_name
+            started[name] = (subprocess.Popen(_generate(*args, "--out", str(out)), stdout=subprocess.PIPE,
+                                              stderr=subprocess.PIPE, text=True, env=ENV), out)
+        yield started
+    finally:
+        for process, _ in started.values():
+            if process.poll() is None:
+                process.kill()
+            process.communicate()
+
+
+def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
+def test_generate_writes_video_and_the_streams_audio_of_the_requested_length(generating):
+    process, out = generating["with_audio"]
+    completed = _finished(process)
     assert completed.returncode == 0, completed.stderr
     assert "wrote 24 frames" in completed.stdout and "video and audio" in completed.stdout
     frames, samples, codecs = _tracks(out)
@@ -51,19 +81,16 @@ def test_generate_writes_video_and_the_streams_audio_of_the_requested_length(tmp
     assert first.shape == (48, 64, 3) and first.std() > 1.0
 
 
-def test_generate_without_audio_writes_one_track(tmp_path):
-    out = tmp_path / "silent.mp4"
-    completed = subprocess.run(_generate("--prompt", "a kite", "--seconds", "0.5", "--no-audio", "--out", str(out),
-                                         "--quiet"), capture_output=True, text=True, timeout=300, env=ENV)
+def test_generate_without_audio_writes_one_track(generating):
+    process, out = generating["no_audio"]
+    completed = _finished(process)
     assert completed.returncode == 0, completed.stderr
     frames, samples, codecs = _tracks(out)
     assert frames == 8 and samples is None and codecs == ["h264"]
 
 
-def test_sigint_during_generate_leaves_a_playable_file_and_one_line(tmp_path):
-    out = tmp_path / "long.mp4"
-    process = subprocess.Popen(_generate("--prompt", "a kite", "--seconds", "600", "--out", str(out), "--quiet"),
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+def test_sigint_during_generate_leaves_a_playable_file_and_one_line(generating):
+    process, out = generating["sigint"]
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.stat().st_size > 20_000):  # a few blocks are in the file

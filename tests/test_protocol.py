@@ -490,8 +490,9 @@ def test_health_answers_and_readiness_is_503_while_the_engine_warms_up():
     from app.main import create_app
     from tests.conftest import small_engine, wait_ready
 
-    # Many warm-up blocks at the full tiny size: the engine needs seconds before it is ready.
-    settings = Settings(engine=small_engine(height=144, width=256, warmup_blocks=16))
+    # The full tiny size: the engine needs seconds before it is ready. Warming up is the build (in the background,
+    # seconds of it alone at this size) and then the warm-up blocks (two here; one by default).
+    settings = Settings(engine=small_engine(height=144, width=256, warmup_blocks=2))
     with TestClient(create_app(settings)) as client:
         assert client.get("/healthz").status_code == 200
         warming = client.get("/readyz")

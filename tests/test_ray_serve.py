@@ -58,6 +58,11 @@ READY_TIMEOUT_S = 150
 RECEIVE_TIMEOUT_S = 60
 SECRET = "ray-serve-test-secret-0123456789abcdef"
 WORKERS = ["ray-cpu-0", "ray-cpu-1"]
+# Less of Ray on a 2-core machine, nothing the tests use: no autoscaler monitor (nothing scales), no log monitor
+# (log_to_driver is off), no worker prestarted for the driver (it runs no task; Serve's actors start their own),
+# no metrics collection (the tests read arstream's own /metrics, not Ray's).
+LEAN_HEAD = {"no_monitor": True, "include_log_monitor": False,
+             "_system_config": {"prestart_worker_first_driver": False, "enable_metrics_collection": False}}
 
 
 def _free_port() -> int:
@@ -96,16 +101,17 @@ def cluster():
     nodes = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False,
-                        "object_store_memory": OBJECT_STORE_BYTES},
+                        "object_store_memory": OBJECT_STORE_BYTES, **LEAN_HEAD},
     )
     try:
-        for index in range(len(WORKERS)):
+        for index in range(len(WORKERS)):  # started side by side; waited for before the app is deployed
             nodes.add_node(num_cpus=1, node_ip_address="127.0.0.1", object_store_memory=OBJECT_STORE_BYTES,
-                           resources={f"arstream_node_{index}": 1})
+                           resources={f"arstream_node_{index}": 1}, wait=False)
         # The workers import this tree's code (not another checkout the environment may point at).
         ray.init(address=nodes.address, runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}}, log_to_driver=False)
         port = _free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+        nodes.wait_for_nodes()
         args = RayAppArgs(
             workers=[{"num_cpus": 1, "resources": {f"arstream_node_{i}": 1}} for i in range(len(WORKERS))],
             ingress_ray_actor_options={"num_cpus": 0},
@@ -124,11 +130,11 @@ def cluster():
         yield base_url
     finally:
         signal.alarm(0)
+        # No serve.shutdown(): it stops each replica gracefully, one deployment after another (~2 s each of
+        # Serve's drain loop), and nothing here asserts on that; ending the nodes ends every process of theirs.
         try:
-            if ray.is_initialized():  # serve.shutdown() would otherwise try to start or join a cluster
-                serve.shutdown()
-        finally:
             ray.shutdown()
+        finally:
             nodes.shutdown()
             watchdog.cancel()
             signal.signal(signal.SIGALRM, previous)
