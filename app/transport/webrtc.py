@@ -162,11 +162,13 @@ class PeerStream:
         self.session_id = session_id
         self.caller = caller
         settings = service.settings
+        # The peer's margin, given to the engine at attach and kept by its timeline.
         self.playout_margin_s = settings.webrtc_playout_margin_s
+        if self.playout_margin_s is None:
+            self.playout_margin_s = service.engine.config.playout_margin_s
         self.pc = RTCPeerConnection(RTCConfiguration(iceServers=ice_servers(settings.webrtc_ice_servers)))
         geometry = service.geometry
-        margin_s = service.engine.config.playout_margin_s if self.playout_margin_s is None else self.playout_margin_s
-        self.timeline = Timeline(geometry.fps, margin_s)
+        self.timeline = Timeline(geometry.fps, self.playout_margin_s)
         self.video = SessionVideoTrack(self.timeline)
         self.audio = None
         if geometry.audio_sample_rate:
@@ -259,7 +261,7 @@ class PeerStream:
             with contextlib.suppress(Exception):
                 await self.pc.close()
             service.freed_memory.request()
-            timeline = self.video.timeline
+            timeline = self.timeline
             log.info("peer finished", extra={
                 "session_id": self.session_id, "frames_sent": self.video.frames_sent, "stalls": timeline.stalls,
                 "stalled_s": round(timeline.stalled_s, 3), "caught_up_s": round(timeline.caught_up_s, 3),

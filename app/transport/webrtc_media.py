@@ -56,7 +56,9 @@ class Timeline:
         self.stalled_s = 0.0  # how far the clock moved on for them
         self.caught_up_s = 0.0  # how far it was brought back since
         self.min_slack_s: float | None = None  # the least time a frame waited for its time (the margin left)
-        self._slack: deque[float] = deque(maxlen=max(1, round(self.CATCH_UP_WINDOW_S * fps)))
+        # Since the last stall, each frame's arrival less its place on the timeline: a frame's slack is the anchor
+        # less this, so the window's least slack follows the anchor as it moves.
+        self._arrival_offsets: deque[float] = deque(maxlen=max(1, round(self.CATCH_UP_WINDOW_S * fps)))
 
     def show_time(self, pts: int, arrived: float) -> float:
         if self.anchor is None:
@@ -67,19 +69,19 @@ class Timeline:
             self.stalls += 1
             self.stalled_s += arrived - due
             self.anchor += arrived - due
-            self._slack.clear()
+            self._arrival_offsets.clear()
             return arrived
         slack = due - arrived
         self.min_slack_s = slack if self.min_slack_s is None else min(self.min_slack_s, slack)
-        self._slack.append(slack)
-        if len(self._slack) == self._slack.maxlen:
+        self._arrival_offsets.append(arrived - pts / self.fps)
+        if len(self._arrival_offsets) == self._arrival_offsets.maxlen:
             # Behind by what it stalled and has not made up, as far as the pieces' slack shows it.
-            behind = min(min(self._slack) - self.margin_s, self.stalled_s - self.caught_up_s)
+            least_slack = self.anchor - max(self._arrival_offsets)
+            behind = min(least_slack - self.margin_s, self.stalled_s - self.caught_up_s)
             if behind > self.CATCH_UP_TOLERANCE_S:
                 step = min(behind, self.CATCH_UP_RATE / self.fps)
                 self.anchor -= step
                 self.caught_up_s += step
-                self._slack = deque((x - step for x in self._slack), maxlen=self._slack.maxlen)
                 due -= step
         return due
 
