@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -49,12 +51,34 @@ def test_two_in_flight_streams_the_same_chunks_as_one():
         np.testing.assert_array_equal(two.audio, one.audio)
 
 
+class HeldCompletions(ThreadPoolExecutor):
+    """The core's completion thread, held shut until the test opens it: on the CPU a block is finished by the
+    time its dispatch returns, so without the hold its delivery would race the test's next look."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="test-completion")
+        self.open = threading.Event()
+
+    def submit(self, fn, /, *args, **kwargs):
+        def held():
+            self.open.wait()
+            return fn(*args, **kwargs)
+        return super().submit(held)
+
+
 @contextlib.asynccontextmanager
-async def core_with_two_in_flight():
-    """An engine core with two blocks in flight, stepped by the test itself (no engine loop): a tick's works
-    stay in flight until the test waits for their delivery, so what is on the device is the test's choice."""
+async def core_with_two_in_flight(*, hold_completions: bool = False):
+    """An engine core with two blocks in flight, stepped by the test itself (no engine loop); with
+    ``hold_completions`` nothing dispatched is delivered until the test opens ``core._completions.open``."""
     async with stepped_core(small_config(window_frames=3, blocks_in_flight=2)) as core:
-        yield core
+        if hold_completions:
+            core._completions.shutdown(wait=True)
+            core._completions = HeldCompletions()
+        try:
+            yield core
+        finally:
+            if hold_completions:
+                core._completions.open.set()
 
 
 def best_effort(core: EngineCore, seed: int, prompt: str):
@@ -94,13 +118,15 @@ def test_a_stalled_consumer_holds_back_its_session_at_the_lead_bound_and_resumes
 
 def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
     async def scenario():
-        async with core_with_two_in_flight() as core:
+        async with core_with_two_in_flight(hold_completions=True) as core:
             record = best_effort(core, 4, "a close")
             sid = record.session_id
             assert await core.step() and await core.step()
-            assert record.works_in_flight >= 1  # the second tick's block is on the device, not delivered
+            assert record.works_in_flight == 2  # both ticks' blocks are dispatched, neither delivered
             core.end_now(sid, "client")
             assert await core.step()  # the plan releases it; what it dispatched is still in flight
+            assert record.works_in_flight == 2
+            core._completions.open.set()
             await core.delivered()
             assert core.kv.blocks_in_use == 0 and sid not in core.runner.device_sessions
             assert not record.playout.pieces and record.works_in_flight == 0 and record.frames_in_flight == 0

@@ -41,7 +41,7 @@ def metric(base_url: str, name: str) -> float:
 
 
 async def healthy_reader(url: str, seed: int, stop: asyncio.Event, received: list[int]) -> str:
-    async with connect(url, compression=None, max_size=2**24) as ws:
+    async with connect(url + "?pace=false", compression=None, max_size=2**24) as ws:
         first = json.loads(await ws.recv())
         assert "session_id" in first, f"a healthy viewer was not given a session: {first}"
         session_id = first["session_id"]
