@@ -29,6 +29,21 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+from tests import background  # noqa: E402
+from tests.server_zygote import ForkedServer, start_forkserver  # noqa: E402
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once the selected tests are known: their modules' background jobs start (tests/background.py), and the
+    forkserver the test servers fork from begins importing (tests/server_zygote.py), both beside the first tests."""
+    modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
+    background.start_for(modules)
+    start_forkserver()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    background.stop_all()
+
+
 SMALL_ENGINE = {
     "preset": "tiny",
     "random_weights": True,  # service tests pin the seeded random model (the shipped weights have their own tests)
@@ -62,6 +77,21 @@ def small_engine(**overrides) -> dict:
 
 
 @pytest.fixture
+def all_cores() -> Iterator[None]:
+    """Every core (up to 4) for a test that computes in this process with nothing else running beside it: the
+    shipped model's content checks, training steps. The rest keep one thread, so that a server started beside
+    them keeps its own core (and a bit-exact comparison runs both sides at one thread count)."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.fixture
 def make_client() -> Iterator[Callable]:
     """``with make_client(engine={...}, **settings) as client:`` — the app under TestClient, lifespan run."""
     from fastapi.testclient import TestClient
@@ -81,9 +111,10 @@ def make_client() -> Iterator[Callable]:
 
 @dataclass
 class RunningServer:
-    """An `arstream serve` subprocess; ``base_url`` is http://127.0.0.1:PORT."""
+    """An `arstream serve` process (a fresh one, or forked: tests/server_zygote.py); ``base_url`` is
+    http://127.0.0.1:PORT."""
 
-    process: subprocess.Popen
+    process: subprocess.Popen | ForkedServer
     base_url: str
     log_lines: list[str] = field(default_factory=list)
 
@@ -134,24 +165,24 @@ def _arstream_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "app.cli"]
 
 
-def start_server(*extra_args: str, env: dict | None = None, small: bool = True) -> RunningServer:
+def start_server(*extra_args: str, env: dict | None = None, small: bool = True, cold: bool = False) -> RunningServer:
     """Start `arstream serve` on a free port (``--port 0``) with the small engine (``small=False``: the tiny preset
     as shipped, its trained weights at their own size, for tests that read what the frames show); wait until it
-    serves."""
-    args = [*_arstream_command(), "serve", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
+    serves. It is forked from a warm interpreter (tests/server_zygote.py) unless ``cold``: then the installed
+    command starts as a fresh process, as a user starts it."""
+    args = ["serve", "--host", "127.0.0.1", "--port", "0", "--log-format", "json",
             "--preset", "tiny", "--cpu-threads", "1"]
     if small:
         args += ["--height", str(SMALL_ENGINE["height"]), "--width", str(SMALL_ENGINE["width"]), "--warmup-blocks", "0",
                  "--sink-frames", str(SMALL_ENGINE["sink_frames"]), "--window-frames", str(SMALL_ENGINE["window_frames"])]
     # The small engine is the seeded random model, as SMALL_ENGINE: these tests pin its output.
     weights = {"ARSTREAM_ENGINE__RANDOM_WEIGHTS": "true"} if small else {}
-    process = subprocess.Popen(
-        [*args, *extra_args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **weights, **(env or {})},
-    )
+    environment = {**os.environ, "PYTHONUNBUFFERED": "1", **weights, **(env or {})}
+    if cold:
+        process = subprocess.Popen([*_arstream_command(), *args, *extra_args], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True, env=environment)
+    else:
+        process = ForkedServer([*args, *extra_args], environment)
     server = RunningServer(process=process, base_url="")
     server.base_url = follow_serving_url(process, server.log_lines, SERVER_START_TIMEOUT_S) or ""
     if not server.base_url:

@@ -9,18 +9,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from importlib.metadata import version
 from pathlib import Path
 
 import av
-import pytest
+
+from tests import background
+from tests.background import Job
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_LOOKAHEAD_SAMPLES = 12 * 600  # the tiny audio codec's right receptive field (12 latent frames) x hop
 OPUS_FRAME = 960
 SAMPLES_PER_FRAME = 48000 // 16
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENV_OVER = {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+ENV = {**os.environ, **ENV_OVER}
 
 
 def _generate(*args: str) -> list[str]:
@@ -37,38 +39,19 @@ def _tracks(path: Path) -> tuple[int, int | None, list[str]]:
     return frames, samples, codecs
 
 
-@pytest.fixture(scope="module")
-def generating(tmp_path_factory) -> Iterator[dict[str, tuple[subprocess.Popen, Path]]]:
-    """This module's three `arstream generate` processes (what each test runs, by the test's name), started
-    together: each keeps one core busy (one torch thread), so they share a 2-core machine. Each test then
-    reads, and the SIGINT one interrupts, its own."""
-    runs = {
-        "with_audio": ("clip.mp4", ("--prompt", "a kite", "--seconds", "1.5", "--seed", "3", "--quiet")),
-        "no_audio": ("silent.mp4", ("--prompt", "a kite", "--seconds", "0.5", "--no-audio", "--quiet")),
-        "sigint": ("long.mp4", ("--prompt", "a kite", "--seconds", "600", "--quiet")),
-    }
-    started = {}
-    try:
-        for name, (file_name, args) in runs.items():
-            out = tmp_path_factory.mktemp(name) / file_name
-            started[name] = (subprocess.Popen(_generate(*args, "--out", str(out)), stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, env=ENV), out)
-        yield started
-    finally:
-        for process, _ in started.values():
-            if process.poll() is None:
-                process.kill()
-            process.communicate()
+# Two `arstream generate` runs whose files the tests read, started with the session on the otherwise idle core
+# (tests/background.py); the SIGINT one is interrupted by its test, so it runs from there.
+WITH_AUDIO = Job((*_generate("--prompt", "a kite", "--seconds", "1.5", "--seed", "3", "--quiet"),
+                  "--out", "{scratch}/clip.mp4"), env=tuple(ENV_OVER.items()))
+NO_AUDIO = Job((*_generate("--prompt", "a kite", "--seconds", "0.5", "--no-audio", "--quiet"),
+                "--out", "{scratch}/silent.mp4"), env=tuple(ENV_OVER.items()))
+BACKGROUND_JOBS = (WITH_AUDIO, NO_AUDIO)
+JOB_TIMEOUT_S = 300
 
 
-def _finished(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
-def test_generate_writes_video_and_the_streams_audio_of_the_requested_length(generating):
-    process, out = generating["with_audio"]
-    completed = _finished(process)
+def test_generate_writes_video_and_the_streams_audio_of_the_requested_length():
+    completed = background.result(WITH_AUDIO, JOB_TIMEOUT_S)
+    out = completed.scratch / "clip.mp4"
     assert completed.returncode == 0, completed.stderr
     assert "wrote 24 frames" in completed.stdout and "video and audio" in completed.stdout
     frames, samples, codecs = _tracks(out)
@@ -81,16 +64,18 @@ def test_generate_writes_video_and_the_streams_audio_of_the_requested_length(gen
     assert first.shape == (48, 64, 3) and first.std() > 1.0
 
 
-def test_generate_without_audio_writes_one_track(generating):
-    process, out = generating["no_audio"]
-    completed = _finished(process)
+def test_generate_without_audio_writes_one_track():
+    completed = background.result(NO_AUDIO, JOB_TIMEOUT_S)
+    out = completed.scratch / "silent.mp4"
     assert completed.returncode == 0, completed.stderr
     frames, samples, codecs = _tracks(out)
     assert frames == 8 and samples is None and codecs == ["h264"]
 
 
-def test_sigint_during_generate_leaves_a_playable_file_and_one_line(generating):
-    process, out = generating["sigint"]
+def test_sigint_during_generate_leaves_a_playable_file_and_one_line(tmp_path):
+    out = tmp_path / "long.mp4"
+    process = subprocess.Popen(_generate("--prompt", "a kite", "--seconds", "600", "--quiet", "--out", str(out)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         deadline = time.monotonic() + 120
         while not (out.exists() and out.stat().st_size > 20_000):  # a few blocks are in the file

@@ -36,7 +36,6 @@ import math
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -46,7 +45,9 @@ import torch
 
 from engine.models import fp8_attention as fa
 
-from tests.triton_interpreted import ROOT, interpreter_checks, patch_interpreter  # noqa: E402
+from tests import background  # noqa: E402
+from tests.background import Job  # noqa: E402
+from tests.triton_interpreted import ROOT, interpreter_checks, interpreter_job, patch_interpreter  # noqa: E402
 
 
 # --- run in the interpreter subprocess ------------------------------------------------------------------
@@ -317,31 +318,15 @@ def _interpreter_checks() -> dict:
 # --- the tests --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def sm90_sweep(tmp_path_factory) -> Iterator[subprocess.Popen]:
-    """The sm_90 cross-compile sweep (bench/fp8_attention_gpu.py --compile-only, an empty Triton cache of its own),
-    started and left running: one core's work, like the interpreter checks, so the two share a 2-core machine."""
-    where = tmp_path_factory.mktemp("sm90-sweep")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(where / "triton-cache")}
-    env.pop("TRITON_INTERPRET", None)
-    with open(where / "stdout", "w+") as stdout, open(where / "stderr", "w+") as stderr:  # no pipe to fill meanwhile
-        process = subprocess.Popen([sys.executable, "bench/fp8_attention_gpu.py", "--compile-only"], env=env,
-                                   cwd=ROOT, stdout=stdout, stderr=stderr, text=True)
-        process.output = stdout, stderr
-        yield process
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def _finished(process: subprocess.Popen, timeout_s: float) -> tuple[str, str]:
-    process.wait(timeout=timeout_s)
-    stdout, stderr = process.output
-    return tuple(stream.seek(0) or stream.read() for stream in (stdout, stderr))
+# The sm_90 cross-compile sweep (an empty Triton cache of its own) and the interpreter checks: one core's work
+# each, started with the session and waited for here (tests/background.py).
+SM90_SWEEP = Job((sys.executable, "bench/fp8_attention_gpu.py", "--compile-only"), env=(("PYTHONPATH", str(ROOT)),),
+                 unset=("TRITON_INTERPRET",), scratch_env="TRITON_CACHE_DIR")
+BACKGROUND_JOBS = (SM90_SWEEP, interpreter_job(__file__))
 
 
 @pytest.fixture(scope="module")
-def interpreted(sm90_sweep) -> dict:  # the sweep first: it compiles while the interpreter runs the kernel
+def interpreted() -> dict:
     return interpreter_checks(__file__)
 
 
@@ -545,11 +530,11 @@ def test_cpu_without_the_interpreter_raises_a_clear_error():
         fa.fp8_attention(q, q, q)
 
 
-def test_the_sweep_compiles_for_sm90_with_wgmma(sm90_sweep):
+def test_the_sweep_compiles_for_sm90_with_wgmma():
     """No GPU needed: Triton cross-compiles for sm_90 (its wheel ships ptxas), so the GPU path is checked here."""
-    stdout, stderr = _finished(sm90_sweep, timeout_s=300)
-    assert sm90_sweep.returncode == 0, stderr[-3000:]
-    rows = [json.loads(line) for line in stdout.splitlines()]
+    sweep = background.result(SM90_SWEEP, timeout_s=300)
+    assert sweep.returncode == 0, sweep.stderr[-3000:]
+    rows = [json.loads(line) for line in sweep.stdout.splitlines()]
     assert len(rows) > 5 and all("error" not in row for row in rows), rows
     attention = [row for row in rows if row["kernel"] == "attention"]
     # Both products on Hopper's fp8 wgmma, none on the mma.sync fallback (v transposed or not; every head dim).

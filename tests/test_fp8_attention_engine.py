@@ -28,7 +28,9 @@ from engine.config import EngineConfig, fp8_attention_refusal
 from engine.kv_cache import KVCacheManager
 from engine.models import fp8_attention as fa
 
-from tests.triton_interpreted import ROOT, interpreter_checks  # noqa: E402
+from tests.triton_interpreted import interpreter_checks, interpreter_job  # noqa: E402
+
+BACKGROUND_JOBS = (interpreter_job(__file__),)  # started with the session (tests/background.py)
 FP8_ATTENTION_BOUND = 0.07
 BLOCKS = 3
 PROMPT = "a kite over dunes"

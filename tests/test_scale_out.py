@@ -16,7 +16,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from websockets.exceptions import ConnectionClosed
 
 from tests.conftest import SMALL_ENGINE, decode_mp4, follow_serving_url
 from tests.raw_ws import RawWebSocket
+from tests.server_zygote import ForkedServer
 
 ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 180
@@ -42,7 +42,7 @@ CLUSTER_ENV = {
 
 @dataclass
 class FrontEnd:
-    process: subprocess.Popen
+    process: ForkedServer
     base_url: str = ""
     lines: list[str] = field(default_factory=list)
 
@@ -92,14 +92,14 @@ class FrontEnd:
 
 def start_front_end(*extra: str) -> FrontEnd:
     args = [
-        sys.executable, "-m", "app.cli", "serve", "--devices", "cpu,cpu", "--host", "127.0.0.1", "--port", "0",
+        "serve", "--devices", "cpu,cpu", "--host", "127.0.0.1", "--port", "0",
         "--log-format", "json", "--preset", "tiny", "--random-weights",
         "--height", str(SMALL_ENGINE["height"]), "--width", str(SMALL_ENGINE["width"]), "--cpu-threads", "1",
         "--warmup-blocks", "0", "--sink-frames", str(SMALL_ENGINE["sink_frames"]),
         "--window-frames", str(SMALL_ENGINE["window_frames"]), "--max-sessions", "1", *extra,
     ]
     env = {**os.environ, **CLUSTER_ENV, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    process = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    process = ForkedServer(args, env)  # the front end forked warm (tests/server_zygote.py); its workers start cold
     front = FrontEnd(process)
     serving = r"^arstream serving on (http://\S+)"
     front.base_url = follow_serving_url(process, front.lines, START_TIMEOUT_S, serving) or ""

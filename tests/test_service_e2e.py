@@ -347,7 +347,7 @@ def test_example_client_saves_a_playable_file(server, tmp_path):
 
 
 def test_sigterm_drains_clients_with_closed_and_1001():
-    server = start_server()
+    server = start_server(cold=True)  # the installed command, started and stopped as a user's would be
     try:
         async def go():
             client = await StreamClient.open(f"{server.ws_url}/v1/stream")

@@ -125,6 +125,7 @@ def test_audio_is_the_prompted_shapes_tone(bundle, shape):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("all_cores")  # 1.7x faster on two cores (the DiT's larger ops; the short checks are not)
 def test_long_session_still_shows_the_prompted_object_after_2000_frames(bundle):
     prompt = Scene("circle", "yellow", "orbiting", "blue").caption
     chunks = checks.chunks_for(bundle, 2000)

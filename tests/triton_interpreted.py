@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from tests import background
+from tests.background import Job
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def interpreter_job(module_file: str) -> Job:
+    """The module's ``--interpreter-checks`` as a background job (tests/background.py): list it in the module's
+    ``BACKGROUND_JOBS`` and the session starts it early, on the core the other tests leave idle."""
+    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    return Job((sys.executable, str(Path(module_file).resolve()), "--interpreter-checks"),
+               env=(("TRITON_INTERPRET", "1"), ("PYTHONPATH", path)))
+
+
 def interpreter_checks(module_file: str, timeout_s: float = 240) -> dict:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    done = subprocess.run([sys.executable, module_file, "--interpreter-checks"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout_s, check=False)
+    done = background.result(interpreter_job(module_file), timeout_s)
     assert done.returncode == 0, done.stderr[-4000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 

@@ -1,0 +1,100 @@
+"""Long, self-contained subprocess checks started when the session starts, at idle CPU priority.
+
+Most of the suite runs one torch thread at a time, so on the 2-core CI machine one core is mostly idle. A
+module whose check is a subprocess of its own (the Triton interpreter's kernel checks, the sm_90 compile
+sweep) names it in a module-level ``BACKGROUND_JOBS``; once collection is done, conftest starts every
+selected module's jobs under ``SCHED_IDLE`` (Linux runs them only on a core nothing else wants, so a test
+that times something beside them is not slowed), and the module's fixture waits for the job's result. A
+job nobody started early (its module run another way) starts when its result is first asked for.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Job:
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()  # over this process's environment
+    unset: tuple[str, ...] = ()  # taken out of it
+    scratch_env: str | None = None  # an environment variable set to the job's scratch directory
+    # "{scratch}" in argv is the job's scratch directory too (what it writes there is read after it finished).
+
+
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    scratch: Path  # kept until the session ends
+
+
+@dataclass
+class _Running:
+    process: subprocess.Popen
+    where: Path
+    finished: Finished | None = field(default=None)
+
+
+_running: dict[Job, _Running] = {}
+
+
+def _idle_priority() -> None:
+    """In the child before exec: run only on otherwise idle CPU (a nice of 19 where SCHED_IDLE is missing)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+
+
+def start(job: Job) -> None:
+    if job in _running:
+        return
+    where = Path(tempfile.mkdtemp(prefix="arstream-job-"))
+    (where / "scratch").mkdir()
+    argv = [part.replace("{scratch}", str(where / "scratch")) for part in job.argv]
+    env = {**os.environ, **dict(job.env)}
+    for name in job.unset:
+        env.pop(name, None)
+    if job.scratch_env:
+        env[job.scratch_env] = str(where / "scratch")
+    with open(where / "stdout", "w") as stdout, open(where / "stderr", "w") as stderr:  # no pipe to fill
+        process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=stderr,
+                                   preexec_fn=_idle_priority)
+    _running[job] = _Running(process, where)
+
+
+def result(job: Job, timeout_s: float) -> Finished:
+    """The job's exit status and output, once it has finished (started now if it was not)."""
+    start(job)
+    running = _running[job]
+    if running.finished is None:
+        running.process.wait(timeout=timeout_s)
+        running.finished = Finished(running.process.returncode, (running.where / "stdout").read_text(),
+                                    (running.where / "stderr").read_text(), running.where / "scratch")
+    return running.finished
+
+
+def start_for(modules) -> None:
+    """Start the jobs the given test modules name (conftest, once collection is done)."""
+    for module in modules:
+        for job in getattr(module, "BACKGROUND_JOBS", ()):
+            start(job)
+
+
+def stop_all() -> None:
+    """At the session's end: what nobody waited for is killed, and every job's files removed."""
+    for running in _running.values():
+        if running.process.poll() is None:
+            running.process.kill()
+            running.process.wait()
+        shutil.rmtree(running.where, ignore_errors=True)
+    _running.clear()
