@@ -81,9 +81,10 @@ LOGGED_MISSES = 20  # deadline misses logged per session (each one counted)
 class EngineCore:
     def __init__(
         self, config: EngineConfig, built: BuiltEngine, executor: ThreadPoolExecutor,
-        draining: Callable[[], bool] = lambda: False,
+        draining: Callable[[], bool] = lambda: False, completions: ThreadPoolExecutor | None = None,
     ) -> None:
-        """``draining``: whether the engine drains (its owner's flag; snapshots and the outlook show it)."""
+        """``draining``: whether the engine drains (its owner's flag; snapshots and the outlook show it);
+        ``completions``: the one-thread executor that waits for the device's work (a test may pass one it holds)."""
         self.config = config
         self._draining = draining
         self.runner = built.runner
@@ -101,7 +102,7 @@ class EngineCore:
         self._finished: list[FinishedSession] = []
         # Completions are waited for here, so the device thread is free to dispatch the next tick meanwhile;
         # one task delivers them in the order they were queued.
-        self._completions = ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
+        self._completions = completions or ThreadPoolExecutor(max_workers=1, thread_name_prefix="arstream-completion")
         self._completion_queue: asyncio.Queue | None = None
         self._completer: asyncio.Task | None = None
         self._outstanding = 0  # pieces queued on the device and not yet delivered

@@ -83,15 +83,16 @@ async def take_chunks(engine, session_id: str, count: int) -> list:
 
 
 @contextlib.asynccontextmanager
-async def stepped_core(config: EngineConfig):
-    """An engine core stepped by the test itself (no engine loop): what runs when is the test's choice."""
+async def stepped_core(config: EngineConfig, completions: ThreadPoolExecutor | None = None):
+    """An engine core stepped by the test itself (no engine loop): what runs when is the test's choice
+    (``completions``: the executor its completions are waited on, e.g. one the test holds shut)."""
     from engine.core import EngineCore
     from engine.plan import StepPlan
     from engine.startup import build_engine
 
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="test-device")
     built = await asyncio.get_running_loop().run_in_executor(executor, build_engine, config)
-    core = EngineCore(config, built, executor)
+    core = EngineCore(config, built, executor, completions=completions)
     try:
         yield core
     finally:

@@ -67,18 +67,15 @@ class HeldCompletions(ThreadPoolExecutor):
 
 
 @contextlib.asynccontextmanager
-async def core_with_two_in_flight(*, hold_completions: bool = False):
-    """An engine core with two blocks in flight, stepped by the test itself (no engine loop); with
-    ``hold_completions`` nothing dispatched is delivered until the test opens ``core._completions.open``."""
-    async with stepped_core(small_config(window_frames=3, blocks_in_flight=2)) as core:
-        if hold_completions:
-            core._completions.shutdown(wait=True)
-            core._completions = HeldCompletions()
+async def core_with_two_in_flight(completions: HeldCompletions | None = None):
+    """An engine core with two blocks in flight, stepped by the test itself (no engine loop); with ``completions``
+    held, nothing dispatched is delivered until the test opens them (they are opened at the end in any case)."""
+    async with stepped_core(small_config(window_frames=3, blocks_in_flight=2), completions=completions) as core:
         try:
             yield core
         finally:
-            if hold_completions:
-                core._completions.open.set()
+            if completions is not None:
+                completions.open.set()
 
 
 def best_effort(core: EngineCore, seed: int, prompt: str):
@@ -118,7 +115,8 @@ def test_a_stalled_consumer_holds_back_its_session_at_the_lead_bound_and_resumes
 
 def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
     async def scenario():
-        async with core_with_two_in_flight(hold_completions=True) as core:
+        held = HeldCompletions()
+        async with core_with_two_in_flight(held) as core:
             record = best_effort(core, 4, "a close")
             sid = record.session_id
             assert await core.step() and await core.step()
@@ -126,7 +124,7 @@ def test_closing_a_session_with_blocks_in_flight_returns_the_pool_whole():
             core.end_now(sid, "client")
             assert await core.step()  # the plan releases it; what it dispatched is still in flight
             assert record.works_in_flight == 2
-            core._completions.open.set()
+            held.open.set()
             await core.delivered()
             assert core.kv.blocks_in_use == 0 and sid not in core.runner.device_sessions
             assert not record.playout.pieces and record.works_in_flight == 0 and record.frames_in_flight == 0
