@@ -85,6 +85,20 @@ def server(tmp_path_factory):
         yield base
 
 
+# The page's camera sender over WebRTC: its encoding's limits, the size it last sent, the camera's own size.
+CAMERA_SENDER = """async () => {
+  const pc = window.arstreamDemo.peer;
+  const sender = pc.getSenders().find((s) => s.track && s.track.kind === "video");
+  const encoding = sender.getParameters().encodings[0];
+  let size = null;
+  (await pc.getStats()).forEach((r) => {
+    if (r.type === "outbound-rtp" && r.kind === "video" && r.frameWidth) size = [r.frameWidth, r.frameHeight];
+  });
+  const settings = sender.track.getSettings();
+  return { maxFramerate: encoding.maxFramerate, scale: encoding.scaleResolutionDownBy, size,
+           camera: [settings.width, settings.height] };
+}"""
+
 # Chromium's fake camera (a test pattern), allowed without asking.
 CAMERA_ARGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
 
@@ -270,6 +284,12 @@ def test_over_webrtc_a_prompt_change_reaches_the_screen_and_the_camera_drives_th
         session_id = page.evaluate("() => window.arstreamDemo.sessionId")
         status = json.loads(urllib.request.urlopen(f"{server}/v1/sessions/{session_id}", timeout=5).read())
         assert status["input"]["live"] and status["input"]["frames_used"] > 0, status
+        # What the page sends is what the session takes: its frame rate (the tiny preset's 16), and a size that
+        # still covers its frame, never the camera's whole 640x480 (the browser may scale down further).
+        sent = page.evaluate(CAMERA_SENDER)
+        cover = max(1, min(sent["camera"][0] / WIDTH, sent["camera"][1] / HEIGHT))
+        assert sent["maxFramerate"] == 16 and sent["scale"] == pytest.approx(cover), sent
+        assert sent["size"] and sent["size"][0] <= sent["camera"][0] / cover + 1, sent
         print(json.dumps({"prompt_frame_to_camera": round(prompt_to_camera, 1),
                           "shown_frame_to_camera": round(page.evaluate("() => window.likeness('now')"), 1)}))
         page.click("#camera")  # off: the session goes on from the prompt

@@ -407,8 +407,9 @@ function watchFrames(s, always = false) {
   v.requestVideoFrameCallback(onFrame);
 }
 
-// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame) and the session.
-window.arstreamDemo = { toScreen: [], sessionId: null };
+// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame) and the session;
+// cameraLimits false sends the camera over WebRTC as captured (the reference bench/camera_cost_browser.py times).
+window.arstreamDemo = { toScreen: [], sessionId: null, cameraLimits: true };
 
 // --- playback upkeep: gaps, live edge, readouts ---
 

@@ -108,7 +108,9 @@ export class InputPanel {
     clearInterval(this.timer);
     if (session.transportKind === "webrtc") {
       // Over WebRTC the camera is a video track of the peer connection: the browser encodes and paces it.
-      session.transport.setCamera(this.stream.getVideoTracks()[0]).catch((err) => this.log("error", `camera: ${err}`));
+      const limits = session.frameSize ? { fps: session.fps || 16, ...session.frameSize } : null;
+      session.transport.setCamera(this.stream.getVideoTracks()[0], limits)
+        .catch((err) => this.log("error", `camera: ${err}`));
       return;
     }
     this.timer = setInterval(() => this.sendFrame(session), 1000 / (session.fps || 16));

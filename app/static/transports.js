@@ -139,8 +139,21 @@ export class PeerTransport {
   sendBinary() { throw new Error("pictures go over the socket"); }
 
   // The camera as the session's live input (null: off).
-  setCamera(track) {
-    return this.videoTransceiver ? this.videoTransceiver.sender.replaceTrack(track) : Promise.resolve();
+  // The camera on the peer's video sender (null: off). `limits` ({fps, width, height}: the session's) caps what is
+  // sent to what the session takes: its frame rate, and a size that still covers its frame (the server crops and
+  // scales to it). The browser then encodes, and the server decodes, that much and no more: a 640x480 camera
+  // at 30 fps would cost both of them ~7x the pixels a 256x144 session at 16 fps uses.
+  async setCamera(track, limits = null) {
+    if (!this.videoTransceiver) return;
+    const sender = this.videoTransceiver.sender;
+    await sender.replaceTrack(track);
+    if (!track || !limits || (window.arstreamDemo || {}).cameraLimits === false) return;
+    const { width, height } = track.getSettings();
+    const params = sender.getParameters();
+    if (!width || !height || !params.encodings || !params.encodings.length) return;
+    params.encodings[0].maxFramerate = limits.fps;
+    params.encodings[0].scaleResolutionDownBy = Math.max(1, Math.min(width / limits.width, height / limits.height));
+    await sender.setParameters(params);
   }
 
   close() {
