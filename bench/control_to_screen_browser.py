@@ -79,8 +79,9 @@ def measure(url: str, transport: str, args) -> dict:
             page.evaluate(COLOUR_READER)
             # A stall as the viewer meets it: the video element waits for data (MSE), or a frame is shown more
             # than twice a frame's time after the one before (either transport).
-            page.evaluate("() => { window.waits = 0; document.querySelector('video')"
-                          ".addEventListener('waiting', () => { window.waits += 1; }); }")
+            page.evaluate("() => { window.waits = 0; window.rates = []; const v = document.querySelector('video');"
+                          "v.addEventListener('waiting', () => { window.waits += 1; });"
+                          "v.addEventListener('ratechange', () => { window.rates.push([performance.now(), v.playbackRate]); }); }")
             page.wait_for_timeout(args.first_change * 1000)
             changes = []
             colour = COLOURS[0]
@@ -98,6 +99,7 @@ def measure(url: str, transport: str, args) -> dict:
             shown = page.evaluate("() => window.shown")
             timed = page.evaluate("() => window.arstreamDemo.toScreen")
             waits = page.evaluate("() => window.waits")
+            rates = page.evaluate("() => window.rates")
             server_readout = page.inner_text("#server")
             first_chunk = page.inner_text("#ttfc")
             session_id = page.evaluate("() => window.arstreamDemo.sessionId")
@@ -118,11 +120,14 @@ def measure(url: str, transport: str, args) -> dict:
             pixels.append((first["at"] - clicked) / 1000)
     span_s = (shown[-1]["at"] - shown[0]["at"]) / 1000 if len(shown) > 1 else 0
     late = [b["at"] - a["at"] for a, b in zip(shown, shown[1:]) if b["at"] - a["at"] > 2 * 1000 / 16]
+    late_at = [round((a["at"] - shown[0]["at"]) / 1000, 1) for a, b in zip(shown, shown[1:])
+               if b["at"] - a["at"] > 2 * 1000 / 16]  # seconds into what was watched
     return {"transport": transport, "in_use": in_use, "first_chunk": first_chunk, "errors": errors,
             "server_readout": server_readout,
             "frames_shown_per_s": round((len(shown) - 1) / span_s, 2) if span_s else None,
             "waiting_events": waits, "frame_gaps_over_2_frames": len(late),
-            "frame_gap_s": round(sum(late) / 1000, 3), "seconds_watched": round(span_s, 1),
+            "frame_gap_s": round(sum(late) / 1000, 3), "frame_gaps_at_s": late_at, "seconds_watched": round(span_s, 1),
+            "rate_changes_at_s": [[round((at - shown[0]["at"]) / 1000, 1), rate] for at, rate in rates] if shown else [],
             "pixels": _stats(pixels) | {"read": f"{len(pixels)} of {len(changes)}"},
             "page": _stats(page_ms), "named": _stats(named), "player": _stats(player),
             "server": server_latency, "receiver": receive_stats}
