@@ -754,6 +754,7 @@ class EngineCore:
                 timings=piece.timings,
                 ready_at=now_ms(),
                 marks=piece.marks,
+                starts_clock=released.started_clock,
             ))
             return
         wait = playout.next_release_in(now, paced=record.pace)

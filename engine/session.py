@@ -58,6 +58,9 @@ class Chunk:
     timings: ChunkTimings
     ready_at: float  # epoch ms when the chunk entered the session queue
     marks: tuple[ControlMark, ...] = ()  # controls first shown in these frames
+    # The session's playback clock (re)starts at this chunk: it plays on arrival (the first chunk; after a resume, a
+    # socket attaching, or a lone opening frame). A gap before it is no stall.
+    starts_clock: bool = False
 
 
 class ChunkQueue:

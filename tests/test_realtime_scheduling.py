@@ -255,21 +255,26 @@ def test_a_live_chunk_later_than_its_playback_time_is_a_deadline_miss_and_a_resu
             live = engine.create_session(seed=1, prompt="live", pace=True).session_id
             best = engine.create_session(seed=2, prompt="best", pace=False).session_id
             # The first block: the live session's in its three latent frames' pieces, the best-effort one's whole.
-            await asyncio.gather(take(engine, live, 3), take(engine, best, 1))
+            opening, _ = await asyncio.gather(take(engine, live, 3), take(engine, best, 1))
             # Their consumers hold the last chunk 1 s: the live one's next block (due 9/16 s after
             # the first chunk) can only come late.
             await asyncio.sleep(1.0)
-            await asyncio.gather(take(engine, live, 2), take(engine, best, 2))
+            late, _ = await asyncio.gather(take(engine, live, 2), take(engine, best, 2))
             missed = engine.status(live).realtime.deadline_misses
             engine.pause(live)
             await asyncio.sleep(1.0)  # the playback clock does not run while paused...
             engine.resume(live)
-            await take(engine, live, 2)  # ... so resuming re-anchors it: no new miss
-            return missed, engine.status(live).realtime, engine.status(best).realtime
+            resumed = await take(engine, live, 2)  # ... so resuming re-anchors it: no new miss
+            # The chunk that (re)starts the clock says so (a WebRTC peer restarts its own there, no stall): the
+            # first, and the first released after the resume (a chunk released before the pause may still have
+            # been waiting in the queue); not a late one.
+            starts = [c.starts_clock for c in opening[:1] + late], [c.starts_clock for c in resumed]
+            return missed, engine.status(live).realtime, engine.status(best).realtime, starts
         finally:
             await engine.shutdown()
 
-    missed, live, best = run(scenario())
+    missed, live, best, starts = run(scenario())
+    assert starts[0] == [True, False, False] and starts[1] in ([True, False], [False, True])
     assert missed >= 1 and live.deadline_misses == missed and live.live
     assert best.deadline_misses == 0 and not best.live  # best effort has no deadlines
     assert live.block_cost_ms is not None and live.block_cost_ms > 0 and live.frames_per_second > 0

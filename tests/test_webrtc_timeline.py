@@ -1,7 +1,7 @@
 """A WebRTC peer's clock and its answer, without a network (app/transport/webrtc_media.py, app/transport/webrtc.py).
 
 The peer sends each frame at its time on the viewer's clock: a frame that comes late is a stall that moves the
-clock on, and the peer then catches up (frames a little sooner) so that one stall does not add to every later
+clock on (unless the engine restarted its own clock there: a resume), and the peer then catches up (frames a little sooner) so that one stall does not add to every later
 control's time to the screen. Its answer puts the sound in a media stream of its own, so a browser does not
 hold the video back to lip-sync it.
 """
@@ -70,6 +70,28 @@ def test_a_peer_that_gets_its_pieces_earlier_than_its_margin_does_not_run_ahead_
     shown = _stream(timeline, range(60), lambda pts: 10.0 + (pts * FRAME_S - 0.15 if pts else 0.0))
     assert all(at == pytest.approx(10.0 + pts * FRAME_S) for pts, _, at in shown)
     assert timeline.caught_up_s == 0.0
+
+
+def test_a_restart_of_the_engines_clock_restarts_the_peers_and_is_no_stall():
+    """After a pause the engine restarts the session's clock at the next chunk (``Chunk.starts_clock``): the peer
+    shows it on arrival and goes on from there, and the pause's gap is counted as a restart, not a stall."""
+    timeline = Timeline(FPS, MARGIN_S)
+    shown = _stream(timeline, range(10), lambda pts: 10.0 + (pts * FRAME_S - MARGIN_S if pts else 0.0))
+    resumed_at = 30.0  # 20 s of pause: pts 40 plays on arrival, and the rest on the new clock
+    first = 40
+    arrived = resumed_at
+    assert timeline.show_time(first, arrived, restart=True) == resumed_at
+    for pts in range(first + 1, first + 40):
+        arrival = resumed_at + (pts - first) * FRAME_S - MARGIN_S
+        shown.append((pts, arrival, timeline.show_time(pts, arrival)))
+    assert all(at == pytest.approx(resumed_at + (pts - first) * FRAME_S) for pts, _, at in shown[40:])
+    assert timeline.stalls == 0 and timeline.stalled_s == 0.0 and timeline.restarts == 1
+    assert timeline.caught_up_s == 0.0
+    # Without the restart the same gap is a 20 s stall (what the peer's log counted before).
+    stalled = Timeline(FPS, MARGIN_S)
+    _stream(stalled, range(10), lambda pts: 10.0 + (pts * FRAME_S - MARGIN_S if pts else 0.0))
+    stalled.show_time(first, resumed_at)
+    assert stalled.stalls == 1 and stalled.stalled_s == pytest.approx(resumed_at - (10.0 + first * FRAME_S))
 
 
 ANSWER = (

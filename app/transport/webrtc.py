@@ -264,6 +264,7 @@ class PeerStream:
             timeline = self.timeline
             log.info("peer finished", extra={
                 "session_id": self.session_id, "frames_sent": self.video.frames_sent, "stalls": timeline.stalls,
+                "restarts": timeline.restarts,
                 "stalled_s": round(timeline.stalled_s, 3), "caught_up_s": round(timeline.caught_up_s, 3),
                 "min_slack_s": None if timeline.min_slack_s is None else round(timeline.min_slack_s, 3)})
 
@@ -294,7 +295,7 @@ class PeerStream:
         await self._flush_and_close()
 
     def _deliver(self, chunk: Chunk) -> None:
-        self.video.push(chunk.pts, chunk.frames)
+        self.video.push(chunk.pts, chunk.frames, chunk.starts_clock)
         if self.audio is not None and chunk.audio is not None:
             self.audio.push(chunk.audio_start, chunk.audio)
         self._send(chunk_message(chunk, 0.0))  # encoded by aiortc as the track sends each frame

@@ -40,7 +40,9 @@ class Timeline:
     for jitter: 0.05 s here was 0.05 s more control-to-screen, docs/BENCHMARKS.md). A frame that comes after its
     time moves the clock on (a stall). Behind the engine's clock after a stall (every frame of the last
     ``CATCH_UP_WINDOW_S`` waited longer than the margin), the peer catches up by sending frames a little sooner
-    (``CATCH_UP_RATE``), so a stall does not add to every later control's time to the screen.
+    (``CATCH_UP_RATE``), so a stall does not add to every later control's time to the screen. Where the engine
+    restarts its clock (a resume, an attach: the chunk's ``starts_clock``) the peer restarts its own the same way,
+    and the gap before is no stall (``restarts`` counts them).
     """
 
     CATCH_UP_WINDOW_S = 2.0
@@ -53,6 +55,7 @@ class Timeline:
         self.clock = clock
         self.anchor: float | None = None
         self.stalls = 0  # frames that came after their time
+        self.restarts = 0  # the clock restarted with the engine's (after a pause, an attach)
         self.stalled_s = 0.0  # how far the clock moved on for them
         self.caught_up_s = 0.0  # how far it was brought back since
         self.min_slack_s: float | None = None  # the least time a frame waited for its time (the margin left)
@@ -60,9 +63,11 @@ class Timeline:
         # less this, so the window's least slack follows the anchor as it moves.
         self._arrival_offsets: deque[float] = deque(maxlen=max(1, round(self.CATCH_UP_WINDOW_S * fps)))
 
-    def show_time(self, pts: int, arrived: float) -> float:
-        if self.anchor is None:
+    def show_time(self, pts: int, arrived: float, restart: bool = False) -> float:
+        if self.anchor is None or restart:
+            self.restarts += self.anchor is not None
             self.anchor = arrived - pts / self.fps
+            self._arrival_offsets.clear()
             return arrived
         due = self.anchor + pts / self.fps
         if arrived > due:  # late: it shows on arrival, and so does everything after it, that much later
@@ -97,22 +102,23 @@ class SessionVideoTrack(MediaStreamTrack):
     def __init__(self, timeline: Timeline) -> None:
         super().__init__()
         self.timeline = timeline
-        self._frames: asyncio.Queue[tuple[int, np.ndarray, float]] = asyncio.Queue(MAX_QUEUED_FRAMES)
+        self._frames: asyncio.Queue[tuple[int, np.ndarray, float, bool]] = asyncio.Queue(MAX_QUEUED_FRAMES)
         self.frames_sent = 0
 
-    def push(self, pts: int, frames: np.ndarray) -> None:
-        """A chunk's frames (uint8 ``[F, H, W, 3]``, the first at ``pts``); the oldest waiting ones make room."""
+    def push(self, pts: int, frames: np.ndarray, starts_clock: bool = False) -> None:
+        """A chunk's frames (uint8 ``[F, H, W, 3]``, the first at ``pts``; ``starts_clock``: the chunk restarts the
+        engine's playback clock); the oldest waiting ones make room."""
         arrived = self.timeline.clock()
         for offset, rgb in enumerate(frames):
             if self._frames.full():
                 self._frames.get_nowait()
-            self._frames.put_nowait((pts + offset, rgb, arrived))
+            self._frames.put_nowait((pts + offset, rgb, arrived, starts_clock and offset == 0))
 
     async def recv(self) -> av.VideoFrame:
         if self.readyState != "live":
             raise MediaStreamError
-        pts, rgb, arrived = await self._frames.get()
-        wait = self.timeline.show_time(pts, arrived) - self.timeline.clock()
+        pts, rgb, arrived, restart = await self._frames.get()
+        wait = self.timeline.show_time(pts, arrived, restart) - self.timeline.clock()
         if wait > 0:
             await asyncio.sleep(wait)
         frame = av.VideoFrame.from_ndarray(rgb, format="rgb24")
