@@ -69,7 +69,9 @@ class ForkedServer:
         log = tempfile.NamedTemporaryFile(prefix="arstream-serve-", suffix=".log", delete=False)
         log.close()
         self._log_path = log.name
-        self._process = _forkserver().Process(target=_serve, args=(argv, env, self._log_path), daemon=False)
+        # Daemonic: one a failed test left running is terminated when the session exits (a non-daemonic child
+        # would be joined, and pytest would hang on it). Its own children are subprocesses, which it may have.
+        self._process = _forkserver().Process(target=_serve, args=(argv, env, self._log_path), daemon=True)
         self._status = threading.Lock()  # the exit status is read from a pipe once: one reader at a time
         self._process.start()
         self.pid = self._process.pid
