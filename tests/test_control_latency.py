@@ -84,7 +84,9 @@ def test_a_reset_cuts_what_was_made_ahead_and_the_timeline_and_audio_run_on_with
     next on the timeline, and the audio stays sample-continuous across the cut."""
 
     async def scenario(cut: bool):
-        config = small_config(window_frames=3, fps=FPS, playout_margin_s=1.2, lead_chunks=3, cut_on_reset=cut)
+        # Half the frame rate: a block plays 1.5 s, so the engine makes media well ahead of playback even on a
+        # slow or busy machine (at 16 fps a busy 2-core one could not, and there was nothing made ahead to cut).
+        config = small_config(window_frames=3, fps=FPS // 2, playout_margin_s=1.2, lead_chunks=3, cut_on_reset=cut)
         engine = Engine(config)
         await engine.start()
         try:
