@@ -138,8 +138,7 @@ export class PeerTransport {
   send(text) { this.channel.send(text); }
   sendBinary() { throw new Error("pictures go over the socket"); }
 
-  // The camera as the session's live input (null: off).
-  // The camera on the peer's video sender (null: off). `limits` ({fps, width, height}: the session's) caps what is
+  // The camera as the session's live input, on the peer's video sender (null: off). `limits` ({fps, width, height}: the session's) caps what is
   // sent to what the session takes: its frame rate, and a size that still covers its frame (the server crops and
   // scales to it). The browser then encodes, and the server decodes, that much and no more: a 640x480 camera
   // at 30 fps would cost both of them ~7x the pixels a 256x144 session at 16 fps uses.
