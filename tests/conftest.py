@@ -32,6 +32,7 @@ import pytest  # noqa: E402
 from tests import background  # noqa: E402
 from tests.server_zygote import ForkedServer, start_forkserver  # noqa: E402
 
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Once the selected tests are known: their modules' background jobs start (tests/background.py), and the
     forkserver the test servers fork from begins importing (tests/server_zygote.py), both beside the first tests."""
@@ -78,9 +79,9 @@ def small_engine(**overrides) -> dict:
 
 @pytest.fixture
 def all_cores() -> Iterator[None]:
-    """Every core (up to 4) for a test that computes in this process with nothing else running beside it: the
-    shipped model's content checks, training steps. The rest keep one thread, so that a server started beside
-    them keeps its own core (and a bit-exact comparison runs both sides at one thread count)."""
+    """Every core (up to 4) for a long test that computes in this process with nothing else running beside it (the
+    shipped model's 2,000-frame check). The rest keep one thread, so that a server started beside them keeps its
+    own core, a bit-exact comparison runs both sides at one thread count, and small ops do not pay for threads."""
     import torch
 
     previous = torch.get_num_threads()
