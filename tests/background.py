@@ -25,8 +25,7 @@ class Job:
     argv: tuple[str, ...]
     env: tuple[tuple[str, str], ...] = ()  # over this process's environment
     unset: tuple[str, ...] = ()  # taken out of it
-    scratch_env: str | None = None  # an environment variable set to the job's scratch directory
-    # "{scratch}" in argv is the job's scratch directory too (what it writes there is read after it finished).
+    # "{scratch}" in argv or an env value is the job's own directory (what it writes there is read after it finished).
 
 
 @dataclass
@@ -60,12 +59,14 @@ def start(job: Job) -> None:
         return
     where = Path(tempfile.mkdtemp(prefix="arstream-job-"))
     (where / "scratch").mkdir()
-    argv = [part.replace("{scratch}", str(where / "scratch")) for part in job.argv]
-    env = {**os.environ, **dict(job.env)}
+
+    def scratch(text: str) -> str:
+        return text.replace("{scratch}", str(where / "scratch"))
+
+    argv = [scratch(part) for part in job.argv]
+    env = {**os.environ, **{name: scratch(value) for name, value in job.env}}
     for name in job.unset:
         env.pop(name, None)
-    if job.scratch_env:
-        env[job.scratch_env] = str(where / "scratch")
     with open(where / "stdout", "w") as stdout, open(where / "stderr", "w") as stderr:  # no pipe to fill
         process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=stderr,
                                    preexec_fn=_idle_priority)

@@ -79,7 +79,7 @@ class ForkedServer:
 
     @property
     def returncode(self) -> int | None:
-        return self._process.exitcode
+        return self.poll()
 
     def poll(self) -> int | None:
         with self._status:

@@ -320,8 +320,8 @@ def _interpreter_checks() -> dict:
 
 # The sm_90 cross-compile sweep (an empty Triton cache of its own) and the interpreter checks: one core's work
 # each, started with the session and waited for here (tests/background.py).
-SM90_SWEEP = Job((sys.executable, "bench/fp8_attention_gpu.py", "--compile-only"), env=(("PYTHONPATH", str(ROOT)),),
-                 unset=("TRITON_INTERPRET",), scratch_env="TRITON_CACHE_DIR")
+SM90_SWEEP = Job((sys.executable, "bench/fp8_attention_gpu.py", "--compile-only"),
+                 env=(("PYTHONPATH", str(ROOT)), ("TRITON_CACHE_DIR", "{scratch}")), unset=("TRITON_INTERPRET",))
 BACKGROUND_JOBS = (SM90_SWEEP, interpreter_job(__file__))
 
 
