@@ -372,6 +372,28 @@ def print_table(result: dict) -> None:
           f"skipped: {result['skipped'] or 'none'}", file=sys.stderr)
 
 
+def on_fresh_server(server_args: list[str], ready_timeout_s: float, measure, log_path: Path | None = None) -> dict:
+    """`arstream serve` with ``server_args`` on a free port: its readiness figures and ``measure(server)``'s, then
+    it is stopped."""
+    port = free_port()
+    server = ServerProcess([*server_args, "--port", str(port)], port, log_path)
+    try:
+        server.start()
+        ready = server.wait_ready(ready_timeout_s)
+        return {**ready, **measure(server)}
+    finally:
+        server.stop()
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """User + system CPU seconds a process has used so far (Linux /proc; None once it is gone, or elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (stat's 14th, 15th)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def write(result: dict, path: Path | None) -> None:
     if path is not None:
         tmp = path.with_suffix(path.suffix + ".tmp")

@@ -23,12 +23,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_service_gpu import ServerProcess, free_port  # noqa: E402
+from bench_service_gpu import on_fresh_server, process_cpu_seconds, write  # noqa: E402
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 CAMERA_ARGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
-TICKS = os.sysconf("SC_CLK_TCK")
 
 SENDER_STATS = """async () => {
   const pc = window.arstreamDemo.peer;
@@ -44,14 +43,7 @@ SENDER_STATS = """async () => {
 
 def cpu_seconds(pids: list[int]) -> float:
     """User + system CPU seconds of these processes (those gone meanwhile count nothing)."""
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / TICKS
+    return sum(process_cpu_seconds(pid) or 0.0 for pid in pids)
 
 
 def chromium_pids() -> list[int]:
@@ -138,19 +130,11 @@ def main() -> None:
     result = {"bench": "camera_cost_browser", "date": time.strftime("%Y-%m-%d"), "server_args": server_args,
               "cpu_count": os.cpu_count(), "runs": []}
     for name in args.order.split(","):
-        port = free_port()
-        server = ServerProcess([*server_args, "--port", str(port)], port, None)
-        try:
-            server.start()
-            ready = server.wait_ready(args.ready_timeout)
-            result["runs"].append({"run": name, **ready, **measure(server.url, server.process.pid,
-                                                                    name == "limited", args)})
-        finally:
-            server.stop()
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+        result["runs"].append({"run": name, **on_fresh_server(
+            server_args, args.ready_timeout,
+            lambda server: measure(server.url, server.process.pid, name == "limited", args))})
+    print(json.dumps(result))
+    write(result, Path(args.out) if args.out else None)
 
 
 if __name__ == "__main__":

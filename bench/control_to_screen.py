@@ -48,7 +48,7 @@ from websockets.asyncio.client import connect
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_service_gpu import ServerProcess, free_port, gpu_name  # noqa: E402
+from bench_service_gpu import ServerProcess, free_port, gpu_name, process_cpu_seconds  # noqa: E402
 
 COLOURS = ("red", "yellow")
 BACKGROUNDS = ("blue", "green")
@@ -287,12 +287,9 @@ def _summaries(results: list[dict]) -> dict:
 
 
 def _cpu_seconds(pid: int) -> float | None:
-    """User + system CPU seconds the server process has used so far (Linux /proc; None elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return round((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"), 2)
-    except (OSError, ValueError, IndexError):
-        return None
+    """User + system CPU seconds the server process has used so far, to 0.01 s (None elsewhere than Linux)."""
+    seconds = process_cpu_seconds(pid)
+    return None if seconds is None else round(seconds, 2)
 
 
 def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str, transport: str = "websocket") -> dict:

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_service_gpu import ServerProcess, free_port  # noqa: E402
+from bench_service_gpu import on_fresh_server, write  # noqa: E402
 from control_to_screen import _stats  # noqa: E402
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER  # noqa: E402
@@ -159,21 +159,13 @@ def main() -> None:
     result = {"bench": "control_to_screen_browser", "date": time.strftime("%Y-%m-%d"), "server_args": server_args,
               "chromium": CHROMIUM, "runs": []}
     for transport in args.transports.split(","):
-        port = free_port()
         log_path = Path(args.log_dir) / f"browser-{transport}.log" if args.log_dir else None
         if log_path is not None:
             log_path.parent.mkdir(parents=True, exist_ok=True)
-        server = ServerProcess([*server_args, "--port", str(port)], port, log_path)
-        try:
-            server.start()
-            ready = server.wait_ready(args.ready_timeout)
-            result["runs"].append({**ready, **measure(server.url, transport, args)})
-        finally:
-            server.stop()
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+        result["runs"].append(on_fresh_server(server_args, args.ready_timeout,
+                                              lambda server: measure(server.url, transport, args), log_path))
+    print(json.dumps(result))
+    write(result, Path(args.out) if args.out else None)
     for run in result["runs"]:
         print(f"{run['transport']:10s} pixels median {run['pixels'].get('median_s')} p90 {run['pixels'].get('p90_s')} "
               f"({run['pixels']['read']}) page median {run['page'].get('median_s')} "
