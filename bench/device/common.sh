@@ -2,7 +2,9 @@
 #
 #   start_run TOTAL_S        a timed run: TOTAL, $OUT (default ./out-device) with its logs/, the wheels installed
 #   left                     seconds left of TOTAL
-#   install_wheels           the service's wheels from .whl/ into /tmp/site, first on PYTHONPATH with the tree
+#   install_wheels           the service's packages into /tmp/site, first on PYTHONPATH with the tree: from
+#                            .site.tar.xz when carried (bench/device/pack_site.sh: the wheels unpacked and
+#                            xz-packed, 36 MB where the wheels with aiortc's take 55), else from the wheels in .whl/
 #   part NAME LIMIT_S CMD..  CMD under `timeout`, its stdout / stderr in $PART_DIR (default $OUT) as NAME.std*
 #   gpu_tests LIMIT_S FILES..   the GPU-marked tests of FILES under `timeout`, the log in $OUT/gpu_tests.txt
 #   service NAME BUDGET_S ARGS...   bench/bench_service_gpu.py (ARGS: its own, then -- and `arstream serve`'s),
@@ -18,8 +20,12 @@ start_run() {
 left() { echo $(( TOTAL - SECONDS )); }
 
 install_wheels() {
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  if [ -f .site.tar.xz ]; then
+    mkdir -p /tmp/site && tar -xJf .site.tar.xz -C /tmp/site || { echo "site unpack failed"; exit 1; }
+  else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+  fi
   export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 }
 
