@@ -264,11 +264,11 @@ class SessionRegistry:
         log.info("live input", extra={"session_id": session_id, "strength": None if used is None else used[0]})
         return used
 
-    def admit_frame(self, session_id: str) -> bool:
+    def admit_frame(self, session_id: str) -> int | None:
         return self.engine.admit_input_frame(session_id)
 
-    def push_frame(self, session_id: str, frame: np.ndarray) -> None:
-        self.engine.push_input_frame(session_id, frame)
+    def push_frame(self, session_id: str, frame: np.ndarray, number: int | None = None) -> None:
+        self.engine.push_input_frame(session_id, frame, number)
 
     def count_invalid_frame(self, session_id: str) -> None:
         self.engine.count_invalid_input(session_id)

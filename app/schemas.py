@@ -319,6 +319,9 @@ class ChunkMessage(BaseModel):
     # The ids of the controls (`prompt`, `reset`, `live`) first shown in this chunk's frames: its first frame is
     # the first that shows them. Left out when there are none.
     controls: list[str] | None = None
+    # The live input frame this chunk's first frame shows: its number among the live frames the session received
+    # (from 0, in arrival order, dropped ones included). Left out when the chunk is not made from live input.
+    input_frame: int | None = None
 
 
 class AckMessage(BaseModel):

@@ -14,7 +14,10 @@ Cases:
   send -> the first frame showing the new colour.
 - `live` (`--live STRENGTH`): live input on at that strength; the client sends camera frames at 16 frames/s, each
   with a bright square moving with the frame count (the marker), and reads the square's place in the frames shown:
-  send of camera frame k -> the first frame on screen that shows frame k's marker.
+  send of camera frame k -> the first frame on screen that shows frame k's marker (`live`); and without reading
+  pixels (any model, random weights included): send of camera frame k -> the first frame of the chunk that names
+  it (`chunk.input_frame`: the client counts the frames it sends from 0, as the server numbers them) on screen
+  (`live_named`).
 
 `--transport webrtc` runs the case over a WebRTC peer instead (the live case: the camera as a video track) (bench/webrtc_viewer.py: aiortc, "on screen"
 when aiortc hands over the decoded frame); `--transport both` runs the socket and then WebRTC, each on its own
@@ -135,6 +138,7 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
     results: list[dict] = []
     frames_seen: list[tuple[int, float, np.ndarray]] = []  # (pts, time shown, rgb) when pixels are read
     camera_sent: list[float] = []
+    camera_named: list[float] = []  # camera frame k sent -> the chunk naming it (chunk.input_frame) on screen
     segments: list[tuple[int, float, bytes]] = []  # (pts, the player's clock anchor then, media segment)
     ahead_at_send: list[float] = []  # seconds of media the player held beyond the frame showing, at each control
     received_frames = 0
@@ -195,6 +199,9 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
                 chunks += 1
                 if first_media is None:
                     first_media = arrived - started
+                number = pending.get("input_frame")
+                if number is not None and number < len(camera_sent):
+                    camera_named.append(shows - camera_sent[number])
                 for control_id in pending.get("controls", ()):
                     if control_id in sent:
                         named[control_id] = pending["pts"]
@@ -229,6 +236,7 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
            "changes_at": [round(at - player.anchor, 2) for _, at, _ in sent.values()] if player.anchor else []}
     if args.live is not None:
         out["live"] = _camera_latencies(camera_sent, frames_seen, width)
+        out["live_named"] = _stats(camera_named)
     else:
         out["controls"] = _summaries(results)
         out["named"] = f"{len(named)} of {len(sent)}"
@@ -367,7 +375,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(line + "\n")
     for run in result["runs"]:
-        controls = run.get("controls") or {"live": {"protocol": run.get("live", {})}}
+        controls = run.get("controls") or {"live": {"protocol": run.get("live_named", {}), "pixels": run.get("live", {})}}
         for kind, figures in controls.items():
             protocol = figures.get("protocol", {})
             print(f"{run['label']:28s} {kind:6s} median {protocol.get('median_s')} p90 {protocol.get('p90_s')} "

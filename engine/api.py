@@ -300,17 +300,19 @@ class Engine:
                       mark=_mark(control_id, "live", arrived_at))
         return sigma, pipeline.num_steps - first_step
 
-    def admit_input_frame(self, session_id: str) -> bool:
-        """A live frame arrived: True if it is within the session's rate (decode it and :meth:`push_input_frame`
-        it), False if it was dropped (counted). Raises ``NotLive`` while live input is off."""
+    def admit_input_frame(self, session_id: str) -> int | None:
+        """A live frame arrived: its number (from 0, in the order the session's live frames arrived, dropped ones
+        included) if it is within the session's rate (decode it and :meth:`push_input_frame` it with the number),
+        None if it was dropped (counted). Raises ``NotLive`` while live input is off."""
         return self._known().admit_frame(session_id)
 
-    def push_input_frame(self, session_id: str, frame: np.ndarray) -> None:
-        """A decoded live frame (uint8 ``[H, W, 3]`` at the engine's frame size) joins the session's buffer."""
+    def push_input_frame(self, session_id: str, frame: np.ndarray, number: int | None = None) -> None:
+        """A decoded live frame (uint8 ``[H, W, 3]`` at the engine's frame size) joins the session's buffer;
+        ``number`` (from :meth:`admit_input_frame`) is what a chunk made from it names (``Chunk.input_frame``)."""
         geometry = self.geometry
         if frame.dtype != np.uint8 or frame.shape != (geometry.height, geometry.width, 3):
             raise InvalidRequest(f"a live frame must be uint8 [{geometry.height}, {geometry.width}, 3]")
-        self._known().push_frame(session_id, frame)
+        self._known().push_frame(session_id, frame, number)
 
     def count_invalid_input(self, session_id: str) -> None:
         """A live frame of the session could not be read (the client was told)."""

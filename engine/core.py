@@ -629,8 +629,11 @@ class EngineCore:
         record.touch()
         self.wake.set()
 
-    def admit_frame(self, session_id: str) -> bool:
-        """A frame arrived for the session: within its rate (decode it, then :meth:`push_frame`) or dropped."""
+    def admit_frame(self, session_id: str) -> int | None:
+        """A frame arrived for the session: its number if it is within the rate (decode it, then :meth:`push_frame`
+        it with the number), None if it was dropped. Frames are numbered from 0 in the order they arrive over the
+        session's life, dropped ones included: a client that counts the frames it sent while live input was on
+        knows which one a chunk names (``Chunk.input_frame``)."""
         record = self.record(session_id)
         if not record.is_open:
             raise SessionClosed("session is closed")
@@ -638,16 +641,16 @@ class EngineCore:
             raise NotLive("live input is off: send a live message first")
         self._count_input(record, "received")
         if record.live.admit(time.monotonic()):
-            return True
+            return record.inputs.frames_received - 1
         self._count_input(record, "dropped")
-        return False
+        return None
 
-    def push_frame(self, session_id: str, frame) -> None:
+    def push_frame(self, session_id: str, frame, number: int | None = None) -> None:
         """A decoded frame joins the session's buffer (the oldest waiting one dropped when it is full)."""
         record = self.records.get(session_id)
         if record is None or not record.is_open or record.live is None:
             return  # ended or switched off while the frame was decoded: it is simply not used
-        self._count_input(record, "dropped", record.live.push(frame))
+        self._count_input(record, "dropped", record.live.push(frame, number))
         self.wake.set()
 
     def count_invalid_frame(self, session_id: str) -> None:
@@ -696,6 +699,7 @@ class EngineCore:
             opening=output.opening_frame,
             first_of_block=output.first_of_block,
             marks=marks.shown(record, tick) if output.shows_controls else (),
+            input_frame=output.input_frame,
         )
         if record.made(piece, now, tolerance_s=self.config.deadline_tolerance_s):
             self.deadline_misses += 1
@@ -755,6 +759,7 @@ class EngineCore:
                 ready_at=now_ms(),
                 marks=piece.marks,
                 starts_clock=released.started_clock,
+                input_frame=piece.input_frame,
             ))
             return
         wait = playout.next_release_in(now, paced=record.pace)

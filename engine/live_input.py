@@ -54,7 +54,7 @@ class LiveInput:
         self.burst = burst
         self._tokens = float(burst)
         self._refilled_at: float | None = None
-        self._waiting: deque[tuple[int, np.ndarray]] = deque()
+        self._waiting: deque[tuple[int, int | None, np.ndarray]] = deque()  # (seq, the client's number, frame)
         self._next_seq = 0
         self._offered_until = 0  # frames numbered below this were offered to a block whose take is not known yet
         self._pushed_out_offered: list[int] = []  # ... of them, the ones a full buffer pushed out meanwhile
@@ -69,26 +69,28 @@ class LiveInput:
         self._tokens -= 1.0
         return True
 
-    def push(self, frame: np.ndarray) -> int:
-        """Add a decoded frame; returns how many old frames were dropped to make room (0 or 1; an offered frame
+    def push(self, frame: np.ndarray, number: int | None = None) -> int:
+        """Add a decoded frame (``number``: its place among the live frames the session received, which a chunk
+        made from it names); returns how many old frames were dropped to make room (0 or 1; an offered frame
         pushed out is counted by :meth:`consume`)."""
         dropped = 0
         if len(self._waiting) >= self.capacity:
-            seq, _ = self._waiting.popleft()
+            seq, _, _ = self._waiting.popleft()
             if seq < self._offered_until and len(self._pushed_out_offered) < self.capacity:
                 self._pushed_out_offered.append(seq)
             else:
                 dropped = 1
-        self._waiting.append((self._next_seq, frame))
+        self._waiting.append((self._next_seq, number, frame))
         self._next_seq += 1
         return dropped
 
     def offer(self, limit: int) -> LiveFrames:
         """Up to ``limit`` of the oldest waiting frames, for the next block (nothing leaves the buffer)."""
-        frames = [frame for _, frame in list(self._waiting)[:limit]]
+        offered = list(self._waiting)[:limit]
         first_seq = self._waiting[0][0] if self._waiting else self._next_seq
-        self._offered_until = max(self._offered_until, first_seq + len(frames))
-        return LiveFrames(first_step=self.first_step, frames=tuple(frames), first_seq=first_seq)
+        self._offered_until = max(self._offered_until, first_seq + len(offered))
+        return LiveFrames(first_step=self.first_step, frames=tuple(frame for _, _, frame in offered),
+                          first_seq=first_seq, numbers=tuple(number for _, number, _ in offered))
 
     def consume(self, first_seq: int, taken: int) -> tuple[int, int]:
         """The block took the ``taken`` frames numbered from ``first_seq``: those still waiting leave. Returns
@@ -110,4 +112,4 @@ class LiveInput:
         return len(self._waiting)
 
     def nbytes(self) -> int:
-        return sum(frame.nbytes for _, frame in self._waiting)
+        return sum(frame.nbytes for _, _, frame in self._waiting)

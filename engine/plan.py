@@ -34,11 +34,13 @@ class OpenSession:
 @dataclass(frozen=True)
 class LiveFrames:
     """Live input offered to a session's next block, oldest first: the runner takes the frames the block needs
-    (and says how many, so the core drops exactly those); ``first_seq`` numbers ``frames[0]``."""
+    (and says how many, so the core drops exactly those); ``first_seq`` numbers ``frames[0]`` in the buffer,
+    ``numbers`` are the frames' own (their place among the live frames the session received: chunks name them)."""
 
     first_step: int  # the schedule step the block starts at (the pipeline's first_step_for(strength))
     frames: tuple[np.ndarray, ...] = field(compare=False)
     first_seq: int
+    numbers: tuple[int | None, ...] = ()  # one per frame (None: not numbered)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,7 @@ class Piece:
     opening: bool = False  # a content's opening frame sent ahead of its block
     first_of_block: bool = True  # its block's first frames
     marks: tuple[ControlMark, ...] = ()  # controls first shown in these frames
+    input_frame: int | None = None  # the live frame its first frame shows (its number; None: not from live input)
     pts: int = 0  # the first frame's index on the session timeline (set by Playout.add)
     audio_start: int = 0  # the audio's first sample on the session timeline (set by Playout.add)
     block_start: int = 0  # the timeline index of its block's first frame (set by Playout.add)

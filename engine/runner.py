@@ -45,6 +45,7 @@ log = logging.getLogger("arstream.runner")
 
 
 STEADY_WARMUP_BLOCKS = 2  # warm-up blocks timed after every shape was met: the block-cost seed
+BLOCK_INPUTS_KEPT = 8  # blocks back whose live input numbers a session keeps (more than undo can take back)
 
 
 @dataclass
@@ -67,6 +68,9 @@ class DeviceSession:
     opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
     undo: deque[BlockUndo] = field(default_factory=deque)  # the last blocks, oldest first (engine/undo.py)
     redo: tuple[torch.Tensor, int] | None = None  # a block made again: the old one's clean video, latents sent
+    # The live frames each recent block took (block index -> their numbers, and how many the block needed): its
+    # pieces name the frame their first frame shows (a block made again keeps its input, and its entry).
+    block_inputs: dict[int, tuple[tuple[int | None, ...], int]] = field(default_factory=dict)
 
     def decoder_state_bytes(self) -> int:
         """Bytes its streaming decoder caches (video and audio) hold on the device now."""
@@ -90,6 +94,7 @@ class BlockOutput:
     last_piece: bool = True  # the block's last piece (its other pieces came before it)
     first_of_block: bool = True  # the first frames of its block (or of a content: an opening frame)
     shows_controls: bool = True  # the first frames made under the controls its work applied (not a split's rest)
+    input_frame: int | None = None  # the live frame its first frame shows (its number), None: not from live input
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class _QueuedOutput:
     last_piece: bool = True
     first_of_block: bool = True
     shows_controls: bool = True
+    input_frame: int | None = None
 
 
 @dataclass
@@ -193,6 +199,7 @@ class PendingWork:
             last_piece=queued.last_piece,
             first_of_block=queued.first_of_block,
             shows_controls=queued.shows_controls,
+            input_frame=queued.input_frame,
         )
         return output, cost
 
@@ -528,6 +535,10 @@ class Runner:
             device_session.last_input_frame = taken[-1]
         if device_session.last_input_frame is None:
             return 0  # nothing has arrived yet: this block comes from the prompt alone
+        inputs = device_session.block_inputs
+        inputs[progress.block_index] = (tuple(live.numbers[:len(taken)]), need)
+        for block in [block for block in inputs if block < progress.block_index - BLOCK_INPUTS_KEPT]:
+            del inputs[block]
         # Too few arrived: repeat the last frame (the engine never waits for input).
         frames = np.stack(taken + [device_session.last_input_frame] * (need - len(taken)))
         self.pipeline.set_block_input(progress, self._encode(frames, device_session.encode_state), live.first_step)
@@ -585,17 +596,20 @@ class Runner:
             undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
             self._remember(device_session, undo)
         first = 0
+        offset = 0  # the next piece's first frame within its block's frames
         rest_of_split = not opening and progress.block_index == 1 and device_session.opening_frame_sent
         if opening:
             latent_frames = [video[:, :, :1]]
         else:
             first = 1 if rest_of_split else 0
+            offset = 1 if rest_of_split else 0  # the opening frame was the block's first
             if device_session.redo is not None:
                 # Made again from the middle: the old block's first latent frames were sent; decoding them again
                 # gives the decoder the context the viewer saw (their frames are not sent twice).
                 old, first = device_session.redo
                 for index in range(first):
-                    self.decoder.decode_chunk(old[:, :, index:index + 1], device_session.decode_state)
+                    again = self.decoder.decode_chunk(old[:, :, index:index + 1], device_session.decode_state)
+                    offset += again.shape[2]
                 device_session.redo = None
             latent_frames = [video[:, :, index:index + 1] for index in range(first, video.shape[2])]
         # The opening frame carries no audio: the block's audio is decoded whole with the rest of it, and goes
@@ -605,6 +619,7 @@ class Runner:
             audio = _to_host(self._decode_audio(device_session, clean))
         device_session.opening_frame_sent |= opening
         block_index = progress.block_index if opening else progress.block_index - 1
+        shown_input = self._shown_input(device_session, block_index)
         pending = report
         for position, latent in enumerate(latent_frames):
             if position:
@@ -612,6 +627,7 @@ class Runner:
                 pending.timer.controls_done()
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
+            input_frame, offset = shown_input(offset), offset + frames.shape[0]
             last = position == len(latent_frames) - 1
             pending.last = last
             pending.output = _QueuedOutput(
@@ -627,10 +643,27 @@ class Runner:
                 last_piece=last and not opening,
                 first_of_block=position == 0 and (opening or first == 0),
                 shows_controls=position == 0 and not rest_of_split,
+                input_frame=input_frame,
             )
             pending.timer.end()
             emit(pending)
         device_session.block_started_at = None
+
+    def _shown_input(self, device_session: DeviceSession, block_index: int) -> Callable[[int], int | None]:
+        """For the block's frame at an offset, the number of the live frame it shows (None: none, or only a
+        repeat of one shown before). A block shows its input frame for frame, aligned at its end: a live stream's
+        first block needs fewer frames (``1 + 4 (n - 1)``) than a block of a running decoder shows (``4 n``), and
+        its first frames then all come from the first one."""
+        numbers, needed = device_session.block_inputs.get(block_index, ((), 0))
+        shown = 4 * self.pipeline.frames_per_block
+        if block_index == 0 and device_session.context is None:
+            shown -= 3  # a content's first latent frame is one frame
+        lead = shown - needed
+
+        def number_at(offset: int) -> int | None:
+            index = max(0, offset - lead)
+            return numbers[index] if index < len(numbers) else None
+        return number_at
 
     # --- taking blocks back (supersede, engine/undo.py) ---------------------------------------
     def _remember(self, device_session: DeviceSession, undo: BlockUndo) -> None:
@@ -838,6 +871,7 @@ def _joined(pieces: list[BlockOutput]) -> BlockOutput:
         last_piece=True,
         first_of_block=pieces[0].first_of_block,
         shows_controls=pieces[0].shows_controls,
+        input_frame=pieces[0].input_frame,
     )
 
 

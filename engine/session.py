@@ -61,6 +61,9 @@ class Chunk:
     # The session's playback clock (re)starts at this chunk: it plays on arrival (the first chunk; after a resume, a
     # socket attaching, or a lone opening frame). A gap before it is no stall.
     starts_clock: bool = False
+    # The live input frame its first frame shows: the frame's number among those the session received (from 0,
+    # dropped ones included; engine.core.EngineCore.admit_frame). None: not made from live input.
+    input_frame: int | None = None
 
 
 class ChunkQueue:

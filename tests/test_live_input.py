@@ -85,6 +85,35 @@ def test_a_block_without_new_input_repeats_the_last_frame_and_the_stream_goes_on
     assert np.linalg.norm(centroid(moving[-1]) - centroid(moving[0])) > 5.0
 
 
+def test_each_piece_names_the_live_frame_it_begins_with_when_live_starts_mid_stream():
+    """A block shows its input frame for frame, aligned at its end. Live input turned on after the first block
+    starts a new input stream, whose first block needs 4 frames fewer (1 + 4 (n - 1)) than a running decoder's
+    block shows (4 n): its first latent frame's 4 frames all show the first input frame."""
+    _, bundle = build_small(window_frames=3)
+    runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"))
+    frames = np.random.default_rng(2).integers(0, 256, (33, 48, 64, 3), dtype=np.uint8)
+    numbers = tuple(range(100, 133))  # the client's count: any numbering goes through as given
+    first_step = runner.pipeline.first_step_for(0.5)
+    named: list[list] = []
+
+    def block(live: LiveFrames | None) -> int:
+        dispatch = runner.dispatch(StepPlan(work=[SessionWork("s", run=True, live=live)]))
+        named.append([pending.output.input_frame for pending in dispatch.pending if pending.output is not None])
+        for pending in dispatch.pending:
+            pending.wait()
+        return dispatch.pending[0].input_frames_taken
+
+    runner.execute(StepPlan(work=[SessionWork("s", open=OpenSession(0, "p", ""))]))
+    block(None)  # from the prompt alone: nothing named
+    taken = block(LiveFrames(first_step, tuple(frames[:12]), 0, numbers[:12]))
+    assert taken == 9  # a new input stream's first block
+    block(LiveFrames(first_step, tuple(frames[9:15]), 9, numbers[9:15]))  # 6 of the 12 arrived: repeats the last
+    block(LiveFrames(first_step, (), 15))  # none arrived: its last frame again, nothing new shown
+    runner.release("s", "test")
+    # Pieces of 4 frames (one latent frame each): offsets 0, 4, 8 of each block.
+    assert named == [[None, None, None], [100, 101, 105], [109, 113, None], [None, None, None]]
+
+
 def test_live_input_is_the_same_in_stepwise_and_grouped_execution():
     frames = np.random.default_rng(1).integers(0, 256, (33, 48, 64, 3), dtype=np.uint8)
     outputs = []

@@ -14,7 +14,7 @@ import pytest
 from app.media_input import FrameSize, decode_image
 from engine.bundle import build_models
 from engine.config import EngineConfig
-from tests.conftest import SMALL_ENGINE, decode_mp4
+from tests.conftest import SMALL_ENGINE, decode_mp4, start_server
 from tests.input_helpers import (
     clip_bytes, jpeg_bytes, mean_abs_step, png_bytes, png_header_claiming, psnr, round_trip,
 )
@@ -207,6 +207,48 @@ def test_live_input_that_stops_or_floods_never_stalls_its_session_or_costs_anoth
         await other.close()
 
     run(scenario())
+
+
+def test_a_live_chunk_names_the_input_frame_its_first_frame_shows(bundle):
+    """At strength 0 a live session shows its camera frames frame for frame (the codec's round trip of them as one
+    stream): each chunk made from live input names the frame its first frame shows, by the number the client
+    counts as it sends. The frames are all waiting before the session begins (a buffer and burst that hold
+    them), so its blocks take exactly the stream's frames whatever the machine's speed."""
+    count = 33  # three blocks' input: 9 + 12 + 12
+    frames = np.stack([_picture(100 + k) for k in range(count)])
+    sent = [png_bytes(frame) for frame in frames]
+    seen = np.stack([decode_image(data, SIZE, max_bytes=1 << 20, max_pixels=1 << 20) for data in sent])
+    expected = round_trip(bundle, seen)
+    server = start_server(env={"ARSTREAM_ENGINE__LIVE_INPUT_BUFFER_FRAMES": "48",
+                               "ARSTREAM_ENGINE__LIVE_INPUT_BURST": "48"})
+
+    async def scenario():
+        client = await StreamClient.open(f"{server.ws_url}/v1/stream")
+        await client.send(type="live", strength=0.0, id="live")
+        assert (await _answer(client, "live"))["type"] == "ack"
+        for data in sent:
+            await client.ws.send(data)
+        await client.send(type="pause", id="sent")  # answered after every frame before it was taken in
+        await _answer(client, "sent")
+        await client.start("live", seed=4, pace=True)
+        while sum(c["frames"] for c in client.got.chunks) < count + 4:
+            await client.chunks(1)
+        await client.close()
+        return client
+
+    try:
+        client = run(scenario())
+    finally:
+        server.stop()
+    shown, _ = decode_mp4(client.media())
+    starts = np.cumsum([0] + [c["frames"] for c in client.got.chunks])
+    named = [(c["pts"], c["input_frame"]) for c in client.got.chunks if "input_frame" in c]
+    # Paced: one chunk per latent frame (1, 4, 4 frames, then 4 each), each naming the frame it begins with.
+    assert [number for _, number in named if number < count] == [0, 1, 5, 9, 13, 17, 21, 25, 29], named
+    for (pts, number), start in zip(named, starts):
+        if number < count:
+            scores = [psnr(shown[pts], candidate) for candidate in expected]
+            assert int(np.argmax(scores)) == number and scores[number] >= MIN_PSNR_DB, (number, np.argmax(scores))
 
 
 @pytest.mark.parametrize("text", ["[" * 5000, '{"type": "start", "input": ' * 3000])

@@ -8,7 +8,7 @@ from engine.session import Chunk, now_ms
 
 def chunk_message(chunk: Chunk, encode_ms: float) -> ChunkMessage:
     """A chunk's ``chunk`` message (``encode_ms``: the transport's own encoding of it, 0 where it has none yet),
-    naming the controls its first frame is the first to show."""
+    naming the controls its first frame is the first to show and the live frame it shows."""
     timings = chunk.timings
     return ChunkMessage(
         index=chunk.index,
@@ -24,6 +24,7 @@ def chunk_message(chunk: Chunk, encode_ms: float) -> ChunkMessage:
             sent_at=now_ms(),
         ),
         controls=[mark.control_id for mark in chunk.marks if mark.control_id is not None] or None,
+        input_frame=chunk.input_frame,
     )
 
 

@@ -145,7 +145,8 @@ class SocketInput:
         Raises :class:`ProtocolError` for the socket to answer."""
         registry = self.service.registry
         try:
-            if not registry.admit_frame(self.session_id):
+            number = registry.admit_frame(self.session_id)
+            if number is None:
                 return  # over the session's rate: dropped unread (counted by the engine)
         except NotLive:
             raise ProtocolError("bad_json", "binary messages are live input frames: send a live message first "
@@ -165,6 +166,6 @@ class SocketInput:
             registry.count_invalid_frame(self.session_id)
             raise ProtocolError(rejected.code, rejected.message) from None
         try:
-            registry.push_frame(self.session_id, frame)
+            registry.push_frame(self.session_id, frame, number)
         except EngineError:
             return  # the session ended while the frame was decoded

@@ -344,17 +344,17 @@ class PeerStream:
         geometry = service.geometry
         registry = service.registry
 
-        def admit() -> bool:
+        def admit() -> int | None:
             try:
                 return registry.admit_frame(self.session_id)
             except NotLive:
-                return False  # live input is off: the camera's frames are not used
+                return None  # live input is off: the camera's frames are not used
             except EngineError:
-                return False
+                return None
 
-        def push(frame) -> None:
+        def push(frame, number: int) -> None:
             with contextlib.suppress(EngineError):
-                registry.push_frame(self.session_id, frame)
+                registry.push_frame(self.session_id, frame, number)
 
         task = asyncio.get_running_loop().create_task(read_camera(
             track, FrameSize(geometry.width, geometry.height), admit=admit, push=push, fit_in=service.input_pool,

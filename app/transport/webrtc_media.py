@@ -213,18 +213,19 @@ class SessionAudioTrack(MediaStreamTrack):
 
 
 async def read_camera(track: MediaStreamTrack, size: FrameSize, *, admit, push, fit_in, max_pixels: int) -> None:
-    """The viewer's camera as live input: each frame within the session's rate (``admit()``: False drops it unread,
-    counted by the engine) is scaled and cropped to the session's size (``fit_in``: the service's input thread)
-    and handed on (``push``). Ends with the track."""
+    """The viewer's camera as live input: each frame within the session's rate (``admit()``: its number, or None
+    to drop it unread, counted by the engine) is scaled and cropped to the session's size (``fit_in``: the
+    service's input thread) and handed on with its number (``push``). Ends with the track."""
     loop = asyncio.get_running_loop()
     while True:
         try:
             frame = await track.recv()
         except MediaStreamError:
             return
-        if not admit():
+        number = admit()
+        if number is None:
             continue
         if frame.width * frame.height > max_pixels:
             continue  # over the live frame bound: not decoded further (a real camera never sends one)
         rgb = await loop.run_in_executor(fit_in, fit_video_frame, frame, size)
-        push(rgb)
+        push(rgb, number)

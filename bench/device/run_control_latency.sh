@@ -9,6 +9,7 @@
 # 1. FAST: the 1.3B fast config, window 6 + TAEHV + FP8 attention (random weights: timed by chunk.controls);
 # 2. TINY: the tiny model on cuda, frames read back (pixels), and the lead as it was before in the same run;
 # 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
+#    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16;
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
 # TRANSPORT=both runs each prompt part over the socket and then over WebRTC (issue 29; needs aiortc's wheels in
@@ -44,6 +45,10 @@ if [ "${TINY:-1}" = 1 ]; then
 fi
 if [ "${TINY_LIVE:-1}" = 1 ]; then
   bench tiny_live 75 --live 0 --seconds 25 -- --preset tiny --device cuda
+fi
+if [ -n "${LIVE_BLOCK:-}" ]; then  # the same with blocks of LIVE_BLOCK latent frames (a live block waits for its input)
+  ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$LIVE_BLOCK bench "tiny_live_block$LIVE_BLOCK" 75 --live 0 --seconds 25 -- \
+    --preset tiny --device cuda
 fi
 if [ "${STANDARD:-1}" = 1 ]; then
   bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
