@@ -190,13 +190,13 @@ VideoEncoder = WanStreamingEncoder | TAEHVStreamingEncoder  # the same streaming
 
 
 def _video_encoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoEncoder | None:
-    """The encoder that belongs to the configured decoder: the Wan VAE's own, the tiny codec's encoder half, or
-    None for the published TAEHV decoder, which comes without one (the engine then refuses pictures clearly)."""
+    """The encoder whose latents the configured decoder reads: the Wan VAE's for a Wan model, whichever decoder
+    streams them (the published TAEHV weights decode Wan latents and come without an encoder: the model's own
+    VAE encodes for them), the tiny codec's encoder half for the tiny preset; None without either (the engine
+    then refuses pictures clearly)."""
     kind = config.resolved_video_decoder
-    if kind == "wan":
-        return WanStreamingEncoder(vae)
-    if preset.codec_encoder is None or config.model_dir is not None:
-        return None  # TAEHV decoding a Wan model's latents: decode-only weights
+    if kind == "wan" or preset.codec_encoder is None or config.model_dir is not None:
+        return WanStreamingEncoder(vae) if vae is not None else None
     model = random_taehv_encoder(config.seed + 5, preset.codec_encoder)
     if trained is None:
         return TAEHVStreamingEncoder(model.to(config.device, config.torch_dtype))

@@ -127,16 +127,20 @@ def check_text_encoder_fits_host(config: EngineConfig, available: int | None = N
 
 
 def estimate_decoder_session_bytes(config: EngineConfig) -> int:
-    """One session's streaming Wan-VAE decoder state (and encoder state, with video input on), from the VAE's config
-    on the meta device (0 for another decoder, or when the model directory's VAE config cannot be read: the loader
-    names it)."""
+    """One session's streaming Wan-VAE decoder state and, with video input on, its Wan-VAE encoder state (a Wan
+    model's pictures are encoded by its VAE whichever decoder streams them), from the VAE's config on the meta
+    device (0 for neither, or when the model directory's VAE config cannot be read: the loader names it)."""
     from diffusers import AutoencoderKLWan
 
     from decoders.video import WanStreamingDecoder
 
-    if config.resolved_video_decoder != "wan":
+    preset = get_preset(config.preset)
+    wan_decoder = config.resolved_video_decoder == "wan"
+    wan_encoder = config.resolved_video_input and (
+        wan_decoder or preset.codec_encoder is None or config.model_dir is not None)  # engine.bundle._video_encoder
+    if not wan_decoder and not wan_encoder:
         return 0  # TAEHV's state is small next to the KV; the engine sizes its slots from the exact figure
-    vae_config = get_preset(config.preset).vae_config
+    vae_config = preset.vae_config
     if config.model_dir is not None:
         try:
             vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
@@ -147,8 +151,8 @@ def estimate_decoder_session_bytes(config: EngineConfig) -> int:
         decoder = WanStreamingDecoder(vae, fast_path=False)
     # A VAE without a recorded figure is measured by a decode that, on the meta device, only propagates shapes.
     size = (config.resolved_height, config.resolved_width, config.torch_dtype)
-    total = decoder.declared_state_bytes(*size)
-    if config.resolved_video_input:  # every session reserves its live-input encoder state too
+    total = decoder.declared_state_bytes(*size) if wan_decoder else 0
+    if wan_encoder:  # every session reserves its live-input encoder state too
         from decoders.video_encode import WanStreamingEncoder
 
         total += WanStreamingEncoder(vae).declared_state_bytes(*size)

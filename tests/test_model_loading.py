@@ -588,36 +588,26 @@ def test_model_dir_wan_vae_encodes_pictures_and_live_input(model_dir, parts):
     assert live.shape[0] == 21 and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
 
 
-def test_a_decode_only_taehv_says_it_cannot_encode(model_dir, tmp_path, make_client):
-    """The published TAEHV weights come without an encoder: the engine takes no pictures and says why."""
+def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir, tmp_path, make_client):
+    """The published TAEHV weights decode Wan latents and come without an encoder: the model directory's Wan VAE
+    encodes the session's pictures and live input for them. At strength 0 the stream shows the VAE-encoded,
+    TAEHV-decoded input frame for frame, as one call of each would."""
     from decoders.taehv import random_taehv
-    from engine.api import Engine
-    from engine.errors import InputUnsupported
+    from decoders.video_encode import WanStreamingEncoder
+    from tests.input_helpers import round_trip, run_session
 
     directory = linked_model_dir(model_dir, tmp_path / "with-taehv")
     (directory / "taehv").mkdir()
     save_file(random_taehv(seed=1).state_dict(), str(directory / "taehv" / "taew2_1.safetensors"))
-    config = EngineConfig(model_dir=directory, video_decoder="taehv", **SMALL)
+    config = EngineConfig(model_dir=directory, video_decoder="taehv", sink_frames=1, window_frames=2, **SMALL)
     bundle = build_models(config)
-    assert bundle.encoder is None
-
-    async def scenario():
-        engine = Engine(config, bundle=bundle)
-        await engine.start()
-        try:
-            assert "cannot encode" in engine.input_refusal and "taehv" in engine.input_refusal
-            session = engine.create_session(seed=1)
-            with pytest.raises(InputUnsupported, match="cannot encode"):
-                engine.start_session(session.session_id, "a picture", context=np.zeros((1, 48, 64, 3), np.uint8))
-            with pytest.raises(InputUnsupported):
-                engine.set_live(session.session_id, 0.5)
-            assert engine.start_session(session.session_id, "words only") == "active"  # everything else works
-        finally:
-            await engine.shutdown()
-
-    import asyncio
-
-    asyncio.run(scenario())
+    assert isinstance(bundle.encoder, WanStreamingEncoder)
+    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
+                    encoder=bundle.encoder)
+    frames = np.random.default_rng(4).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
+    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
+    expected = round_trip(bundle, frames)
+    assert live.shape == expected.shape == frames.shape and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
     with make_client(engine={"model_dir": str(directory), "video_decoder": "taehv", "random_weights": False,
                              **{k: SMALL[k] for k in ("height", "width")}}) as client:
         with client.websocket_connect("/v1/stream") as ws:
@@ -625,4 +615,4 @@ def test_a_decode_only_taehv_says_it_cannot_encode(model_dir, tmp_path, make_cli
             ws.receive_bytes()
             ws.send_json({"type": "live", "strength": 0.5, "id": "l"})
             answer = ws.receive_json()
-            assert answer["code"] == "input_unsupported" and "cannot encode" in answer["message"], answer
+            assert answer["type"] == "ack" and answer["of"] == "live", answer
