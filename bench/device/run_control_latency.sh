@@ -12,7 +12,8 @@
 #    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
 #    FAST_LIVE=1 (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame (random
 #    weights: no marker to read), and with LIVE_BLOCK its blocks of N too;
-# 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16;
+# 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16; STANDARD_SUPERSEDE=1: with supersede on
+#    (off by default for its 1.8 GiB decoder state per block kept);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
 # TRANSPORT=both runs each prompt part over the socket and then over WebRTC (issue 29; needs aiortc's wheels in
 # .whl: aiortc, aioice, pylibsrtp, pyee, google-crc32c, pyopenssl, dnspython, ifaddr, and cryptography + cffi +
@@ -61,6 +62,7 @@ if [ "${FAST_LIVE:-0}" = 1 ]; then
   fi
 fi
 if [ "${STANDARD:-1}" = 1 ]; then
+  [ "${STANDARD_SUPERSEDE:-0}" = 1 ] && export ARSTREAM_ENGINE__SUPERSEDE=true
   bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
     --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
 fi
