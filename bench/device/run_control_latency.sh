@@ -10,8 +10,8 @@
 # 2. TINY: the tiny model on cuda, frames read back (pixels), and the lead as it was before in the same run;
 # 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
 #    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
-#    FAST_LIVE=1 (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame (random
-#    weights: no marker to read), and with LIVE_BLOCK its blocks of N too;
+#    FAST_LIVE="3 1" (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame
+#    (random weights: no marker to read), once per block length listed;
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16; STANDARD_SUPERSEDE=1: with supersede on
 #    (off by default for its 1.8 GiB decoder state per block kept);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
@@ -53,14 +53,11 @@ if [ -n "${LIVE_BLOCK:-}" ]; then  # the same with blocks of LIVE_BLOCK latent f
   ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$LIVE_BLOCK bench "tiny_live_block$LIVE_BLOCK" 75 --live 0 --seconds 25 -- \
     --preset tiny --device cuda
 fi
-if [ "${FAST_LIVE:-0}" = 1 ]; then
-  FAST_ARGS=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention)
-  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_live 120 --live 0 --seconds 25 -- "${FAST_ARGS[@]}"
-  if [ -n "${LIVE_BLOCK:-}" ]; then
-    ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$LIVE_BLOCK \
-      bench "fast_live_block$LIVE_BLOCK" 120 --live 0 --seconds 25 -- "${FAST_ARGS[@]}"
-  fi
-fi
+for blocks in ${FAST_LIVE:-}; do
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$blocks bench "fast_live_block$blocks" 120 \
+    --live 0 --seconds 25 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 \
+    --fp8 attention
+done
 if [ "${STANDARD:-1}" = 1 ]; then
   [ "${STANDARD_SUPERSEDE:-0}" = 1 ] && export ARSTREAM_ENGINE__SUPERSEDE=true
   bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
