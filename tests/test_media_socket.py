@@ -241,11 +241,10 @@ def test_a_live_chunk_names_the_input_frame_its_first_frame_shows(bundle):
     finally:
         server.stop()
     shown, _ = decode_mp4(client.media())
-    starts = np.cumsum([0] + [c["frames"] for c in client.got.chunks])
     named = [(c["pts"], c["input_frame"]) for c in client.got.chunks if "input_frame" in c]
     # Paced: one chunk per latent frame (1, 4, 4 frames, then 4 each), each naming the frame it begins with.
     assert [number for _, number in named if number < count] == [0, 1, 5, 9, 13, 17, 21, 25, 29], named
-    for (pts, number), start in zip(named, starts):
+    for pts, number in named:
         if number < count:
             scores = [psnr(shown[pts], candidate) for candidate in expected]
             assert int(np.argmax(scores)) == number and scores[number] >= MIN_PSNR_DB, (number, np.argmax(scores))
