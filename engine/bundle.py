@@ -98,7 +98,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
     if config.model_dir is None:
         audio = _build_audio(preset, config, transformer.config, trained)
     decoder = _video_decoder(config, preset, vae, trained)
-    encoder = _video_encoder(config, preset, vae, trained) if config.resolved_video_input else None
+    encoder = _video_encoder(config, preset, vae, trained)
     scale = decoder.spatial_upscale  # pixels per latent pixel, from the decoder's own config
     if height % scale or width % scale:
         raise ValueError(f"{width}x{height} is not a multiple of the codec's {scale}x spatial compression")
@@ -190,12 +190,13 @@ VideoEncoder = WanStreamingEncoder | TAEHVStreamingEncoder  # the same streaming
 
 
 def _video_encoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoEncoder | None:
-    """The encoder whose latents the configured decoder reads: the Wan VAE's for a Wan model, whichever decoder
-    streams them (the published TAEHV weights decode Wan latents and come without an encoder: the model's own
-    VAE encodes for them), the tiny codec's encoder half for the tiny preset; None without either (the engine
-    then refuses pictures clearly)."""
-    kind = config.resolved_video_decoder
-    if kind == "wan" or preset.codec_encoder is None or config.model_dir is not None:
+    """The encoder whose latents the configured decoder reads (``EngineConfig.resolved_video_encoder``): the Wan
+    VAE's for a Wan model, the tiny codec's encoder half for the tiny preset; None with video input off or
+    without a VAE (the engine then refuses pictures clearly)."""
+    kind = config.resolved_video_encoder
+    if kind is None:
+        return None
+    if kind == "wan":
         return WanStreamingEncoder(vae) if vae is not None else None
     model = random_taehv_encoder(config.seed + 5, preset.codec_encoder)
     if trained is None:

@@ -346,6 +346,18 @@ class EngineConfig(BaseModel):
         return self.gpu_memory_gib is None
 
     @property
+    def resolved_video_encoder(self) -> str | None:
+        """Whose encoder makes a session's input latents: "wan", a Wan model's own VAE, whichever decoder streams its
+        latents (the published TAEHV weights come without an encoder); "taehv", the tiny preset's codec; None with
+        video input off."""
+        if not self.resolved_video_input:
+            return None
+        if self.resolved_video_decoder == "wan" or self.model_dir is not None \
+                or get_preset(self.preset).codec_encoder is None:
+            return "wan"
+        return "taehv"
+
+    @property
     def resolved_gather_history_once(self) -> bool:
         if self.gather_history_once is not None:
             return self.gather_history_once

@@ -134,13 +134,11 @@ def estimate_decoder_session_bytes(config: EngineConfig) -> int:
 
     from decoders.video import WanStreamingDecoder
 
-    preset = get_preset(config.preset)
     wan_decoder = config.resolved_video_decoder == "wan"
-    wan_encoder = config.resolved_video_input and (
-        wan_decoder or preset.codec_encoder is None or config.model_dir is not None)  # engine.bundle._video_encoder
+    wan_encoder = config.resolved_video_encoder == "wan"
     if not wan_decoder and not wan_encoder:
         return 0  # TAEHV's state is small next to the KV; the engine sizes its slots from the exact figure
-    vae_config = preset.vae_config
+    vae_config = get_preset(config.preset).vae_config
     if config.model_dir is not None:
         try:
             vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
