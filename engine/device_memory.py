@@ -166,7 +166,8 @@ def _weights_bytes(config: EngineConfig, element: int) -> int:
     preset = get_preset(config.preset)
     with torch.device("meta"):
         modules = [WanTransformer3DModel(**preset.transformer_config)]
-        if preset.vae_config is not None and config.resolved_video_decoder == "wan":
+        # The Wan VAE stays loaded when it decodes, or encodes the input for another decoder.
+        if preset.vae_config is not None and "wan" in (config.resolved_video_decoder, config.resolved_video_encoder):
             modules.append(AutoencoderKLWan(**preset.vae_config))
         elif preset.codec_decoder is not None:
             modules.append(TAEHVDecoder(preset.codec_decoder))
