@@ -616,3 +616,40 @@ def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir
             ws.send_json({"type": "live", "strength": 0.5, "id": "l"})
             answer = ws.receive_json()
             assert answer["type"] == "ack" and answer["of"] == "live", answer
+
+
+def test_a_server_without_video_input_refuses_pictures_and_live_input_and_says_why(make_client):
+    """``video_input`` off (the default under a GPU memory cap): no encoder, every picture and live input refused
+    with the reason, everything else works."""
+    from engine.api import Engine
+    from engine.errors import InputUnsupported
+    from tests.engine_helpers import small_config
+
+    config = small_config(video_input=False)
+    bundle = build_models(config)
+    assert bundle.encoder is None
+
+    async def scenario():
+        engine = Engine(config, bundle=bundle)
+        await engine.start()
+        try:
+            assert "video_input is off" in engine.input_refusal
+            session = engine.create_session(seed=1)
+            with pytest.raises(InputUnsupported, match="video_input is off"):
+                engine.start_session(session.session_id, "a picture", context=np.zeros((1, 48, 64, 3), np.uint8))
+            with pytest.raises(InputUnsupported):
+                engine.set_live(session.session_id, 0.5)
+            assert engine.start_session(session.session_id, "words only") == "active"  # everything else works
+        finally:
+            await engine.shutdown()
+
+    import asyncio
+
+    asyncio.run(scenario())
+    with make_client(engine={"video_input": False}) as client:
+        with client.websocket_connect("/v1/stream") as ws:
+            assert ws.receive_json()["type"] == "session"
+            ws.receive_bytes()
+            ws.send_json({"type": "live", "strength": 0.5, "id": "l"})
+            answer = ws.receive_json()
+            assert answer["code"] == "input_unsupported" and "video_input is off" in answer["message"], answer
