@@ -346,7 +346,8 @@ def _open_sessions(base: str) -> list[dict]:
 def test_a_picture_start_and_the_camera_as_live_input(server, browser, tmp_path):
     """The picker sends a picture with `start` (its frame comes first, then the stream: over the socket, which
     "auto" picks for a picture); the camera (Chromium's fake device) streams frames as live input at the slider's
-    strength; input and output show side by side."""
+    strength; input and output show side by side, and the page times each camera frame a chunk names to the
+    screen."""
     from PIL import Image
 
     base = server
@@ -386,6 +387,16 @@ def test_a_picture_start_and_the_camera_as_live_input(server, browser, tmp_path)
         )
         before = _player(page)
         after = _wait_for_more(page, before, chunks=1, timeout_s=20)
+        # Each chunk made from the camera names the frame it shows (chunk.input_frame): the page times it from
+        # that frame's capture to its first frame on screen.
+        page.wait_for_function("() => window.arstreamDemo.cameraToScreen.length >= 2", timeout=30_000)
+        timed = page.evaluate("() => window.arstreamDemo.cameraToScreen")
+        sent = int(page.inner_text("#input-info").split("·")[1].split()[0])
+        numbers = [t["inputFrame"] for t in timed]
+        assert numbers == sorted(numbers) and numbers[-1] < sent, (numbers, sent)
+        # Captured before it was sent, shown after: positive, and less than the whole session so far.
+        assert all(0 < t["ms"] < 60_000 for t in timed), timed
+        assert page.inner_text("#camera-to-screen").endswith("ms)"), page.inner_text("#camera-to-screen")
         page.fill("#strength", "0")
         page.dispatch_event("#strength", "change")
         page.wait_for_function("() => document.getElementById('strength-text').textContent.includes('σ 0 ')",

@@ -13,6 +13,8 @@ const LIVE_EDGE_S = 0.6;
 const CATCH_UP_RATE = 1.15;
 const MAX_LAG_S = 3;          // further than this behind the live edge: jump forward
 const CONTROL_KEEP = 20;      // control-to-screen figures kept for the median
+const CAMERA_KEEP = 40;       // camera-to-screen figures kept for the median (one per live chunk)
+const CAMERA_EXPORT_KEEP = 600; // ... and for window.arstreamDemo (tests, benchmarks)
 const FPS_WINDOW_MS = 4000;   // sliding window of the fps readout
 const STALL_MS = 3000;        // no chunk for this long (or 2 usual gaps): fps reads 0
 const LATENCY_KEEP = 30;      // chunks in the latency median
@@ -28,6 +30,7 @@ const ui = {
   state: $("state"), mediaInfo: $("media-info"), log: $("log"), notice: $("notice"),
   fps: $("fps"), ttfc: $("ttfc"), chunks: $("chunks"), latency: $("latency"), server: $("server"),
   buffer: $("buffer"), decoded: $("decoded"), errors: $("errors"), toScreen: $("to-screen"),
+  cameraToScreen: $("camera-to-screen"),
   transport: $("transport"), transportInUse: $("transport-in-use"),
 };
 // Pictures and video in: the picker and the camera (input.js).
@@ -87,6 +90,8 @@ class Session {
     this.controlsSent = new Map();   // id of a prompt change / reset / live change -> performance.now() at send
     this.controlsDue = [];           // {id, sentAt, namedAt, pts}: named by a chunk, waiting to be on screen
     this.toScreen = [];              // ms from sending a control to its first frame shown
+    this.cameraDue = [];             // {number, capturedAt, pts}: a chunk made from that camera frame, not yet shown
+    this.cameraToScreen = [];        // ms from capturing a camera frame to the first frame shown made from it
 
     this.transport = null;           // SocketTransport or PeerTransport (transports.js)
     this.rtp = null;                 // WebRTC: {rtp, pts} of the first frame shown, to read a frame's pts
@@ -262,6 +267,15 @@ class Session {
       this.controlsDue.push({ id, sentAt, namedAt: now, pts: chunk.pts });
       watchFrames(this);
     }
+    // A chunk made from live input names the camera frame its first frame shows: time it from its capture.
+    if (typeof chunk.input_frame === "number") {
+      const capturedAt = input.capturedAt(this, chunk.input_frame);
+      if (capturedAt !== null) {
+        this.cameraDue.push({ number: chunk.input_frame, capturedAt, pts: chunk.pts });
+        if (this.cameraDue.length > CAMERA_KEEP) this.cameraDue.shift();
+        watchFrames(this);
+      }
+    }
     if (this.firstChunkMs === null) this.firstChunkMs = now - this.startClick;
     this.arrivals.push({ t: now, frames: chunk.frames });
     while (this.arrivals.length > 2 && now - this.arrivals[0].t > FPS_WINDOW_MS) this.arrivals.shift();
@@ -397,7 +411,16 @@ function watchFrames(s, always = false) {
                                           pts, mediaTime: pts / (s.fps || 16) });
       return false;
     });
-    if ((s.controlsDue.length || s.watchAlways) && s === current && s.state !== "closed") {
+    s.cameraDue = s.cameraDue.filter((due) => {
+      if (pts === null || pts < due.pts) return true;
+      s.cameraToScreen.push(shownAt - due.capturedAt);
+      if (s.cameraToScreen.length > CAMERA_KEEP) s.cameraToScreen.shift();
+      const shown = window.arstreamDemo.cameraToScreen;
+      shown.push({ inputFrame: due.number, ms: shownAt - due.capturedAt, pts, mediaTime: pts / (s.fps || 16) });
+      if (shown.length > CAMERA_EXPORT_KEEP) shown.shift();
+      return false;
+    });
+    if ((s.controlsDue.length || s.cameraDue.length || s.watchAlways) && s === current && s.state !== "closed") {
       v.requestVideoFrameCallback(onFrame);
     } else {
       s.watching = false;
@@ -407,9 +430,9 @@ function watchFrames(s, always = false) {
   v.requestVideoFrameCallback(onFrame);
 }
 
-// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame) and the session;
-// cameraLimits false sends the camera over WebRTC as captured (the reference bench/camera_cost_browser.py times).
-window.arstreamDemo = { toScreen: [], sessionId: null, cameraLimits: true };
+// For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame), the camera's
+// frames timed to the screen (inputFrame, ms, mediaTime; over the socket) and the session; cameraLimits false sends the camera over WebRTC as captured (the reference bench/camera_cost_browser.py times).
+window.arstreamDemo = { toScreen: [], cameraToScreen: [], sessionId: null, cameraLimits: true };
 
 // --- playback upkeep: gaps, live edge, readouts ---
 
@@ -483,6 +506,9 @@ function render() {
   } else {
     ui.toScreen.textContent = "–";
   }
+  ui.cameraToScreen.textContent = s.cameraToScreen.length
+    ? `${ms(s.cameraToScreen[s.cameraToScreen.length - 1])} (median ${ms(median(s.cameraToScreen))})`
+    : "–";
   const v = ui.video;
   const b = v.buffered;
   if (b.length) ui.buffer.textContent = `${Math.max(0, b.end(b.length - 1) - v.currentTime).toFixed(2)} s`;

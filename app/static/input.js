@@ -4,6 +4,7 @@
 
 const FRAME_QUALITY = 0.8;          // JPEG quality of camera frames
 const MAX_UNSENT_BYTES = 256 * 1024; // a socket holding more than this unsent skips camera frames (no queue)
+const CAPTURED_KEEP = 256;          // capture times kept by frame number (16 s at 16 fps: far more than a lead)
 
 export class InputPanel {
   constructor(ui, log) {
@@ -16,6 +17,9 @@ export class InputPanel {
     this.canvas = document.createElement("canvas");
     this.framesSent = 0;
     this.framesSkipped = 0;
+    // Over the socket the server numbers the frames it receives while live is on, from 0 over the session's
+    // life (chunk.input_frame): the n-th frame sent to this session is number n. Its capture time, by number.
+    this.captured = new Map();
     this.used = null;                // {strength, steps} from the server's ack of `live`
     this.liveRun = 0;                // bumped when live input stops: a frame still being encoded is not sent
 
@@ -89,6 +93,7 @@ export class InputPanel {
   bind(session) {
     this.session = session;
     this.framesSent = this.framesSkipped = 0;
+    this.captured.clear();
     if (this.stream) this.goLive();
   }
 
@@ -116,6 +121,14 @@ export class InputPanel {
     this.timer = setInterval(() => this.sendFrame(session), 1000 / (session.fps || 16));
   }
 
+  // When the camera frame a chunk names (chunk.input_frame) was captured here, or null: not this session's,
+  // or sent over WebRTC (the server counts the track's frames it got, which the page cannot match one by one).
+  capturedAt(session, number) {
+    if (session !== this.session || session.transportKind === "webrtc") return null;
+    const at = this.captured.get(number);
+    return at === undefined ? null : at;
+  }
+
   onLiveAck(msg) {
     this.used = typeof msg.strength === "number" ? { strength: msg.strength, steps: msg.steps } : null;
     this.showStrength();
@@ -127,6 +140,7 @@ export class InputPanel {
     if (session.transport.bufferedAmount > MAX_UNSENT_BYTES) { this.framesSkipped += 1; return; }
     // Cover and centre-crop to the session's frame here, as the server would: fewer bytes on the wire.
     const { width, height } = session.frameSize;
+    const capturedAt = performance.now();
     const canvas = this.canvas;
     canvas.width = width;
     canvas.height = height;
@@ -139,6 +153,8 @@ export class InputPanel {
       // Encoding is asynchronous: the camera may have been stopped (`live` off sent) meanwhile.
       if (!blob || !session.open || this.session !== session || run !== this.liveRun || !this.stream) return;
       session.transport.sendBinary(blob);
+      this.captured.set(this.framesSent, capturedAt);
+      if (this.captured.size > CAPTURED_KEEP) this.captured.delete(this.captured.keys().next().value);
       this.framesSent += 1;
       this.render();
     }, "image/jpeg", FRAME_QUALITY);
