@@ -240,7 +240,9 @@ class Runner:
     ) -> None:
         """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
         as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
-        first media; the frames are the same as unsplit (chunked decode equals one-call decode).
+        first media; the frames are the same as unsplit (chunked decode equals one-call decode). With blocks of
+        one latent frame the first block is its opening frame alone: nothing to split (the rest would be a tick
+        that makes nothing), so it is not.
         ``encoder``: the streaming video encoder of pictures and live input (``decoders``), None when the
         codec cannot encode. ``undo_blocks``: how many of a session's last blocks can be taken back and made again
         (supersede, ``engine/undo.py``; 0: none, nothing is recorded)."""
@@ -254,7 +256,7 @@ class Runner:
         self.encoder = encoder
         self.kv_manager = kv_manager
         self.stepwise = stepwise
-        self.split_first_block = split_first_block
+        self.split_first_block = split_first_block and pipeline.frames_per_block > 1
         self.undo_blocks = 0 if stepwise else undo_blocks  # a stepwise block spans ticks: nothing to take back
         self.device_sessions: dict[str, DeviceSession] = {}
 

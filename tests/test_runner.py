@@ -297,6 +297,20 @@ def test_warmup_meets_every_attention_shape_and_transition(runner):
     assert not runner.device_sessions
 
 
+def test_with_blocks_of_one_latent_frame_the_first_block_is_not_split_into_an_empty_rest():
+    """A first block of one latent frame is its opening frame alone: asked to split it, the runner sends it
+    whole, and every tick after makes a block (none is spent on an empty rest of the first)."""
+    config, bundle = build_small(sink_frames=1, window_frames=3, frames_per_block=1)
+    runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), split_first_block=True)
+    open_session(runner, "s", seed=4, prompt="a lantern")
+    ticks = []
+    for _ in range(3):
+        result = runner.execute(StepPlan(work=[SessionWork("s", run=True)]))
+        assert not result.failures, result.failures
+        ticks.append([(o.frames.shape[0], o.block_index) for o in result.outputs])
+    assert ticks == [[(1, 0)], [(4, 1)], [(4, 2)]]
+
+
 @pytest.mark.parametrize("stepwise", [False, True])
 def test_split_first_block_sends_the_opening_frame_first_and_the_same_media(stepwise):
     """Opening frame ahead of the commit pass, then the rest: the same frames and audio as unsplit."""
