@@ -15,12 +15,7 @@ of the object's colour (red <-> yellow) clicked on the page. Two figures per cha
 
 Also the page's first-chunk time, and frames shown per second. Prints ONE JSON line (and writes it to `--out`).
 
-`--camera SECONDS` measures the camera instead: the page's camera (Chromium's fake device) on as live input over
-the WebSocket at `--strength`, for SECONDS after the first live chunk; per live chunk the page's "camera to
-screen" (a frame captured on the page -> the first frame shown of the chunk that names it, `chunk.input_frame`).
-
     python bench/control_to_screen_browser.py --changes 12 -- --preset tiny
-    python bench/control_to_screen_browser.py --camera 30 -- --preset tiny
 """
 
 from __future__ import annotations
@@ -38,17 +33,6 @@ from bench_service_gpu import on_fresh_server, write  # noqa: E402
 from control_to_screen import _stats  # noqa: E402
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS, COLOUR_READER  # noqa: E402
-
-CAMERA_ARGS = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream"]
-# A stall as the viewer meets it: the video element waits for data (MSE), or a frame is shown more than twice a
-# frame's time after the one before; each frame shown is stamped (requestVideoFrameCallback).
-WATCH_PLAYBACK = """() => {
-  window.waits = 0; window.shownAt = [];
-  const v = document.querySelector('video');
-  v.addEventListener('waiting', () => { window.waits += 1; });
-  const onFrame = (now, meta) => { window.shownAt.push(meta.expectedDisplayTime || now); v.requestVideoFrameCallback(onFrame); };
-  v.requestVideoFrameCallback(onFrame);
-}"""
 
 COLOURS = ("red", "yellow")
 MIN_PIXELS = 20  # an object's colour counts as shown with this many pixels of it, more than of the other
@@ -149,52 +133,6 @@ def measure(url: str, transport: str, args) -> dict:
             "server": server_latency, "receiver": receive_stats}
 
 
-def measure_camera(url: str, args) -> dict:
-    """The camera as live input over the socket: what the page's "camera to screen" timed, per live chunk."""
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + CAMERA_ARGS)
-        page = browser.new_page(viewport={"width": 1280, "height": 800})
-        try:
-            page.goto(f"{url}/", wait_until="load")
-            page.fill("#prompt", caption(COLOURS[0]))
-            page.fill("#seed", str(args.seed))
-            page.select_option("#transport", "websocket")
-            page.fill("#strength", str(args.strength))
-            page.dispatch_event("#strength", "change")
-            page.click("#start")
-            page.wait_for_function("() => Number(document.getElementById('chunks').textContent) >= 2",
-                                   timeout=120_000)
-            page.evaluate(WATCH_PLAYBACK)
-            clicked = page.evaluate("() => { const t = performance.now(); document.getElementById('camera').click(); return t; }")
-            page.wait_for_function("() => window.arstreamDemo.cameraToScreen.length >= 1", timeout=120_000)
-            first_live_s = (page.evaluate("() => performance.now()") - clicked) / 1000
-            page.evaluate("() => { window.arstreamDemo.cameraToScreen.length = 0; window.shownAt.length = 0; window.waits = 0; }")
-            page.wait_for_timeout(args.camera * 1000)
-            timed = page.evaluate("() => window.arstreamDemo.cameraToScreen")
-            shown = page.evaluate("() => window.shownAt")
-            waits = page.evaluate("() => window.waits")
-            session_id = page.evaluate("() => window.arstreamDemo.sessionId")
-            readout = page.inner_text("#camera-to-screen")
-            info = page.inner_text("#input-info")
-            errors = page.inner_text("#errors")
-        finally:
-            page.close()
-            browser.close()
-    import httpx
-
-    status = httpx.get(f"{url}/v1/sessions/{session_id}", timeout=10).json() if session_id else {}
-    gaps = [b - a for a, b in zip(shown, shown[1:]) if b - a > 2 * 1000 / 16]
-    span_s = (shown[-1] - shown[0]) / 1000 if len(shown) > 1 else 0
-    return {"transport": "websocket", "strength": args.strength, "errors": errors, "readout": readout,
-            "input_info": info, "camera_click_to_first_timed_s": round(first_live_s, 3),
-            "camera_to_screen": _stats([t["ms"] / 1000 for t in timed]) | {"chunks": len(timed)},
-            "frames_shown_per_s": round((len(shown) - 1) / span_s, 2) if span_s else None,
-            "waiting_events": waits, "frame_gaps_over_2_frames": len(gaps), "seconds_watched": round(span_s, 1),
-            "server_input": status.get("input")}
-
-
 def _server_control_latency(url: str, session_id: str | None) -> dict | None:
     """The session's recent control latencies as the engine stamped them (count, median, p90, max: seconds)."""
     if not session_id:
@@ -212,9 +150,6 @@ def main() -> None:
     parser.add_argument("--first-change", type=float, default=3.0, help="seconds of playback before the first")
     parser.add_argument("--seed", type=int, default=3)
     parser.add_argument("--transports", default="websocket,webrtc")
-    parser.add_argument("--camera", type=float, default=0.0,
-                        help="seconds of camera as live input to time instead of prompt changes (over the socket)")
-    parser.add_argument("--strength", type=float, default=0.0, help="live strength with --camera")
     parser.add_argument("--ready-timeout", type=float, default=900.0)
     parser.add_argument("--log-dir", default=None, help="keep each server's log here")
     parser.add_argument("--out", default=None)
@@ -223,18 +158,6 @@ def main() -> None:
     server_args = [a for a in args.server_args if a != "--"]
     result = {"bench": "control_to_screen_browser", "date": time.strftime("%Y-%m-%d"), "server_args": server_args,
               "chromium": CHROMIUM, "runs": []}
-    if args.camera > 0:
-        log_path = Path(args.log_dir) / "browser-camera.log" if args.log_dir else None
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        result["runs"].append(on_fresh_server(server_args, args.ready_timeout, lambda server: measure_camera(server.url, args),
-                                              log_path))
-        print(json.dumps(result))
-        write(result, Path(args.out) if args.out else None)
-        run = result["runs"][0]
-        print(f"camera to screen {run['camera_to_screen']} gaps {run['frame_gaps_over_2_frames']} "
-              f"waiting {run['waiting_events']} errors {run['errors']}", file=sys.stderr)
-        return
     for transport in args.transports.split(","):
         log_path = Path(args.log_dir) / f"browser-{transport}.log" if args.log_dir else None
         if log_path is not None:
