@@ -104,3 +104,31 @@ def test_readers_see_no_object_in_noise():
     reading = measure.read_frame(noise)
     assert not reading.has_object
     assert measure.colour_name(reading) is None and measure.shape_name(reading) is None
+
+
+def test_shaded_clips_draw_the_captions_colours_in_other_shades_and_leave_other_clips_as_they_were():
+    """Clips in everyday shades (training for pictures off the palette): the caption's colours still read back
+    by name, the pixels are not the palette's, and a set drawn without shades is the same as before."""
+    from world.grammar import BACKGROUNDS
+    from world.render import Shades
+
+    scene = Scene("circle", "red", "still", "blue")
+    rng = np.random.default_rng(0)
+    shades = [Shades.around(scene, rng) for _ in range(50)]
+    grounds = np.array([s.background for s in shades])
+    assert np.abs(grounds - np.array(BACKGROUNDS["blue"])).max(axis=1).min() > 0.0
+    assert grounds[:, 2].max() > 0.85 and grounds[:, 2].min() < 0.45  # brighter and darker blues
+    for s in shades:  # the object always stands out from its ground
+        assert np.abs(np.array(s.object) - np.array(s.background)).max() > 0.3
+    frame = _frames(make_clip(scene, seed=3, latent_frames=1, shades=shades[0]))[0]
+    corner = frame[4, 4] * 255
+    assert np.allclose(corner, np.array(shades[0].background) * 255, atol=1.0)
+    reading = measure.read_frame(frame)
+    assert measure.colour_name(reading) == "red" and measure.background_name(reading) == "blue"
+    plain = [random_clip(seed, 2, switch_probability=0.3) for seed in range(6)]
+    again = [random_clip(seed, 2, switch_probability=0.3, shades_probability=0.0) for seed in range(6)]
+    assert all(torch.equal(a.video, b.video) for a, b in zip(plain, again))
+    shaded = [random_clip(seed, 2, shades_probability=1.0) for seed in range(6)]
+    assert not any(torch.equal(a.video, b.video) for a, b in zip(plain, shaded))
+    with pytest.raises(ValueError, match="one scene"):
+        make_clip(scene, 0, 4, switch_to=Scene("circle", "green", "still", "blue"), switch_latent=2, shades=shades[0])

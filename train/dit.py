@@ -402,7 +402,7 @@ class DiTTrainer:
     # -- D: continuing an opening context (an image's or a clip's latents) --
     def continuation(self, sampler: Sampler, log: LossLog, clock: StageClock, batch: int, rng: np.random.Generator,
                      name: str = "cont", max_context: int = 6, rollout_share: float = 0.25,
-                     own_share: float = 0.3) -> int:
+                     own_share: float = 0.3, picture_share: float = 0.0) -> int:
         """Teach the model to continue the colours (and the object) of a context it did not make.
 
         The engine's image or clip start (runner._begin_from) encodes ``1 + 4 (n - 1)`` frames as a fresh codec
@@ -416,7 +416,8 @@ class DiTTrainer:
         ``own_share`` of the samples, one block the model generates itself; then the engine's 4 steps for the
         next block, learned at a random step against the clip's own next block with :func:`continuation_losses`.
         ``rollout_share`` of the steps are ordinary rollout steps (C), so text-only sessions keep what they
-        had; their losses are logged as ``{name}r``.
+        had; their losses are logged as ``{name}r``. ``picture_share`` of the samples start from one latent frame
+        (a picture) whatever ``n`` would have been drawn.
         """
         step = rollouts = 0
         data = sampler.data
@@ -434,6 +435,8 @@ class DiTTrainer:
                 continue
             own = int(rng.random() < own_share)
             n = int(rng.integers(1, min(max_context, length - BLOCK * (1 + own)) + 1))
+            if picture_share > 0 and rng.random() < picture_share:
+                n = 1
             picks = rng.choice(plain, size=batch)
             rows = torch.as_tensor(picks, device=data.video.device)
             video = data.video.index_select(0, rows)

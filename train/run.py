@@ -51,12 +51,12 @@ from train.dit import DiTTrainer, Sampler, sample_session
 FULL = {
     "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
-    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
+    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
-    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
+    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
 STATE_FILES = {"audio": "state.audio.json"}
 SAVE_EVERY_S = 45.0
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = (latent["latents_mean"], latent["latents_std"])
     data = build_latent_set(codec, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
                             device=device, stats=stats, seed=3 + 2 * (args.round - 1) if continuing else 3,
-                            batch=cfg["data_batch"])
+                            batch=cfg["data_batch"], shades_probability=cfg["data_shades"])
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
           f"latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
     codec_metadata = latent_stats_metadata(data.mean, data.std)
@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt.mark(rollout, steps=n)
     if cont in seconds and seconds[cont] > 0:  # none by default: a from-scratch run keeps its three stages
         n = trainer.continuation(sampler, log, StageClock(seconds[cont], steps()), batch, rng, name=cont,
-                                 max_context=cfg["cont_context"], rollout_share=cfg["cont_mix"])
+                                 max_context=cfg["cont_context"], rollout_share=cfg["cont_mix"],
+                                 picture_share=cfg["cont_picture"])
         save_dit()
         ckpt.mark(cont, steps=n)
 

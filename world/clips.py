@@ -19,7 +19,7 @@ import torch
 from world import sound
 from world.grammar import BACKGROUNDS, COLOURS, MOTIONS, SHAPES, TEXTURES, Scene
 from world.motion import FPS, Jitter, centre
-from world.render import frame_times, render_with_coverage
+from world.render import Shades, frame_times, render_with_coverage
 
 AUDIO_FRAMES_PER_LATENT = 20
 
@@ -62,15 +62,19 @@ def make_clip(
     switch_to: Scene | None = None,
     switch_latent: int | None = None,
     device="cpu",
+    shades: Shades | None = None,
 ) -> Clip:
-    """The clip of ``scene`` for ``seed``: deterministic in its arguments."""
+    """The clip of ``scene`` for ``seed``: deterministic in its arguments. ``shades``: drawn in those colours
+    instead of the palette's (a clip without a switch)."""
+    if shades is not None and switch_to is not None:
+        raise ValueError("shades are for a clip of one scene")
     if latent_frames < 1:
         raise ValueError("a clip needs at least one latent frame")
     jitter = Jitter.from_seed(seed)
     times = frame_times(video_frames(latent_frames))
     cx, cy = centre(scene.motion, jitter, times)
     scenes = [(scene, 0.0)]
-    video, coverage = render_with_coverage(scene, cx, cy, device)
+    video, coverage = render_with_coverage(scene, cx, cy, device, shades)
     if switch_to is not None:
         if switch_latent is None or not 0 < switch_latent < latent_frames:
             raise ValueError("switch_latent must fall inside the clip")
@@ -84,10 +88,14 @@ def make_clip(
     return Clip(video * 2 - 1, features.to(device), caption, scenes, coverage, switch_latent if switch_to else None)
 
 
-def random_clip(seed: int, latent_frames: int, *, switch_probability: float = 0.0, device="cpu") -> Clip:
-    """A random scene (and maybe a switch at a block boundary, multiple of 3) from one seed."""
+def random_clip(seed: int, latent_frames: int, *, switch_probability: float = 0.0, shades_probability: float = 0.0,
+                device="cpu") -> Clip:
+    """A random scene (and maybe a switch at a block boundary, multiple of 3) from one seed; a clip without a
+    switch is drawn in shades near the palette's (:meth:`Shades.around`) with ``shades_probability``."""
     rng = np.random.default_rng(seed)
     scene = random_scene(rng)
+    if shades_probability > 0 and rng.random() < shades_probability:
+        return make_clip(scene, seed, latent_frames, device=device, shades=Shades.around(scene, rng))
     if latent_frames > 6 and rng.random() < switch_probability:
         switch_latent = 3 * int(rng.integers(1, (latent_frames - 1) // 3 + 1))
         if switch_latent < latent_frames:

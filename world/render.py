@@ -6,6 +6,8 @@ moving object's outline changes smoothly from frame to frame.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -44,9 +46,11 @@ def shape_mask(shape: str, cx: torch.Tensor, cy: torch.Tensor, height: int = HEI
     return inside.float().view(-1, height, 2, width, 2).mean(dim=(2, 4))
 
 
-def background(name: str, texture: str, device, height: int = HEIGHT, width: int = WIDTH) -> torch.Tensor:
-    """``[3, H, W]`` in [0, 1]; textures are fixed patterns (no seed), so a caption fixes its background."""
-    colour = torch.tensor(BACKGROUNDS[name], device=device).view(3, 1, 1)
+def background(name: str, texture: str, device, height: int = HEIGHT, width: int = WIDTH,
+               rgb: tuple[float, float, float] | None = None) -> torch.Tensor:
+    """``[3, H, W]`` in [0, 1]; textures are fixed patterns (no seed), so a caption fixes its background.
+    ``rgb``: another shade of it than the palette's (a picture in everyday colours)."""
+    colour = torch.tensor(rgb or BACKGROUNDS[name], device=device).view(3, 1, 1)
     ys = torch.arange(height, device=device).view(-1, 1)
     xs = torch.arange(width, device=device).view(1, -1)
     if texture == "plain":
@@ -60,16 +64,40 @@ def background(name: str, texture: str, device, height: int = HEIGHT, width: int
     return colour * shade
 
 
+@dataclass(frozen=True)
+class Shades:
+    """The colours a scene is drawn in where they are not the palette's: a picture's everyday shade of its
+    caption's colours (RGB in [0, 1])."""
+
+    object: tuple[float, float, float]
+    background: tuple[float, float, float]
+
+    @staticmethod
+    def around(scene: Scene, rng: np.random.Generator) -> "Shades":
+        """Random shades near the palette's: the background brighter or darker (0.7-1.9 x) and tinted (+-0.12 per
+        channel), the object a little (0.85-1.1 x, +-0.06): an ordinary blue (35, 60, 190) or a pure one
+        (0, 0, 255) for the palette's (20, 36, 133). A background that comes near the object's colour (0.3 or
+        less on every channel) is drawn again."""
+        base_object, base_ground = np.array(COLOURS[scene.colour]), np.array(BACKGROUNDS[scene.background])
+        while True:
+            ground = np.clip(base_ground * rng.uniform(0.7, 1.9) + rng.uniform(-0.12, 0.12, 3), 0, 1)
+            thing = np.clip(base_object * rng.uniform(0.85, 1.1) + rng.uniform(-0.06, 0.06, 3), 0, 1)
+            if np.abs(ground - thing).max() > 0.3:
+                return Shades(tuple(float(v) for v in thing), tuple(float(v) for v in ground))
+
+
 def render(scene: Scene, cx: np.ndarray, cy: np.ndarray, device="cpu") -> torch.Tensor:
     """``[3, T, H, W]`` in [0, 1]: the scene with its object at ``(cx[t], cy[t])``."""
     return render_with_coverage(scene, cx, cy, device)[0]
 
 
-def render_with_coverage(scene: Scene, cx, cy, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`render` and the object's ``[T, H, W]`` coverage (training weighs the object's pixels up)."""
+def render_with_coverage(scene: Scene, cx, cy, device="cpu", shades: Shades | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`render` and the object's ``[T, H, W]`` coverage (training weighs the object's pixels up).
+    ``shades``: the object's and the background's colours as drawn, where not the palette's."""
     cx_t = torch.as_tensor(cx, dtype=torch.float32, device=device)
     cy_t = torch.as_tensor(cy, dtype=torch.float32, device=device)
     mask = shape_mask(scene.shape, cx_t, cy_t).unsqueeze(0)  # [1, T, H, W]
-    colour = torch.tensor(COLOURS[scene.colour], device=device).view(3, 1, 1, 1)
-    frames = background(scene.background, scene.texture, device).unsqueeze(1) * (1 - mask) + colour * mask
+    colour = torch.tensor(shades.object if shades else COLOURS[scene.colour], device=device).view(3, 1, 1, 1)
+    ground = background(scene.background, scene.texture, device, rgb=shades.background if shades else None)
+    frames = ground.unsqueeze(1) * (1 - mask) + colour * mask
     return frames, mask[0]
