@@ -431,7 +431,8 @@ function watchFrames(s, always = false) {
 }
 
 // For tests and curious users: every control timed on this page (id, ms, mediaTime of the frame), the camera's
-// frames timed to the screen (inputFrame, ms, mediaTime; over the socket) and the session; cameraLimits false sends the camera over WebRTC as captured (the reference bench/camera_cost_browser.py times).
+// frames timed to the screen (inputFrame, ms, mediaTime; over the socket) and the session; cameraLimits false
+// sends the camera over WebRTC as captured (the reference bench/camera_cost_browser.py times).
 window.arstreamDemo = { toScreen: [], cameraToScreen: [], sessionId: null, cameraLimits: true };
 
 // --- playback upkeep: gaps, live edge, readouts ---
