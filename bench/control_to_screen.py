@@ -365,15 +365,15 @@ def main() -> None:
               "server_args": server_args, "case": "live" if args.live is not None else "prompt",
               "live_strength": args.live, "runs": []}
     transports = ("websocket", "webrtc") if args.transport == "both" else (args.transport,)
-    for transport in transports:
-        label = "lead_on_server" if transport == "websocket" else "lead_on_server_webrtc"
-        result["runs"].append(serve_and_run(server_args, args, {}, label, transport))
+    runs = [(transport, "lead_on_server" if transport == "websocket" else "lead_on_server_webrtc", {})
+            for transport in transports]
     if args.reference:
-        result["runs"].append(serve_and_run(server_args, args, REFERENCE_ENV, "reference_lead_two_blocks"))
-    line = json.dumps(result)
-    print(line)
-    if args.out:
-        Path(args.out).write_text(line + "\n")
+        runs.append(("websocket", "reference_lead_two_blocks", REFERENCE_ENV))
+    for transport, label, env in runs:
+        result["runs"].append(serve_and_run(server_args, args, env, label, transport))
+        if args.out:  # after each run: a later one cut short by a time limit keeps the ones before it
+            Path(args.out).write_text(json.dumps(result) + "\n")
+    print(json.dumps(result))
     for run in result["runs"]:
         controls = run.get("controls") or {"live": {"protocol": run.get("live_named", {}), "pixels": run.get("live", {})}}
         for kind, figures in controls.items():

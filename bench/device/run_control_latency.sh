@@ -27,6 +27,9 @@ start_run "${1:-560}"
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader || true
 CHANGES=${CHANGES:-16}
 TRANSPORT=${TRANSPORT:-websocket}
+# A fresh 1.3B server took 45-97 s to /readyz on an H100 (2026-12-05): a part's default limit is 180 s per server it
+# starts (each transport, and the tiny reference, is a server of its own); each run's JSON is written as it ends.
+SERVERS=$([ "$TRANSPORT" = both ] && echo 2 || echo 1)
 
 bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `arstream serve`'s)
   local name=$1 limit=$2; shift 2
@@ -37,13 +40,13 @@ bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `ar
 }
 
 if [ "${FAST:-1}" = 1 ]; then
-  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_prompt "${FAST_S:-140}" --changes "$CHANGES" --interval 3 \
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv bench fast_prompt "${FAST_S:-$((180 * SERVERS))}" --changes "$CHANGES" --interval 3 \
     --transport "$TRANSPORT" -- \
     --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention
 fi
 if [ "${TINY:-1}" = 1 ]; then
   # shellcheck disable=SC2046  # TINY_REF=0: without the reference run (the lead as before)
-  bench tiny_prompt "${TINY_S:-220}" --changes "$CHANGES" --interval 3 --read-pixels --transport "$TRANSPORT" \
+  bench tiny_prompt "${TINY_S:-$((180 * (SERVERS + ${TINY_REF:-1})))}" --changes "$CHANGES" --interval 3 --read-pixels --transport "$TRANSPORT" \
     $([ "${TINY_REF:-1}" = 1 ] && echo --reference) -- --preset tiny --device cuda
 fi
 if [ "${TINY_LIVE:-1}" = 1 ]; then
