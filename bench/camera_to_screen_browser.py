@@ -30,8 +30,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_service_gpu import on_fresh_server, write  # noqa: E402
+from bench_service_gpu import write  # noqa: E402
 from control_to_screen import _stats  # noqa: E402
+from control_to_screen_browser import on_fresh_server_per_transport  # noqa: E402
 
 from tests.browser import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
@@ -190,12 +191,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         args.camera_file = Path(tmp) / "camera.y4m"
         write_camera(args.camera_file)
-        for transport in args.transports.split(","):
-            log_path = Path(args.log_dir) / f"camera-{transport}.log" if args.log_dir else None
-            if log_path is not None:
-                log_path.parent.mkdir(parents=True, exist_ok=True)
-            result["runs"].append(on_fresh_server(server_args, args.ready_timeout,
-                                                  lambda server: measure(server.url, transport, args), log_path))
+        result["runs"] = on_fresh_server_per_transport(server_args, args, measure, "camera")
     print(json.dumps(result))
     write(result, Path(args.out) if args.out else None)
     for run in result["runs"]:

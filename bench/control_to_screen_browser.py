@@ -143,6 +143,19 @@ def _server_control_latency(url: str, session_id: str | None) -> dict | None:
     return response.json().get("control_latency") if response.status_code == 200 else None
 
 
+def on_fresh_server_per_transport(server_args: list[str], args, measure, log_name: str) -> list[dict]:
+    """``measure(url, transport, args)`` once per transport of ``args.transports`` (comma-separated), each on a
+    fresh `arstream serve` (its log kept as ``{log_name}-{transport}.log`` under ``args.log_dir``, if given)."""
+    runs = []
+    for transport in args.transports.split(","):
+        log_path = Path(args.log_dir) / f"{log_name}-{transport}.log" if args.log_dir else None
+        if log_path is not None:
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+        runs.append(on_fresh_server(server_args, args.ready_timeout,
+                                    lambda server: measure(server.url, transport, args), log_path))
+    return runs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--changes", type=int, default=12)
@@ -158,12 +171,7 @@ def main() -> None:
     server_args = [a for a in args.server_args if a != "--"]
     result = {"bench": "control_to_screen_browser", "date": time.strftime("%Y-%m-%d"), "server_args": server_args,
               "chromium": CHROMIUM, "runs": []}
-    for transport in args.transports.split(","):
-        log_path = Path(args.log_dir) / f"browser-{transport}.log" if args.log_dir else None
-        if log_path is not None:
-            log_path.parent.mkdir(parents=True, exist_ok=True)
-        result["runs"].append(on_fresh_server(server_args, args.ready_timeout,
-                                              lambda server: measure(server.url, transport, args), log_path))
+    result["runs"] = on_fresh_server_per_transport(server_args, args, measure, "browser")
     print(json.dumps(result))
     write(result, Path(args.out) if args.out else None)
     for run in result["runs"]:
