@@ -16,7 +16,7 @@ from engine.plan import LiveFrames, OpenSession, SessionWork, StepPlan
 from world import measure
 from world.clips import make_clip
 from world.grammar import Scene
-from world.render import render
+from world.render import Shades, render_with_coverage
 
 
 def scene_frames(scene: Scene, seed: int, latent_frames: int) -> np.ndarray:
@@ -25,9 +25,10 @@ def scene_frames(scene: Scene, seed: int, latent_frames: int) -> np.ndarray:
     return ((video.permute(1, 2, 3, 0) + 1) / 2 * 255).round().clamp(0, 255).to(torch.uint8).numpy()
 
 
-def scene_picture(scene: Scene, x: float, y: float) -> np.ndarray:
-    """One frame of ``scene`` with its object centred at ``(x, y)`` pixels: ``[1, 144, 256, 3]`` uint8."""
-    picture = render(scene, np.array([x]), np.array([y]))  # [3, 1, H, W] in [0, 1]
+def scene_picture(scene: Scene, x: float, y: float, shades: Shades | None = None) -> np.ndarray:
+    """One frame of ``scene`` with its object centred at ``(x, y)`` pixels: ``[1, 144, 256, 3]`` uint8
+    (``shades``: in those colours, not the palette's)."""
+    picture = render_with_coverage(scene, np.array([x]), np.array([y]), shades=shades)[0]  # [3, 1, H, W] in [0, 1]
     return (picture.permute(1, 2, 3, 0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
 
 

@@ -17,7 +17,7 @@ from tests.input_helpers import (
 from train import checks
 from world import measure
 from world.grammar import COLOURS, MOTIONS, Scene
-from world.render import Shades, render_with_coverage
+from world.render import Shades
 
 torch.set_num_threads(1)
 FRAMES_3S = 48
@@ -84,8 +84,7 @@ def test_a_picture_in_everyday_colours_keeps_its_object_under_every_motion_word(
     for motion in MOTIONS:
         scene = Scene("circle", "red", motion, "blue")
         shades = Shades(COLOURS["red"], tuple(v / 255 for v in EVERYDAY_BLUE))
-        picture = render_with_coverage(scene, np.array([80.0]), np.array([60.0]), shades=shades)[0]
-        picture = (picture.permute(1, 2, 3, 0) * 255).round().clamp(0, 255).to(torch.uint8).numpy()
+        picture = scene_picture(scene, 80.0, 60.0, shades)
         blocks = -(-36 // (4 * runner.pipeline.frames_per_block))
         chunks = run_session(runner, "everyday", scene.caption, blocks=blocks, context=picture)
         generated = np.concatenate(chunks[1:])[:36]
