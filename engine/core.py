@@ -67,7 +67,7 @@ from engine.realtime import RealtimePolicy, RunningCost, clamp_retry_after
 from engine.runner import BlockOutput, Dispatch, PendingWork, WorkCost, is_device_fatal
 from engine.scheduler import Scheduler
 from engine.session import Chunk, ChunkQueue, ControlMark, new_session_id, now_ms
-from engine.session_record import MAX_PENDING_CONTROLS, SessionRecord
+from engine.session_record import MAX_PENDING_CONTROLS, DeferredCut, SessionRecord
 from engine.startup import BuiltEngine
 from engine.snapshots import session_status, shown_state
 from engine.status import AdmissionOutlook, EngineCounters, SessionStatus
@@ -327,62 +327,81 @@ class EngineCore:
 
     def _cut_for_restart(self, record: SessionRecord, now: float) -> None:
         """A reset (or a prompt change with policy ``reset``) shows as soon as its first frames can be made: the
-        lead is cut at the first of its pieces that plays after that (a paced session), or at its start (a
-        best-effort one, or a clock that is not running), and what was dispatched is dropped with it. When even
-        the lead's end plays too soon, nothing is cut: the new content follows what is made and in flight."""
+        media made ahead and in flight is cut at the first of its pieces that plays after that (a paced session),
+        or at its start (a best-effort one, or a clock that is not running). When even the end of what is made
+        and in flight plays too soon, nothing is cut: the new content follows it."""
         if not self.config.cut_on_reset or not record.opened_on_device:
             return
         playout = record.playout
         ready = now + self._backlog(now) + self._restart_cost(record) + playout.margin_s
-        points = playout.cut_points()
+        points = record.cut_points()
         at = None
         if not (record.pace and playout.clock_running):
-            at = points[0]
+            at = points[0].at
         else:
-            at = next((point for point in points if playout.play_time(point) >= ready), None)
-        if at is None or (at == playout.frames_made and not record.frames_in_flight):
-            return  # nothing made ahead to drop: the restart simply comes next
-        playout.cut(at)
-        record.epoch += 1  # work dispatched before now delivers nothing
+            at = next((point.at for point in points if playout.play_time(point.at) >= ready), None)
+        if at is None or at == points[-1].at:
+            return  # nothing made or dispatched ahead to drop: the restart simply comes next
+        dropped = self._cut(record, at)
         record.cut_pending = True
-        log.info("lead cut for a restart", extra={"session_id": record.session_id, "at": at,
-                                                   "ahead_s": round(playout.play_time(at) - now, 3) if playout.clock_running else None})
+        log.info("lead cut for a restart", extra={
+            "session_id": record.session_id, "at": at, "in_flight_dropped": dropped,
+            "ahead_s": round(playout.play_time(at) - now, 3) if playout.clock_running else None})
 
     def _supersede(self, record: SessionRecord, now: float, policy: str) -> None:
-        """A soft or recache prompt change replaces what was made ahead: the lead is cut at the first of its pieces
-        that can be made again before it plays, and the runner takes the session back to that piece's block and
-        makes it again under the new prompt (``engine/undo.py``). Only blocks made since the session's last
-        restart or prompt change, and within the runner's last ``undo_blocks``; otherwise the change simply comes
-        with the next block."""
+        """A soft or recache prompt change replaces what was made or dispatched ahead: the media is cut at the first
+        of its pieces that can be made again before it plays, and the runner takes the session back to that piece's
+        block and makes it again under the new prompt (``engine/undo.py``) — also a block still on the device
+        (its output is dropped from the cut on). Only blocks made since the session's last restart or prompt
+        change, and within the runner's last ``undo_blocks``; otherwise the change simply comes with the next
+        block."""
         playout = record.playout
         if (not self.undo_blocks or not record.pace or not playout.clock_running or record.cut_pending
-                or record.rewind is not None or record.pending_reset):
+                or record.rewind is not None or record.pending_reset or record.deferred_cut is not None):
             return
         ready = now + self._backlog(now) + self._control_cost_of(policy) + self.cost_of(record) + playout.margin_s
         newest = record.blocks_since_reset - 1 + record.works_in_flight  # the newest block made or in flight
-        for at in playout.cut_points():
-            if playout.play_time(at) < ready:
+        points = record.cut_points()
+        for point in points:
+            if playout.play_time(point.at) < ready:
                 continue
-            if at == playout.frames_made:
+            if point is points[-1]:
                 return  # nothing made ahead of this point: the change comes with the next block anyway
-            block_start = playout.block_of(at)
-            piece = next(p for p in playout.pieces if p.pts == at)
-            block = piece.block_index
-            if block < max(1, record.undo_floor) or newest - block >= self.undo_blocks:
+            if point.block < max(1, record.undo_floor) or newest - point.block >= self.undo_blocks:
                 return  # not a block the runner keeps (a content's first, one before a change, too old)
-            skip = at - block_start
+            skip = point.at - point.block_start
             per_latent = self.geometry.pixel_frames_per_block // self.geometry.frames_per_block
             if skip % per_latent:
                 return
-            playout.cut(at, block_start=block_start)
-            record.epoch += 1  # work dispatched before now delivers nothing
+            dropped = self._cut(record, point.at, block_start=point.block_start)
             record.cut_pending = True
-            record.rewind = Rewind(block, skip // per_latent)
-            record.blocks_since_reset = block
-            log.info("lead superseded", extra={"session_id": record.session_id, "at": at, "block": block,
-                                                "skip_latents": skip // per_latent,
-                                                "ahead_s": round(playout.play_time(at) - now, 3)})
+            record.rewind = Rewind(point.block, skip // per_latent)
+            record.blocks_since_reset = point.block
+            log.info("lead superseded", extra={"session_id": record.session_id, "at": point.at, "block": point.block,
+                                                "skip_latents": skip // per_latent, "in_flight_dropped": dropped,
+                                                "ahead_s": round(playout.play_time(point.at) - now, 3)})
             return
+
+    def _cut(self, record: SessionRecord, at: int, *, block_start: int | None = None) -> int:
+        """Cut the session's media ahead at frame ``at`` (one of :meth:`_cut_points`); returns the frames in flight
+        it dropped. Inside the lead the lead is cut now and everything in flight is dropped; inside the media in
+        flight the pieces from ``at`` on are dropped, and the lead is cut once the pieces before it are made."""
+        dropped = record.in_flight.drop_from(at)
+        record.epoch += 1  # work planned before now and dispatched after it (no piece of it queued yet) is dropped too
+        if at <= record.playout.frames_made:
+            record.playout.cut(at, block_start=block_start)
+        else:
+            record.deferred_cut = DeferredCut(at, block_start)
+        return dropped
+
+    @staticmethod
+    def _make_deferred_cut(record: SessionRecord) -> None:
+        """The cut waiting inside the media in flight, once all that precedes it is made (or failed)."""
+        cut = record.deferred_cut
+        if cut is not None and not record.in_flight.still_to_come_before(cut.at):
+            record.deferred_cut = None
+            if record.is_open and record.playout.frames_made == cut.at:
+                record.playout.cut(cut.at, block_start=cut.block_start)
 
     def _control_cost_of(self, kind: str) -> float:
         learned = self.control_costs.get(kind)
@@ -412,14 +431,13 @@ class EngineCore:
 
     def _settled_before(self, record: SessionRecord) -> int | None:
         """The session's content block before which nothing can be made again any more: the block of its oldest
-        unreleased piece (or the next block to be made), so the runner lets go of what older blocks held."""
+        unreleased piece, made or in flight (or the next block to be made), so the runner lets go of what older
+        blocks held."""
         if not self.undo_blocks:
             return None
         if record.rewind is not None:
             return record.rewind.block  # that block is about to be made again
-        if record.playout.pieces:
-            return record.playout.pieces[0].block_index
-        return record.blocks_since_reset + record.works_in_flight
+        return record.cut_points()[0].block
 
     def lead_target(self, record: SessionRecord) -> float:
         """How far ahead of its viewer a paced session's made media runs before its next block is due: its next
@@ -490,16 +508,22 @@ class EngineCore:
         it in flight and have the completion thread wait for it."""
         record = self.records.get(pending.session_id)
         epoch, tick = self._planned.get(pending.session_id, (-1, self.ticks))
+        piece = None
         if record is not None:
             if pending.first:
                 self._took_input(record, pending)
                 if pending.ran:
                     record.works_in_flight += 1
-            record.frames_in_flight += pending.frames
+            queued = pending.output
+            piece = record.in_flight.queue(
+                frames_made=record.playout.frames_made, frames=pending.frames,
+                block_index=queued.block_index if queued is not None else record.blocks_since_reset,
+                first_of_block=queued is None or queued.first_of_block,
+                open_block_start=record.playout.open_block_start, dropped=epoch != record.epoch)
         self._outstanding += 1
         self._all_delivered.clear()
         waited = asyncio.get_running_loop().run_in_executor(self._completions, pending.wait)
-        self._completion_queue.put_nowait((pending, waited, epoch, tick))
+        self._completion_queue.put_nowait((pending, piece, waited, tick))
 
     def _start_completer(self) -> None:
         if self._completer is None:
@@ -510,7 +534,7 @@ class EngineCore:
         """Deliver each piece as the device finishes it, in the order queued; a failure ends its session (or,
         device-fatal, the engine)."""
         while True:
-            pending, waited, epoch, tick = await self._completion_queue.get()
+            pending, piece, waited, tick = await self._completion_queue.get()
             try:
                 output, cost = await waited
                 error = None
@@ -520,16 +544,19 @@ class EngineCore:
             if record is not None:
                 if pending.ran and pending.last:
                     record.works_in_flight -= 1
-                record.frames_in_flight -= pending.frames
+                if piece is not None:
+                    record.in_flight.done(piece)
             try:
                 if error is not None:
                     raise error
-                current = record is not None and epoch == record.epoch
+                current = piece is not None and not piece.dropped
                 # Work dropped by a cut is not part of any block the session streams: its device time does not
                 # inflate the session's cost per block (which paces its next blocks and the lead).
                 self._account(cost, record if current else None)
                 if output is not None and current and record.is_open:
                     self._deliver(record, output, pending, tick)
+                if record is not None and record.deferred_cut is not None:
+                    self._make_deferred_cut(record)
             except Exception as failure:
                 log.warning("session work failed", extra={"session_id": pending.session_id,
                                                           "error": repr(failure)}, exc_info=failure)

@@ -280,6 +280,11 @@ class Playout:
             self._block_start = block_start
         return dropped
 
+    @property
+    def open_block_start(self) -> int:
+        """The first frame of the block the next piece made belongs to, unless that piece begins a block."""
+        return self._block_start
+
     def block_of(self, at: int) -> int:
         """The first frame of the block frame ``at`` belongs to (``at`` a cut point inside the lead)."""
         for piece in self.pieces:

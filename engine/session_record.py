@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.controls import Control, SessionState, SessionView, Start, applied
+from engine.in_flight import InFlight
 from engine.live_input import InputCounters, LiveInput
 from engine.plan import InputContext, PromptUpdate, Rewind
 from engine.playout import Piece, Playout
@@ -34,6 +35,25 @@ class WaitingMark:
     mark: ControlMark
     carrier: str
     tick: int | None = None
+
+
+@dataclass(frozen=True)
+class CutPoint:
+    """Where a session's media ahead can be cut: a piece's first frame ``at``, of block ``block`` (within the
+    content) that begins at frame ``block_start``."""
+
+    at: int
+    block_start: int
+    block: int
+
+
+@dataclass(frozen=True)
+class DeferredCut:
+    """A cut of the lead at ``at``, a frame still in flight: :meth:`Playout.cut` once the media before it is made
+    (``block_start``: the block made again there, as for a cut inside the lead)."""
+
+    at: int
+    block_start: int | None
 
 
 @dataclass
@@ -71,7 +91,7 @@ class SessionRecord:
     # counters and clocks
     blocks_since_reset: int = 0
     first_piece_cost: RunningCost = field(default_factory=RunningCost)  # device seconds to a block's first frames
-    epoch: int = 0  # bumped by every cut: work dispatched before it delivers nothing
+    epoch: int = 0  # bumped by every cut: a piece of work planned before it and queued after it is dropped
     cut_pending: bool = False  # the lead was cut for a restart or a prompt change the device has not been given yet
     rewind: Rewind | None = None  # with a prompt change's cut: the block the runner takes the session back to
     undo_floor: int = 0  # blocks before this one (content index) were made under an earlier prompt: never made again
@@ -85,10 +105,16 @@ class SessionRecord:
     device_seconds_pending: float = 0.0  # device time spent since the last block (controls, stepwise steps)
     # dispatched to the device, not yet delivered (the runner queues a block before the previous one is done)
     works_in_flight: int = 0
-    frames_in_flight: int = 0
+    in_flight: InFlight = field(default_factory=InFlight)  # their pieces, and which a cut dropped
+    deferred_cut: DeferredCut | None = None  # a cut inside the media in flight, made once what precedes it is made
     frame_rate: FrameRate = field(default_factory=FrameRate)
     decoder_state_bytes: int = 0
     encoder_state_bytes: int = 0
+
+    @property
+    def frames_in_flight(self) -> int:
+        """Frames dispatched that will still be delivered (not those a cut dropped)."""
+        return self.in_flight.frames
 
     @property
     def is_open(self) -> bool:
@@ -117,6 +143,15 @@ class SessionRecord:
     def media_seconds_ahead(self, now: float) -> float:
         """How far the made and dispatched media runs ahead of the playback clock (0 while it is not running)."""
         return self.playout.seconds_ahead(now, self.frames_in_flight)
+
+    def cut_points(self) -> list[CutPoint]:
+        """Where the media ahead can be cut, in timeline order: each piece's start, made (the lead) or still in
+        flight, and, last, the end of it all (a cut there drops nothing)."""
+        points = [CutPoint(piece.pts, piece.block_start, piece.block_index) for piece in self.playout.pieces]
+        points += [CutPoint(piece.pts, piece.block_start, piece.block_index) for piece in self.in_flight.kept()]
+        end = self.playout.frames_made + self.frames_in_flight
+        points.append(CutPoint(end, end, self.blocks_since_reset + self.works_in_flight))
+        return points
 
     def made(self, piece: Piece, now: float, *, tolerance_s: float) -> bool:
         """A piece joins the lead; returns whether it was a deadline miss (made after its frame should have

@@ -60,6 +60,14 @@ def _plan(records, now, control_s=0.0, backlog_s=0.0, blocks_in_flight=1):
     return [work.session_id for work in plan.work]
 
 
+def _dispatch_block(record) -> None:
+    """A block of 12 frames dispatched for ``record`` and not yet delivered."""
+    record.works_in_flight += 1
+    record.in_flight.queue(frames_made=record.playout.frames_made, frames=12, block_index=1, first_of_block=True,
+                           open_block_start=0)
+    assert record.frames_in_flight == 12
+
+
 def test_work_already_on_the_device_counts_before_a_tick():
     """A block dispatched ahead counts toward pacing and deadlines, and the device time queued before a tick
     (the backlog) can make a best-effort block wait."""
@@ -70,14 +78,14 @@ def test_work_already_on_the_device_counts_before_a_tick():
     assert _plan([live, best_effort], now, backlog_s=0.2) == []  # 0.2 + 0.1 best + 0.1 live > 0.35
     # One block of its own in flight: with room for two it may run again, with room for one it waits.
     ahead = _running("ahead", pace=False, now=now)
-    ahead.works_in_flight, ahead.frames_in_flight = 1, 12
+    _dispatch_block(ahead)
     assert _plan([ahead], now, blocks_in_flight=2) == ["ahead"]
     assert _plan([ahead], now, blocks_in_flight=1) == []
     # A paced session's frames in flight count as emitted: 9 + 12 frames run past its two-block lead at 16 fps
     # only after the in-flight ones are counted.
     paced = _running("paced", pace=True, now=now, deadline_in_s=1.0)
     assert _plan([paced], now, blocks_in_flight=2) == ["paced"]
-    paced.works_in_flight, paced.frames_in_flight = 1, 12
+    _dispatch_block(paced)
     assert _plan([paced], now, blocks_in_flight=2) == []
     # A lead of two blocks not yet taken (its consumer is slow) stops the session, whatever the room on the device.
     held = _running("held", pace=False, now=now)

@@ -1,0 +1,172 @@
+"""A control that arrives while the block it should change is still on the device (``engine/in_flight.py``).
+
+On a GPU a session's next block is dispatched before the previous one is delivered, so about half the prompt
+changes found the block they should change already in flight, and waited behind it (docs/BENCHMARKS.md, the
+fifteenth session). Now a cut reaches into the media in flight: its pieces from the cut on are dropped, those
+before it still arrive, and the block is made again (or the new content begins) behind them.
+
+On the CPU a dispatch has finished its work by the time it returns, so these tests hold the core's completions
+back to keep a block in flight, and step the core themselves. The session plays at 2 frames/s with a 5-s
+release margin: its second block is dispatched at once and its pieces play 4.5-8.5 s after its first, so a
+cut inside it is possible on any machine that makes a block in under about 3 s (this CPU: ~0.1 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from engine.controls import Reset, SetPrompt
+from engine.plan import StepPlan
+from engine.startup import build_engine
+from tests.engine_helpers import run_async, small_config, stepped_core
+
+CONFIG = dict(window_frames=3, blocks_in_flight=2, fps=2, playout_margin_s=5.0)
+
+
+class GatedCompletions(ThreadPoolExecutor):
+    """The core's completion thread, letting through only as many completions (one per dispatched piece) as the
+    test allows: what is not let through stays in flight."""
+
+    def __init__(self) -> None:
+        super().__init__(max_workers=1, thread_name_prefix="test-completion")
+        self._allowed = 0
+        self.submitted = 0
+        self._changed = threading.Condition()
+
+    def allow(self, count: int) -> None:
+        with self._changed:
+            self._allowed = count
+            self._changed.notify_all()
+
+    def submit(self, fn, /, *args, **kwargs):
+        index, self.submitted = self.submitted, self.submitted + 1
+
+        def gated():
+            with self._changed:
+                self._changed.wait_for(lambda: self._allowed > index)
+            return fn(*args, **kwargs)
+        return super().submit(gated)
+
+
+@contextlib.asynccontextmanager
+async def recorded_core(gate: GatedCompletions):
+    """A stepped core whose plans are recorded (to be replayed on a second runner) and whose consumer takes every
+    chunk as it is released."""
+    async with stepped_core(small_config(**CONFIG), completions=gate) as core:
+        plans: list[StepPlan] = []
+        dispatch = core.runner.dispatch
+
+        def recording(plan, on_pending=None):
+            plans.append(plan)
+            return dispatch(plan, on_pending)
+
+        core.runner.dispatch = recording
+        try:
+            yield core, plans
+        finally:
+            gate.allow(10**9)
+
+
+async def take_all(record, chunks: list) -> None:
+    while True:
+        chunks.append(await record.queue.get())
+
+
+async def stream_until(core, record, chunks: list, frames: int) -> None:
+    """Step the core (waiting on pacing as the engine loop would) until ``frames`` frames have been released."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 60
+    while sum(chunk.frames.shape[0] for chunk in chunks) < frames:
+        assert loop.time() < deadline, "the session did not stream on"
+        if not await core.step():
+            await asyncio.sleep(0.02)
+
+
+async def block_one_in_flight(core, gate, record) -> None:
+    """Block 0 made and released (the clock runs), block 1 dispatched and held on the device."""
+    assert await core.step()
+    gate.allow(gate.submitted)
+    await core.delivered()
+    assert record.playout.clock_running and record.playout.frames_made == 9
+    assert await core.step()
+    assert record.works_in_flight == 1 and record.frames_in_flight == 12
+
+
+def replay(plans: list[StepPlan]) -> list[np.ndarray]:
+    """The same plans on a second runner, one call each: each work's frames (its pieces joined)."""
+    built = build_engine(small_config(**CONFIG))
+    outputs = []
+    for plan in plans:
+        result = built.runner.execute(plan)
+        assert not result.failures, result.failures
+        outputs.append(np.concatenate([output.frames for output in result.outputs]) if result.outputs
+                       else np.zeros((0, 48, 64, 3), np.uint8))
+    built.runner.execute(StepPlan(finished=[]))
+    return outputs
+
+
+def test_a_prompt_change_supersedes_a_block_still_on_the_device():
+    async def scenario():
+        gate = GatedCompletions()
+        async with recorded_core(gate) as (core, plans):
+            record = core.admit(seed=5, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+            chunks: list = []
+            consumer = asyncio.create_task(take_all(record, chunks))
+            await block_one_in_flight(core, gate, record)
+            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            core._apply_controls()
+            # Cut inside the block in flight: a later piece of it is dropped, the block is to be made again.
+            at = record.deferred_cut.at
+            assert at in (13, 17) and record.rewind is not None and record.rewind.block == 1
+            assert record.frames_in_flight == at - 9  # pacing counts only what will still arrive
+            assert record.next_deadline() == record.playout.play_time(at)
+            gate.allow(10**9)
+            await stream_until(core, record, chunks, 9 + 12 + 12)
+            consumer.cancel()
+            return plans, chunks, at
+
+    plans, chunks, at = run_async(scenario())
+    streamed = np.concatenate([chunk.frames for chunk in chunks])
+    assert [chunk.pts for chunk in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
+    # What the core streamed is what the runner made: block 1's pieces before the cut, then the block made again
+    # from the cut on (the rewind's pieces), then the next block.
+    made = replay(plans)
+    assert [work.shape[0] for work in made[:2]] == [9, 12]
+    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    assert expected.shape[0] >= 9 + 12 + 12
+    np.testing.assert_array_equal(streamed[:expected.shape[0]], expected)
+    # The change did change the block: the dropped pieces are not what was streamed in their place.
+    assert not np.array_equal(made[1][at - 9:], streamed[at:21])
+
+
+def test_a_reset_cuts_into_a_block_still_on_the_device_and_the_new_content_follows_what_was_kept():
+    async def scenario():
+        gate = GatedCompletions()
+        async with recorded_core(gate) as (core, plans):
+            record = core.admit(seed=6, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+            chunks: list = []
+            consumer = asyncio.create_task(take_all(record, chunks))
+            await block_one_in_flight(core, gate, record)
+            core.submit(record.session_id, Reset())
+            core._apply_controls()
+            at = record.deferred_cut.at
+            assert at in (13, 17) and record.cut_pending and record.frames_in_flight == at - 9
+            gate.allow(10**9)
+            await stream_until(core, record, chunks, at + 9)
+            consumer.cancel()
+            return plans, chunks, at, record
+
+    plans, chunks, at, record = run_async(scenario())
+    assert [chunk.pts for chunk in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
+    made = replay(plans)
+    # Block 1's pieces before the cut, then the new content's first block (its opening frame and two pieces).
+    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    assert next(work for work in made[2:] if work.shape[0]).shape[0] == 9  # the new content's first block
+    streamed = np.concatenate([chunk.frames for chunk in chunks])
+    np.testing.assert_array_equal(streamed[:expected.shape[0]], expected)
+    assert record.deferred_cut is None and record.frames_in_flight == sum(p.frames for p in record.in_flight.kept())
