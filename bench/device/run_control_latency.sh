@@ -7,6 +7,7 @@
 # (bench/control_to_screen.py): 20 prompt changes, alternating soft (the object's colour) and reset (the
 # background), one every 3 s of playback, 52 s of streaming (CHANGES=16). Parts (each on unless set to 0):
 # 1. FAST: the 1.3B fast config, window 6 + TAEHV + FP8 attention (random weights: timed by chunk.controls);
+#    FAST_BLOCKS="2 1" (off unless set): the same with blocks of N latent frames, once per length listed;
 # 2. TINY: the tiny model on cuda, frames read back (pixels), and the lead as it was before in the same run;
 # 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
 #    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
@@ -44,6 +45,11 @@ if [ "${FAST:-1}" = 1 ]; then
     --transport "$TRANSPORT" -- \
     --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention
 fi
+for blocks in ${FAST_BLOCKS:-}; do  # the fast config's prompt changes with blocks of N latent frames (3 above)
+  ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$blocks bench "fast_prompt_block$blocks" \
+    "${FAST_S:-$((180 * SERVERS))}" --changes "$CHANGES" --interval 3 --transport "$TRANSPORT" -- \
+    --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention
+done
 if [ "${TINY:-1}" = 1 ]; then
   # shellcheck disable=SC2046  # TINY_REF=0: without the reference run (the lead as before)
   bench tiny_prompt "${TINY_S:-$((180 * (SERVERS + ${TINY_REF:-1})))}" --changes "$CHANGES" --interval 3 --read-pixels --transport "$TRANSPORT" \
