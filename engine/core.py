@@ -359,18 +359,18 @@ class EngineCore:
         if (not self.undo_blocks or not record.pace or not playout.clock_running or record.cut_pending
                 or record.rewind is not None or record.pending_reset or record.deferred_cut is not None):
             return
-        ready = now + self._backlog(now) + self._control_cost_of(policy) + self.cost_of(record) + playout.margin_s
+        start = now + self._backlog(now) + self._control_cost_of(policy) + playout.margin_s
         newest = record.blocks_since_reset - 1 + record.works_in_flight  # the newest block made or in flight
+        per_latent = self.geometry.pixel_frames_per_block // self.geometry.frames_per_block
         points = record.cut_points()
         for point in points:
-            if playout.play_time(point.at) < ready:
+            skip = point.at - point.block_start
+            if playout.play_time(point.at) < start + self._remake_cost(record, skip // per_latent):
                 continue
             if point is points[-1]:
                 return  # nothing made ahead of this point: the change comes with the next block anyway
             if point.block < max(1, record.undo_floor) or newest - point.block >= self.undo_blocks:
                 return  # not a block the runner keeps (a content's first, one before a change, too old)
-            skip = point.at - point.block_start
-            per_latent = self.geometry.pixel_frames_per_block // self.geometry.frames_per_block
             if skip % per_latent:
                 return
             dropped = self._cut(record, point.at, block_start=point.block_start)
@@ -412,6 +412,15 @@ class EngineCore:
         learned = self.control_costs["reset"]
         reset_s = learned.seconds if learned.samples else 0.0
         return reset_s + self._first_piece_cost(record)
+
+    def _remake_cost(self, record: SessionRecord, skip_latents: int) -> float:
+        """Expected device seconds from a block made again to its frames from latent frame ``skip_latents`` on: to
+        its first piece, then one piece's decode for each latent frame before the cut (decoded again, so the
+        decoder's context is what the viewer saw). The pieces after it play a piece's length later each, and a
+        piece decodes in less than that."""
+        first = self._first_piece_cost(record)
+        per_piece = max(0.0, self.cost_of(record) - first) / max(1, self.geometry.frames_per_block - 1)
+        return first + skip_latents * per_piece
 
     def _first_piece_cost(self, record: SessionRecord) -> float:
         """Device seconds from a block's start to its first frames in host memory, as the lead must plan for them:
