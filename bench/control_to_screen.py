@@ -36,6 +36,7 @@ whole-block chunks, no cut on reset): the naive path, in the same run. Prints ON
 from __future__ import annotations
 
 import argparse
+import random
 import asyncio
 import io
 import json
@@ -161,6 +162,7 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
         pending = None
         change = 0
         next_change = args.first_change
+        spread = change_spread(args)
         stop = started + seconds
         camera_next = time.monotonic()
         while time.monotonic() < stop:
@@ -183,7 +185,7 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
                 await ws.send(json.dumps({"type": "prompt", "prompt": caption(colour, background), "policy": policy,
                                           "id": message_id}))
                 change += 1
-                next_change += args.interval
+                next_change += args.interval + next(spread)
             try:
                 message = await asyncio.wait_for(ws.recv(), 0.005 if args.live is not None else 0.05)
             except TimeoutError:
@@ -322,7 +324,7 @@ def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str,
             from webrtc_viewer import run_webrtc_case
 
             result = asyncio.run(run_webrtc_case(server.url, args, seconds=args.seconds, caption=caption,
-                                                 colours=COLOURS, backgrounds=BACKGROUNDS))
+                                                 colours=COLOURS, backgrounds=BACKGROUNDS, spread=change_spread(args)))
             result["controls"] = _summaries(result.pop("results"))
         else:
             result = asyncio.run(run_case(server.url, args, seconds=args.seconds))
@@ -340,10 +342,21 @@ def serve_and_run(server_args: list[str], args, env: dict[str, str], label: str,
                 os.environ[key] = value
 
 
+def change_spread(args):
+    """The extra seconds of each interval between changes (``--spread``), the same sequence for a given seed."""
+    rng = random.Random(args.seed)
+    while True:
+        yield rng.uniform(0.0, args.spread) if args.spread > 0 else 0.0
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--changes", type=int, default=20, help="prompt changes (alternating soft and reset)")
     parser.add_argument("--interval", type=float, default=3.0, help="seconds of playback between changes")
+    parser.add_argument("--spread", type=float, default=0.0,
+                        help="each interval is longer by a seeded uniform draw in [0, SPREAD) s, so the changes fall "
+                             "at every phase of a block (an interval that is a multiple of the block's playback "
+                             "would time the same phase each time)")
     parser.add_argument("--first-change", type=float, default=3.0, help="playback seconds before the first change")
     parser.add_argument("--seconds", type=float, default=None, help="session length (default: room for the changes)")
     parser.add_argument("--seed", type=int, default=5)
@@ -360,7 +373,7 @@ def main() -> None:
     args = parser.parse_args()
     server_args = [a for a in args.server_args if a != "--"]
     if args.seconds is None:
-        args.seconds = args.first_change + args.changes * args.interval + 4.0 if args.live is None else 30.0
+        args.seconds = args.first_change + args.changes * (args.interval + args.spread) + 4.0 if args.live is None else 30.0
     result = {"bench": "control_to_screen", "date": time.strftime("%Y-%m-%d"), "gpu": gpu_name(),
               "server_args": server_args, "case": "live" if args.live is not None else "prompt",
               "live_strength": args.live, "runs": []}

@@ -119,8 +119,9 @@ class WebRTCViewer:
         await self.pc.close()
 
 
-async def run_webrtc_case(url: str, args, *, seconds: float, caption, colours, backgrounds) -> dict:
-    """The prompt case of control_to_screen.run_case over a peer; the same result keys where they apply."""
+async def run_webrtc_case(url: str, args, *, seconds: float, caption, colours, backgrounds, spread) -> dict:
+    """The prompt case of control_to_screen.run_case over a peer; the same result keys where they apply
+    (``spread``: the extra seconds of each interval between changes, control_to_screen.change_spread)."""
     fps = 16
     viewer = WebRTCViewer(fps)
     viewer.keep_pixels = bool(args.read_pixels)
@@ -156,7 +157,7 @@ async def run_webrtc_case(url: str, args, *, seconds: float, caption, colours, b
             ahead_at_send.append(round((newest - viewer.frames[-1][0]) / fps, 3))
             viewer.send({"type": "prompt", "prompt": caption(colour, background), "policy": kind, "id": message_id})
             change += 1
-            next_change += args.interval
+            next_change += args.interval + next(spread)
     viewer.send({"type": "close"})
     await asyncio.sleep(0.2)
     await viewer.close()

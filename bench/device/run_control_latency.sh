@@ -16,6 +16,8 @@
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16; STANDARD_SUPERSEDE=1: with supersede on
 #    (off by default for its 1.8 GiB decoder state per block kept);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
+# SPREAD=S: each interval between changes longer by a seeded draw in [0, S) s (a block's playback, 0.75 s, samples
+# every phase of the block; 3 s alone is 4 blocks and times the same phase each time).
 # TRANSPORT=both runs each prompt part over the socket and then over WebRTC (issue 29; needs aiortc's wheels in
 # .whl: aiortc, aioice, pylibsrtp, pyee, google-crc32c, pyopenssl, dnspython, ifaddr, and cryptography + cffi +
 # pycparser unless the image has them: about 8 MB, which with av's 36 MB is just over the 64 MiB a call carries
@@ -35,7 +37,7 @@ SERVERS=$([ "$TRANSPORT" = both ] && echo 2 || echo 1)
 bench() {  # NAME LIMIT_S ARGS... (bench/control_to_screen.py's, then -- and `arstream serve`'s)
   local name=$1 limit=$2; shift 2
   echo "== $(left)s left: $name (limit ${limit}s)"
-  timeout -k 10 "$limit" python3 bench/control_to_screen.py --out "$OUT/$name.json" --log-dir "$OUT/logs" --tag "${name}_" "$@" \
+  timeout -k 10 "$limit" python3 bench/control_to_screen.py --spread "${SPREAD:-0}" --out "$OUT/$name.json" --log-dir "$OUT/logs" --tag "${name}_" "$@" \
     > /dev/null 2> "$OUT/logs/$name.stderr"
   echo "$name exit $?"; tail -n 6 "$OUT/logs/$name.stderr"
 }
