@@ -23,6 +23,7 @@ import numpy as np
 
 from engine.controls import Reset, SetPrompt
 from engine.plan import StepPlan
+from engine.realtime import RunningCost
 from engine.startup import build_engine
 from tests.engine_helpers import run_async, small_config, stepped_core
 
@@ -202,3 +203,30 @@ def test_a_reset_cuts_into_a_block_still_on_the_device_and_the_new_content_follo
     streamed = np.concatenate([chunk.frames for chunk in chunks])
     assert_streamed_what_was_made(streamed, expected, at + 9)
     assert record.deferred_cut is None and record.frames_in_flight == sum(p.frames for p in record.in_flight.kept())
+
+
+def test_a_block_is_not_made_again_from_its_middle_when_the_block_after_it_would_be_late():
+    """A block made again from its third piece costs a whole block but gives only its last piece: with blocks that
+    take 3 s here (as set), its last piece would be in time (9 s from now, ready at 5 + 3) but not the next
+    block's first (11 s from now, ready at 5 + 3 + 3), so the change waits for the next block instead (an H100's
+    standard config stalled without this rule: docs/BENCHMARKS.md, sixteenth session)."""
+    async def scenario():
+        gate = GatedCompletions()
+        async with recorded_core(gate) as (core, _):
+            record = core.admit(seed=7, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+            chunks: list = []
+            consumer = asyncio.create_task(take_all(record, chunks))
+            await block_one_in_flight(core, gate, record)
+            record.cost, record.first_piece_cost = RunningCost(), RunningCost()
+            record.cost.observe(3.0)
+            record.first_piece_cost.observe(3.0)
+            core._device_free_at = time.monotonic()  # the CPU ran the block in flight as it was dispatched
+            epoch = record.epoch
+            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            core._apply_controls()
+            outcome = (record.deferred_cut, record.rewind, record.epoch - epoch, record.frames_in_flight)
+            gate.allow(10**9)
+            consumer.cancel()
+            return outcome
+
+    assert run_async(scenario()) == (None, None, 0, 12)
