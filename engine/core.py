@@ -341,6 +341,8 @@ class EngineCore:
         else:
             at = next((point.at for point in points if playout.play_time(point.at) >= ready), None)
         if at is None or at == points[-1].at:
+            if record.deferred_cut is not None:  # a supersede's cut still waits in flight: the new content starts there
+                record.deferred_cut = DeferredCut(record.deferred_cut.at, None)
             return  # nothing made or dispatched ahead to drop: the restart simply comes next
         dropped = self._cut(record, at)
         record.cut_pending = True
@@ -388,13 +390,15 @@ class EngineCore:
             return
 
     def _cut(self, record: SessionRecord, at: int, *, block_start: int | None = None) -> int:
-        """Cut the session's media ahead at frame ``at`` (one of :meth:`_cut_points`); returns the frames in flight
-        it dropped. Inside the lead the lead is cut now and everything in flight is dropped; inside the media in
-        flight the pieces from ``at`` on are dropped, and the lead is cut once the pieces before it are made."""
+        """Cut the session's media ahead at frame ``at`` (one of ``SessionRecord.cut_points``); returns the frames in
+        flight it dropped. Inside the lead the lead is cut now and everything in flight is dropped (with a cut that
+        was waiting in it); inside the media in flight the pieces from ``at`` on are dropped, and the lead is cut
+        once the pieces before it are made (an earlier cut waiting there was later: this one replaces it)."""
         dropped = record.in_flight.drop_from(at)
         record.epoch += 1  # work planned before now and dispatched after it (no piece of it queued yet) is dropped too
         if at <= record.playout.frames_made:
             record.playout.cut(at, block_start=block_start)
+            record.deferred_cut = None
         else:
             record.deferred_cut = DeferredCut(at, block_start)
         return dropped

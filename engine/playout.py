@@ -285,14 +285,6 @@ class Playout:
         """The first frame of the block the next piece made belongs to, unless that piece begins a block."""
         return self._block_start
 
-    def block_of(self, at: int) -> int:
-        """The first frame of the block frame ``at`` belongs to (``at`` a cut point inside the lead)."""
-        for piece in self.pieces:
-            if piece.pts == at:
-                return piece.block_start
-        raise ValueError(f"{at} is not the start of a piece in the lead")
-
-
 
 def _merge(pieces: list[Piece]) -> Piece:
     """One piece of consecutive ones: frames and audio joined (the audio of consecutive pieces is contiguous)."""

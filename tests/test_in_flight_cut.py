@@ -230,3 +230,34 @@ def test_a_block_is_not_made_again_from_its_middle_when_the_block_after_it_would
             return outcome
 
     assert run_async(scenario()) == (None, None, 0, 12)
+
+
+def test_a_reset_after_a_supersede_still_waiting_in_flight_starts_the_new_content_at_its_cut():
+    """A supersede cut inside the block in flight, then a reset before the cut is made: the new content follows
+    the pieces kept, and nothing of the block made again is streamed."""
+    async def scenario():
+        gate = GatedCompletions()
+        async with recorded_core(gate) as (core, plans):
+            record = core.admit(seed=8, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+            chunks: list = []
+            consumer = asyncio.create_task(take_all(record, chunks))
+            await block_one_in_flight(core, gate, record)
+            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            core._apply_controls()
+            superseded = record.deferred_cut.at
+            core.submit(record.session_id, Reset())
+            core._apply_controls()
+            at = record.deferred_cut.at
+            assert record.deferred_cut.block_start is None and 9 < at <= superseded
+            everything_due(record)
+            gate.allow(10**9)
+            await stream_until(core, record, chunks, at + 9)
+            consumer.cancel()
+            return plans, chunks, at
+
+    plans, chunks, at = run_async(scenario())
+    made = replay(plans)
+    assert all(work.rewind is None for plan in plans[2:] for work in plan.work)  # the reset took the block made again's place
+    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    assert next(work for work in made[2:] if work.shape[0]).shape[0] == 9  # the new content's first block
+    assert_streamed_what_was_made(np.concatenate([chunk.frames for chunk in chunks]), expected, at + 9)
