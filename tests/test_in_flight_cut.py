@@ -18,6 +18,7 @@ import contextlib
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,10 +56,27 @@ class GatedCompletions(ThreadPoolExecutor):
         return super().submit(gated)
 
 
+@dataclass
+class Scene:
+    """A paced session on a stepped core with completions held back: its block 1 on the device, not delivered."""
+
+    core: object
+    gate: GatedCompletions
+    record: object
+    plans: list[StepPlan]  # every plan the core dispatched, to be replayed on a second runner
+    chunks: list  # what its consumer took, in order
+
+    async def stream(self, frames: int) -> None:
+        """Let everything through and stream until ``frames`` frames are released (no pacing: all is due)."""
+        everything_due(self.record)
+        self.gate.allow(10**9)
+        await stream_until(self.core, self.record, self.chunks, frames)
+
+
 @contextlib.asynccontextmanager
-async def recorded_core(gate: GatedCompletions):
-    """A stepped core whose plans are recorded (to be replayed on a second runner); its completions are let through
-    at the end whatever happened."""
+async def block_in_flight(seed: int):
+    """A :class:`Scene`; at the end its consumer stops and its completions are let through whatever happened."""
+    gate = GatedCompletions()
     async with stepped_core(small_config(**CONFIG), completions=gate) as core:
         plans: list[StepPlan] = []
         dispatch = core.runner.dispatch
@@ -68,9 +86,14 @@ async def recorded_core(gate: GatedCompletions):
             return dispatch(plan, on_pending)
 
         core.runner.dispatch = recording
+        record = core.admit(seed=seed, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+        chunks: list = []
+        consumer = asyncio.create_task(take_all(record, chunks))
         try:
-            yield core, plans
+            await block_one_in_flight(core, gate, record)
+            yield Scene(core, gate, record, plans, chunks)
         finally:
+            consumer.cancel()
             gate.allow(10**9)
 
 
@@ -130,77 +153,62 @@ def replay(plans: list[StepPlan]) -> list[np.ndarray]:
     return outputs
 
 
-def assert_streamed_what_was_made(streamed: np.ndarray, expected: np.ndarray, at_least: int) -> None:
-    """The stream so far is what the replay made, as far as both go (the core may have made more than it sent)."""
+def assert_streamed_what_was_made(chunks: list, plans: list[StepPlan], at: int, at_least: int):
+    """The stream is one timeline, and it is what the same plans make on a second runner: block 0, block 1's
+    pieces before the cut at ``at``, then whatever followed the cut (as far as both go: the core may have made
+    more than it sent). Returns what was made, per work, and the stream's frames."""
+    assert [chunk.pts for chunk in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
+    made = replay(plans)
+    assert [work.shape[0] for work in made[:2]] == [9, 12]
+    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    streamed = np.concatenate([chunk.frames for chunk in chunks])
     common = min(streamed.shape[0], expected.shape[0])
     assert common >= at_least, (streamed.shape, expected.shape)
     np.testing.assert_array_equal(streamed[:common], expected[:common])
+    return made, streamed
 
 
 def test_a_prompt_change_supersedes_a_block_still_on_the_device():
     async def scenario():
-        gate = GatedCompletions()
-        async with recorded_core(gate) as (core, plans):
-            record = core.admit(seed=5, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
-            chunks: list = []
-            consumer = asyncio.create_task(take_all(record, chunks))
-            await block_one_in_flight(core, gate, record)
-            timing = _timing(core, record)
-            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
-            core._apply_controls()
+        async with block_in_flight(seed=5) as scene:
+            record = scene.record
+            timing = _timing(scene.core, record)
+            scene.core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            scene.core._apply_controls()
             # Cut inside the block in flight: a later piece of it is dropped, the block is to be made again.
             assert record.deferred_cut is not None, timing
             at = record.deferred_cut.at
             assert at in (13, 17) and record.rewind is not None and record.rewind.block == 1
             assert record.frames_in_flight == at - 9  # pacing counts only what will still arrive
             assert record.next_deadline() == record.playout.play_time(at)
-            everything_due(record)
-            gate.allow(10**9)
-            await stream_until(core, record, chunks, 9 + 12 + 12)
-            consumer.cancel()
-            return plans, chunks, at
+            await scene.stream(9 + 12 + 12)
+            return scene.plans, scene.chunks, at
 
     plans, chunks, at = run_async(scenario())
-    streamed = np.concatenate([chunk.frames for chunk in chunks])
-    assert [chunk.pts for chunk in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
     # What the core streamed is what the runner made: block 1's pieces before the cut, then the block made again
     # from the cut on (the rewind's pieces), then the next block.
-    made = replay(plans)
-    assert [work.shape[0] for work in made[:2]] == [9, 12]
-    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
-    assert_streamed_what_was_made(streamed, expected, 9 + 12 + 12)
+    made, streamed = assert_streamed_what_was_made(chunks, plans, at, 9 + 12 + 12)
     # The change did change the block: the dropped pieces are not what was streamed in their place.
     assert not np.array_equal(made[1][at - 9:], streamed[at:21])
 
 
 def test_a_reset_cuts_into_a_block_still_on_the_device_and_the_new_content_follows_what_was_kept():
     async def scenario():
-        gate = GatedCompletions()
-        async with recorded_core(gate) as (core, plans):
-            record = core.admit(seed=6, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
-            chunks: list = []
-            consumer = asyncio.create_task(take_all(record, chunks))
-            await block_one_in_flight(core, gate, record)
-            timing = _timing(core, record)
-            core.submit(record.session_id, Reset())
-            core._apply_controls()
+        async with block_in_flight(seed=6) as scene:
+            record = scene.record
+            timing = _timing(scene.core, record)
+            scene.core.submit(record.session_id, Reset())
+            scene.core._apply_controls()
             assert record.deferred_cut is not None, timing
             at = record.deferred_cut.at
             assert at in (13, 17) and record.cut_pending and record.frames_in_flight == at - 9
-            everything_due(record)
-            gate.allow(10**9)
-            await stream_until(core, record, chunks, at + 9)
-            consumer.cancel()
-            return plans, chunks, at, record
+            await scene.stream(at + 9)
+            return scene.plans, scene.chunks, at, record
 
     plans, chunks, at, record = run_async(scenario())
-    assert [chunk.pts for chunk in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
-    made = replay(plans)
     # Block 1's pieces before the cut, then the new content's first block (its opening frame and two pieces).
-    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    made, _ = assert_streamed_what_was_made(chunks, plans, at, at + 9)
     assert next(work for work in made[2:] if work.shape[0]).shape[0] == 9  # the new content's first block
-    streamed = np.concatenate([chunk.frames for chunk in chunks])
-    assert_streamed_what_was_made(streamed, expected, at + 9)
     assert record.deferred_cut is None and record.frames_in_flight == sum(p.frames for p in record.in_flight.kept())
 
 
@@ -210,23 +218,16 @@ def test_a_block_is_not_made_again_from_its_middle_when_the_block_after_it_would
     block's first (11 s from now, ready at 5 + 3 + 3), so the change waits for the next block instead (an H100's
     standard config stalled without this rule: docs/BENCHMARKS.md, sixteenth session)."""
     async def scenario():
-        gate = GatedCompletions()
-        async with recorded_core(gate) as (core, _):
-            record = core.admit(seed=7, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
-            chunks: list = []
-            consumer = asyncio.create_task(take_all(record, chunks))
-            await block_one_in_flight(core, gate, record)
+        async with block_in_flight(seed=7) as scene:
+            record = scene.record
             record.cost, record.first_piece_cost = RunningCost(), RunningCost()
             record.cost.observe(3.0)
             record.first_piece_cost.observe(3.0)
-            core._device_free_at = time.monotonic()  # the CPU ran the block in flight as it was dispatched
+            scene.core._device_free_at = time.monotonic()  # the CPU ran the block in flight as it was dispatched
             epoch = record.epoch
-            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
-            core._apply_controls()
-            outcome = (record.deferred_cut, record.rewind, record.epoch - epoch, record.frames_in_flight)
-            gate.allow(10**9)
-            consumer.cancel()
-            return outcome
+            scene.core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            scene.core._apply_controls()
+            return record.deferred_cut, record.rewind, record.epoch - epoch, record.frames_in_flight
 
     assert run_async(scenario()) == (None, None, 0, 12)
 
@@ -235,28 +236,19 @@ def test_a_reset_after_a_supersede_still_waiting_in_flight_starts_the_new_conten
     """A supersede cut inside the block in flight, then a reset before the cut is made: the new content follows
     the pieces kept, and nothing of the block made again is streamed."""
     async def scenario():
-        gate = GatedCompletions()
-        async with recorded_core(gate) as (core, plans):
-            record = core.admit(seed=8, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
-            chunks: list = []
-            consumer = asyncio.create_task(take_all(record, chunks))
-            await block_one_in_flight(core, gate, record)
-            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
-            core._apply_controls()
+        async with block_in_flight(seed=8) as scene:
+            record = scene.record
+            scene.core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            scene.core._apply_controls()
             superseded = record.deferred_cut.at
-            core.submit(record.session_id, Reset())
-            core._apply_controls()
+            scene.core.submit(record.session_id, Reset())
+            scene.core._apply_controls()
             at = record.deferred_cut.at
             assert record.deferred_cut.block_start is None and 9 < at <= superseded
-            everything_due(record)
-            gate.allow(10**9)
-            await stream_until(core, record, chunks, at + 9)
-            consumer.cancel()
-            return plans, chunks, at
+            await scene.stream(at + 9)
+            return scene.plans, scene.chunks, at
 
     plans, chunks, at = run_async(scenario())
-    made = replay(plans)
     assert all(work.rewind is None for plan in plans[2:] for work in plan.work)  # the reset took the block made again's place
-    expected = np.concatenate([made[0], made[1][:at - 9], *made[2:]])
+    made, _ = assert_streamed_what_was_made(chunks, plans, at, at + 9)
     assert next(work for work in made[2:] if work.shape[0]).shape[0] == 9  # the new content's first block
-    assert_streamed_what_was_made(np.concatenate([chunk.frames for chunk in chunks]), expected, at + 9)
