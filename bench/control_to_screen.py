@@ -36,11 +36,11 @@ whole-block chunks, no cut on reset): the naive path, in the same run. Prints ON
 from __future__ import annotations
 
 import argparse
-import random
 import asyncio
 import io
 import json
 import os
+import random
 import statistics
 import sys
 import time
