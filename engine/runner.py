@@ -393,8 +393,13 @@ class Runner:
         costs, in order."""
         dispatch = self.dispatch(plan)
         result = StepResult(failures=dispatch.failures, fatal=dispatch.fatal)
+        # A session that failed after some of its block's pieces were queued (its commit pass runs after the
+        # first piece) returns none of that block.
+        failed = {failure.session_id for failure in dispatch.failures}
         pieces: list[BlockOutput] = []
         for pending in dispatch.pending:
+            if pending.session_id in failed:
+                continue
             try:
                 output, cost = pending.wait()
             except Exception as error:
@@ -578,6 +583,7 @@ class Runner:
             undo = before_block(progress, device_session.kv, device_session.decode_state, device_session.audio_state,
                                 audio_samples_to_trim=device_session.audio_samples_to_trim,
                                 audio_carry=device_session.audio_carry)
+        commit_pending = False  # the block's commit pass is still to be queued (after its first piece's decode)
         if opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
@@ -585,21 +591,33 @@ class Runner:
         elif self.stepwise:
             clean = self.pipeline.step(device_session.kv, progress)
         else:
-            clean = self.pipeline.run_block(device_session.kv, progress)
+            clean = self.pipeline.denoise_block(device_session.kv, progress)
+            commit_pending = True
         if clean is None:
             timer.end()
             emit(report)
             return
-        # No wait anywhere here: the decode queues behind the commit pass, the frames' copy to pinned host
-        # memory behind the decode, and the caller may queue the next block before any of it has run.
+        # The block's index: a commit pass already run has moved the session on to its next block.
+        block_index = progress.block_index if opening or commit_pending else progress.block_index - 1
+        # No wait anywhere here: the first piece's decode queues behind the last denoising forward, the
+        # block's commit pass behind it (the frames do not depend on it: the first piece leaves one forward
+        # sooner), the frames' copy to pinned host memory behind the decode, and the caller may queue the next
+        # block before any of it has run.
         timer.denoised()
         video = self.decoder.denormalize(clean.video)
-        if undo is not None:
+
+        def commit() -> None:
+            self.pipeline.commit_block(device_session.kv, progress)
+            if undo is not None:
+                undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
+                self._remember(device_session, undo)
+
+        if not commit_pending and undo is not None:
             undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
             self._remember(device_session, undo)
         first = 0
         offset = 0  # the next piece's first frame within its block's frames
-        rest_of_split = not opening and progress.block_index == 1 and device_session.opening_frame_sent
+        rest_of_split = not opening and block_index == 0 and device_session.opening_frame_sent
         if opening:
             latent_frames = [video[:, :, :1]]
         else:
@@ -620,13 +638,18 @@ class Runner:
         if self.audio_decoder is not None and not opening:
             audio = _to_host(self._decode_audio(device_session, clean))
         device_session.opening_frame_sent |= opening
-        block_index = progress.block_index if opening else progress.block_index - 1
+        if commit_pending and len(latent_frames) == 1:
+            commit()  # a block of one piece: its cost stays in its one timer
+            commit_pending = False
         shown_input = self._shown_input(device_session, block_index)
         pending = report
         for position, latent in enumerate(latent_frames):
             if position:
                 pending = PendingWork(report.session_id, (), report.ran, _WorkTimer.start(timer.device), first=False)
                 pending.timer.controls_done()
+                if commit_pending:
+                    commit()  # timed with the second piece (its block time, not its decode_ms)
+                    commit_pending = False
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
             input_frame, offset = shown_input(offset), offset + frames.shape[0]

@@ -337,3 +337,31 @@ def test_split_first_block_sends_the_opening_frame_first_and_the_same_media(step
         np.testing.assert_array_equal(
             np.concatenate([o.audio for o in split[1:]], axis=1), np.concatenate([o.audio for o in whole], axis=1)
         )
+
+
+def test_a_blocks_first_piece_is_queued_before_its_commit_pass():
+    """The commit pass only adds the block's K/V to the history the next block reads: the first piece's decode
+    goes before it (it leaves one forward sooner), the block's other pieces after it, and the frames are the
+    stepwise runner's, whose commit comes first."""
+    grouped, stepwise = small_runner(max_sessions=1), small_runner(max_sessions=1, stepwise=True)
+    open_session(grouped, "s", seed=3)
+    open_session(stepwise, "s", seed=3)
+    progress = grouped.device_sessions["s"].progress
+    pieces = []  # (block the piece belongs to, blocks committed when it was queued)
+
+    def heard(pending) -> None:
+        if pending.output is not None:
+            pieces.append((pending.output.block_index, progress.block_index))
+
+    for block in range(3):
+        dispatch = grouped.dispatch(StepPlan(work=[SessionWork("s", run=True)]), on_pending=heard)
+        assert not dispatch.failures
+        outputs = [pending.wait()[0] for pending in dispatch.pending]
+        frames = np.concatenate([output.frames for output in outputs])
+        reference = run_blocks(stepwise, ["s"], 1)["s"][0]
+        np.testing.assert_array_equal(frames, reference)
+    per_block = grouped.pipeline.frames_per_block
+    assert per_block >= 2  # several pieces per block, or there is no order to see
+    for block in range(3):
+        committed = [done for index, done in pieces if index == block]
+        assert committed == [block] + [block + 1] * (per_block - 1)

@@ -36,14 +36,14 @@ def _runner(bundle):
 def _latents_of(runner):
     """Record every block's clean latents, in order, as the pipeline makes them."""
     made = []
-    original = runner.pipeline.run_block
+    original = runner.pipeline.denoise_block
 
     def recording(kv, progress):
         clean = original(kv, progress)
         made.append(clean.video.clone())
         return clean
 
-    runner.pipeline.run_block = recording
+    runner.pipeline.denoise_block = recording
     return made
 
 
@@ -89,7 +89,7 @@ def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
     rewind = Rewind(target, skip_latents)
     again = _frames(superseding, SessionWork("s", prompt=change, run=True, rewind=rewind))
     again += _frames(superseding, SessionWork("s", run=True))
-    superseding.pipeline.run_block = type(superseding.pipeline).run_block.__get__(superseding.pipeline)
+    superseding.pipeline.denoise_block = type(superseding.pipeline).denoise_block.__get__(superseding.pipeline)
     new_latents = latents[made:]
 
     reference = _runner(bundle)
@@ -99,7 +99,7 @@ def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
         _frames(reference, SessionWork("r", run=True))
     _frames(reference, SessionWork("r", prompt=change, run=True))
     _frames(reference, SessionWork("r", run=True))
-    reference.pipeline.run_block = type(reference.pipeline).run_block.__get__(reference.pipeline)
+    reference.pipeline.denoise_block = type(reference.pipeline).denoise_block.__get__(reference.pipeline)
 
     # The model: the block made again, and the next, are the reference's latents exactly.
     torch.testing.assert_close(new_latents[0], ref_latents[target], rtol=0, atol=0)

@@ -400,10 +400,25 @@ class CausalWanPipeline:
 
     def run_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
         """All remaining steps of the current block (grouped execution); same result as stepping."""
-        while True:
-            clean = self.step(kv, progress)
-            if clean is not None:
-                return clean
+        self.denoise_block(kv, progress)
+        return self.commit_block(kv, progress)
+
+    def denoise_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
+        """All remaining denoising forwards of the current block, not its commit pass; its clean latents.
+
+        The block's frames do not depend on its commit (it only adds the block's K/V to the history the next
+        block reads), so a caller may decode them first and :meth:`commit_block` after."""
+        if progress.latents is None and progress.clean is None:
+            self._begin_block(progress)
+        while progress.step_index < self.num_steps:
+            self.step(kv, progress)
+        return progress.clean
+
+    def commit_block(self, kv: SessionKVState, progress: SessionProgress) -> BlockLatents:
+        """The commit pass of a denoised block (:meth:`denoise_block`); the session's next block follows it."""
+        if progress.clean is None or progress.step_index < self.num_steps:
+            raise RuntimeError("the block is not denoised yet")
+        return self.step(kv, progress)
 
     def history_changed(self) -> None:
         """A session's KV history was changed outside a commit (blocks taken back): no gathered history is
