@@ -599,29 +599,31 @@ class Runner:
             return
         # The block's index: a commit pass already run has moved the session on to its next block.
         block_index = progress.block_index if opening or commit_pending else progress.block_index - 1
-        # No wait anywhere here: the first piece's decode queues behind the last denoising forward, the
-        # block's commit pass behind it (the frames do not depend on it: the first piece leaves one forward
-        # sooner), the frames' copy to pinned host memory behind the decode, and the caller may queue the next
-        # block before any of it has run.
-        timer.denoised()
+        rest_of_split = not opening and block_index == 0 and device_session.opening_frame_sent
         video = self.decoder.denormalize(clean.video)
 
         def commit() -> None:
-            self.pipeline.commit_block(device_session.kv, progress)
+            if commit_pending:
+                self.pipeline.commit_block(device_session.kv, progress)
             if undo is not None:
                 undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
                 self._remember(device_session, undo)
 
-        if not commit_pending and undo is not None:
-            undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
-            self._remember(device_session, undo)
+        # No wait anywhere here: the first piece's decode queues behind the last denoising forward, the block's
+        # commit pass behind it (the frames do not depend on it: the first piece leaves one forward sooner), the
+        # frames' copy to pinned host memory behind the decode, and the caller may queue the next block before
+        # any of it has run. A block of one piece commits first: its commit stays in its denoise time.
         first = 0
+        if not opening:
+            first = device_session.redo[1] if device_session.redo is not None else (1 if rest_of_split else 0)
+        if not commit_pending or video.shape[2] - first == 1:
+            commit()
+            commit_pending = False
+        timer.denoised()
         offset = 0  # the next piece's first frame within its block's frames
-        rest_of_split = not opening and block_index == 0 and device_session.opening_frame_sent
         if opening:
             latent_frames = [video[:, :, :1]]
         else:
-            first = 1 if rest_of_split else 0
             offset = 1 if rest_of_split else 0  # the opening frame was the block's first
             if device_session.redo is not None:
                 # Made again from the middle: the old block's first latent frames were sent; decoding them again
@@ -638,9 +640,6 @@ class Runner:
         if self.audio_decoder is not None and not opening:
             audio = _to_host(self._decode_audio(device_session, clean))
         device_session.opening_frame_sent |= opening
-        if commit_pending and len(latent_frames) == 1:
-            commit()  # a block of one piece: its cost stays in its one timer
-            commit_pending = False
         shown_input = self._shown_input(device_session, block_index)
         pending = report
         for position, latent in enumerate(latent_frames):
@@ -648,7 +647,7 @@ class Runner:
                 pending = PendingWork(report.session_id, (), report.ran, _WorkTimer.start(timer.device), first=False)
                 pending.timer.controls_done()
                 if commit_pending:
-                    commit()  # timed with the second piece (its block time, not its decode_ms)
+                    commit()  # timed with the second piece: in its block time, in no chunk's denoise or decode
                     commit_pending = False
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
