@@ -327,20 +327,16 @@ class EngineCore:
 
     def _cut_for_restart(self, record: SessionRecord, now: float) -> None:
         """A reset (or a prompt change with policy ``reset``) shows as soon as its first frames can be made: the
-        media made ahead and in flight is cut at the first of its pieces that plays after that (a paced session),
-        or at its start (a best-effort one, or a clock that is not running). When even the end of what is made
-        and in flight plays too soon, nothing is cut: the new content follows it."""
+        media made ahead and in flight is cut at the first of its frames (in the lead) or pieces (in flight) that
+        plays after that (a paced session), or at its start (a best-effort one, or a clock that is not running):
+        ``SessionRecord.restart_cut``. When even the end of what is made and in flight plays too soon, nothing is
+        cut: the new content follows it."""
         if not self.config.cut_on_reset or not record.opened_on_device:
             return
         playout = record.playout
         ready = now + self._backlog(now) + self._restart_cost(record) + playout.margin_s
-        points = record.cut_points()
-        at = None
-        if not (record.pace and playout.clock_running):
-            at = points[0].at
-        else:
-            at = next((point.at for point in points if playout.play_time(point.at) >= ready), None)
-        if at is None or at == points[-1].at:
+        at = record.restart_cut(ready if record.pace and playout.clock_running else None)
+        if at is None:
             if record.deferred_cut is not None:  # a supersede's cut still waits in flight: the new content starts there
                 record.deferred_cut = DeferredCut(record.deferred_cut.at, None)
             return  # nothing made or dispatched ahead to drop: the restart simply comes next

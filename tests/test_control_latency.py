@@ -9,6 +9,10 @@ import asyncio
 import numpy as np
 
 from engine.api import Engine
+from engine.playout import Piece, Playout
+from engine.realtime import RunningCost
+from engine.session import ChunkQueue, ChunkTimings
+from engine.session_record import SessionRecord
 from tests.engine_helpers import run_async, small_config
 
 FPS = 16
@@ -157,3 +161,29 @@ def test_a_prompt_change_is_named_by_the_first_chunk_whose_frames_show_it():
     assert not np.array_equal(named[0].frames, frames[named[0].pts])
     latency = status.control_latency
     assert latency.count == 1 and latency.last_s > 0 and latency.median_s == latency.last_s
+
+
+def test_a_restart_cuts_the_lead_at_the_first_frame_it_can_reach_and_in_flight_media_at_a_piece():
+    """Where a reset's new content starts (SessionRecord.restart_cut), on a virtual clock: inside the lead at the
+    first frame that plays once its first frames can be out (new content needs no block boundary: no wait for the
+    next piece), inside media still in flight at a piece's start (a piece is delivered whole), nothing when even
+    the end of it all plays too soon."""
+    record = SessionRecord(session_id="s", seed=1, pace=True, queue=ChunkQueue(), cost=RunningCost(),
+                           playout=Playout(fps=FPS, margin_s=0.15))
+    playout = record.playout
+    playout.frames_made = playout.frames_released = 9
+    playout.chunks_released, playout.anchor = 1, 0.0  # frame f plays at f / FPS
+    for index in range(3):  # the lead: frames 9-20, three pieces of a block
+        playout.add(Piece(np.zeros((4, 2, 2, 3), np.uint8), 1, ChunkTimings(0.0, 0.0, 0.0, 0.0), 0.0,
+                          last_of_block=index == 2, first_of_block=index == 0))
+    for index in range(2):  # in flight: frames 21-28
+        record.in_flight.queue(frames_made=playout.frames_made, frames=4, block_index=2, first_of_block=index == 0,
+                               open_block_start=21)
+    assert [point.at for point in record.cut_points()] == [9, 13, 17, 21, 25, 29]
+    at = lambda frame: record.restart_cut(frame / FPS)  # noqa: E731 - ready when frame `frame` plays
+    assert at(8.5) == 9 and at(9) == 9  # the lead's first frame
+    assert at(10.2) == 11 and at(14) == 14  # inside the lead's pieces, not at their next start (13, 17)
+    assert at(20.5) == 21  # the lead's end: the first piece in flight
+    assert at(21.5) == 25 and at(25) == 25  # in flight: a piece's start
+    assert at(25.5) is None  # only the end is left: the new content follows everything
+    assert record.restart_cut(None) == 9  # best effort, or no clock: at the first frame ahead

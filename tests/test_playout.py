@@ -85,7 +85,7 @@ def test_a_cut_drops_the_lead_from_a_piece_on_and_keeps_audio_in_step():
     assert playout.audio_released == 4 * SPF
     assert playout.cut_points() == [4, 8, 12]
     with pytest.raises(ValueError):
-        playout.cut(6)
+        playout.cut(6, block_start=0)  # a block made again starts at a piece: a latent frame's first frame
     assert playout.cut(8) == 4  # frames 8-11 dropped; 4-7 stay
     assert playout.frames_made == 8 and [p.pts for p in playout.pieces] == [4]
     # The new content's audio starts at the cut: the gap is silence, waiting for the next piece.
@@ -100,6 +100,30 @@ def test_a_cut_drops_the_lead_from_a_piece_on_and_keeps_audio_in_step():
     assert np.all(audio[0, : 2 * SPF] == 0.5)  # the old content's audio made for the kept frames (4, 5)
     assert np.all(audio[0, 2 * SPF: 4 * SPF] == 0.0)  # silence for the rest of them (held back, then dropped)
     assert np.all(audio[0, 4 * SPF:] == 1.0)  # the new content, from the cut on
+
+
+def test_a_restart_cuts_the_lead_at_any_frame_and_the_audio_follows():
+    """New content needs no block boundary: a reset's cut may fall inside a piece of the lead, whose frames
+    before it stay; never inside what was already released."""
+    playout = _playout()
+    _block(playout, audio=6 * SPF, fill=0.5)
+    playout.release(0.0, paced=True)  # frames 0-3 leave and start the clock
+    with pytest.raises(ValueError):
+        playout.cut(3)  # released: it cannot change any more
+    assert playout.first_frame_playing_from(playout.play_time(5) + 0.001) == 6
+    assert playout.first_frame_playing_from(playout.play_time(6)) == 6
+    assert playout.cut(6) == 6  # frames 6-11 dropped; 4-5 stay in their piece
+    assert playout.frames_made == 6 and [(p.pts, p.num_frames) for p in playout.pieces] == [(4, 2)]
+    _block(playout, sizes=(1, 4, 4), audio=9 * SPF, fill=1.0)
+    chunks = []
+    while playout.pieces:
+        chunks.append(playout.release(10.0, paced=True).piece)
+    assert [c.pts for c in chunks] == list(np.cumsum([4] + [c.num_frames for c in chunks[:-1]]))
+    assert sum(c.num_frames for c in chunks) == 2 + 9
+    audio = np.concatenate([c.audio for c in chunks if c.audio is not None], axis=1)
+    assert [c.audio_start for c in chunks if c.audio is not None][0] == 4 * SPF
+    assert audio.shape[1] == (6 + 9) * SPF - 4 * SPF  # no gap, no overlap: the new audio starts at frame 6
+    assert np.all(audio[0, : 2 * SPF] == 0.5) and np.all(audio[0, 2 * SPF:] == 1.0)
 
 
 def test_every_sample_of_a_blocks_audio_leaves_once_in_order_whatever_the_pieces():
