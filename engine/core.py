@@ -386,10 +386,12 @@ class EngineCore:
             return
 
     def _cut(self, record: SessionRecord, at: int, *, block_start: int | None = None) -> int:
-        """Cut the session's media ahead at frame ``at`` (one of ``SessionRecord.cut_points``); returns the frames in
-        flight it dropped. Inside the lead the lead is cut now and everything in flight is dropped (with a cut that
-        was waiting in it); inside the media in flight the pieces from ``at`` on are dropped, and the lead is cut
-        once the pieces before it are made (an earlier cut waiting there was later: this one replaces it)."""
+        """Cut the session's media ahead at frame ``at`` (a block made again, ``block_start`` given: one of
+        ``SessionRecord.cut_points``; new content: any frame ahead, ``SessionRecord.restart_cut``); returns the
+        frames in flight it dropped. Inside the lead the lead is cut now and everything in flight is dropped (with a
+        cut that was waiting in it); inside the media in flight the pieces that begin at ``at`` or later are
+        dropped, and the lead is cut once the pieces before it are made (an earlier cut waiting there was later:
+        this one replaces it)."""
         dropped = record.in_flight.drop_from(at)
         record.epoch += 1  # work planned before now and dispatched after it (no piece of it queued yet) is dropped too
         if at <= record.playout.frames_made:
@@ -401,12 +403,19 @@ class EngineCore:
 
     @staticmethod
     def _make_deferred_cut(record: SessionRecord) -> None:
-        """The cut waiting inside the media in flight, once all that precedes it is made (or failed)."""
+        """The cut waiting inside the media in flight, once all that precedes it is made (or failed). A restart's
+        may fall inside the piece made last (its frames before the cut stay); if part of that piece has left
+        already, the new content starts at the first frame that has not."""
         cut = record.deferred_cut
         if cut is not None and not record.in_flight.still_to_come_before(cut.at):
             record.deferred_cut = None
-            if record.is_open and record.playout.frames_made == cut.at:
-                record.playout.cut(cut.at, block_start=cut.block_start)
+            playout = record.playout
+            if not record.is_open:
+                return
+            if cut.block_start is None:
+                playout.cut(min(max(cut.at, playout.lead_start), playout.frames_made))
+            elif playout.frames_made == cut.at:
+                playout.cut(cut.at, block_start=cut.block_start)
 
     def _control_cost_of(self, kind: str) -> float:
         learned = self.control_costs.get(kind)
@@ -758,6 +767,8 @@ class EngineCore:
         record.decoder_state_bytes = output.decoder_state_bytes
         record.encoder_state_bytes = output.encoder_state_bytes
         record.frame_rate.add(now, piece.num_frames)
+        if record.deferred_cut is not None:
+            self._make_deferred_cut(record)  # before the piece can leave: a restart's cut may fall inside it
         self._release(record, now)
 
     def _release_due(self, now: float) -> None:

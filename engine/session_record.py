@@ -154,19 +154,15 @@ class SessionRecord:
         return points
 
     def restart_cut(self, ready: float | None) -> int | None:
-        """Where a restart's new content starts: the first frame ahead that plays at or after ``ready`` (the
-        monotonic time its first frames can be out; None: at the first frame ahead, for a best-effort session or a
-        clock not running). Inside the lead any frame will do (new content needs no block boundary); in flight, a
-        piece's start (a piece is delivered whole). None when nothing ahead would be dropped."""
-        points = self.cut_points()
-        if ready is None:
-            at = points[0].at
-        else:
-            at = next((point.at for point in points if self.playout.play_time(point.at) >= ready), None)
-            first = self.playout.first_frame_playing_from(ready)
-            if at is not None and self.playout.lead_start < first < min(at, self.playout.frames_made):
-                at = first
-        return None if at is None or at == points[-1].at else at
+        """Where a restart's new content starts: the first frame ahead (made and not released, or in flight) that
+        plays at or after ``ready``, the monotonic time its first frames can be out (None: the first frame ahead,
+        for a best-effort session or a clock not running). Any frame will do: new content needs no block or piece
+        boundary (a piece the cut falls in keeps its frames before it). None when nothing ahead would be dropped."""
+        end = self.playout.frames_made + self.frames_in_flight
+        at = self.playout.lead_start
+        if ready is not None:
+            at = max(at, self.playout.first_frame_playing_from(ready))
+        return at if at < end else None
 
     def made(self, piece: Piece, now: float, *, tolerance_s: float) -> bool:
         """A piece joins the lead; returns whether it was a deadline miss (made after its frame should have

@@ -163,11 +163,11 @@ def test_a_prompt_change_is_named_by_the_first_chunk_whose_frames_show_it():
     assert latency.count == 1 and latency.last_s > 0 and latency.median_s == latency.last_s
 
 
-def test_a_restart_cuts_the_lead_at_the_first_frame_it_can_reach_and_in_flight_media_at_a_piece():
-    """Where a reset's new content starts (SessionRecord.restart_cut), on a virtual clock: inside the lead at the
-    first frame that plays once its first frames can be out (new content needs no block boundary: no wait for the
-    next piece), inside media still in flight at a piece's start (a piece is delivered whole), nothing when even
-    the end of it all plays too soon."""
+def test_a_restart_cuts_at_the_first_frame_it_can_reach_made_or_in_flight():
+    """Where a reset's new content starts (SessionRecord.restart_cut), on a virtual clock: at the first frame
+    ahead that plays once its first frames can be out, inside the lead or inside media still in flight (new
+    content needs no block or piece boundary: no wait for the next piece), nothing when even the end of it all
+    plays too soon."""
     record = SessionRecord(session_id="s", seed=1, pace=True, queue=ChunkQueue(), cost=RunningCost(),
                            playout=Playout(fps=FPS, margin_s=0.15))
     playout = record.playout
@@ -181,9 +181,8 @@ def test_a_restart_cuts_the_lead_at_the_first_frame_it_can_reach_and_in_flight_m
                                open_block_start=21)
     assert [point.at for point in record.cut_points()] == [9, 13, 17, 21, 25, 29]
     at = lambda frame: record.restart_cut(frame / FPS)  # noqa: E731 - ready when frame `frame` plays
-    assert at(8.5) == 9 and at(9) == 9  # the lead's first frame
+    assert at(3) == 9 and at(9) == 9  # no earlier than the lead's first frame: the rest has left
     assert at(10.2) == 11 and at(14) == 14  # inside the lead's pieces, not at their next start (13, 17)
-    assert at(20.5) == 21  # the lead's end: the first piece in flight
-    assert at(21.5) == 25 and at(25) == 25  # in flight: a piece's start
-    assert at(25.5) is None  # only the end is left: the new content follows everything
+    assert at(21) == 21 and at(22.5) == 23  # inside the media in flight
+    assert at(28) == 28 and at(28.5) is None  # only the end is left: the new content follows everything
     assert record.restart_cut(None) == 9  # best effort, or no clock: at the first frame ahead
