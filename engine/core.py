@@ -306,7 +306,7 @@ class EngineCore:
             else:
                 self._supersede(record, now, policy)
         elif isinstance(control, Resume) and was is SessionState.PAUSED:
-            record.playout.reanchor = True  # the clock did not run while paused: the next chunk plays on arrival
+            record.playout.restart_clock()  # the clock did not run while paused: the next chunk plays on arrival
         elif isinstance(control, Reset):
             record.pending_reset = True
             record.pending_prompt = None  # the reset restarts with the current prompt
@@ -320,7 +320,8 @@ class EngineCore:
             record.detached_at = None
             record.playout.margin_s = self.config.playout_margin_s if control.margin_s is None else control.margin_s
             # A new viewer's playback starts at its first chunk.
-            record.playout.reanchor = record.playout.anchor is not None
+            if record.playout.anchor is not None:
+                record.playout.restart_clock()
         elif isinstance(control, Detach):
             record.detached_at = now
         self.wake.set()

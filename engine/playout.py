@@ -21,9 +21,11 @@ needs no boundary), and a prompt change can replace the rest of a block already 
 The **playback clock** models the viewer: frame ``pts`` plays at ``anchor + pts / fps``. It starts with the
 first chunk released (that chunk plays on arrival), and restarts the same way after a resume or a new
 consumer attaching (``reanchor``). A content's opening frame sent ahead of its block (the split first block,
-or an image's frame) that *starts* the clock restarts it once more with the next chunk: the viewer's player
-waits for that one, so it plays on its arrival. An opening frame in the middle of a stream (after a reset) is
-an ordinary frame of the timeline.
+or an image's frame) that *starts* the clock restarts it once more with the next chunk if that one comes after
+its first frame was due (the viewer's player waited for it, so it plays on its arrival); one that comes in time
+keeps the clock (the player played on: modelling a wait it did not have put every later frame up to a frame's
+time later on the viewer's screen than the engine thought, seventeenth session). An opening frame in the middle
+of a stream (after a reset) is an ordinary frame of the timeline.
 
 Audio is made per block and trails the video's edge by its decoder's lookahead. Each piece carries the
 audio of its own span of the timeline (what has been made of it); the last piece of a block carries whatever
@@ -91,6 +93,9 @@ class Playout:
     whole_blocks: bool = False  # release a block's pieces only together, once the block is complete
     anchor: float | None = None  # monotonic time at which frame 0 plays; set by the first release
     reanchor: bool = False  # the next release restarts the clock (resume, attach, after an opening frame)
+    # After a lone opening frame started the clock: where it started. A player whose next frames come before they
+    # are due plays on from there; only one that waited for them starts again later.
+    _opening_anchor: float | None = None
     frames_made: int = 0  # the made timeline's end: the next piece's pts
     frames_released: int = 0
     audio_made: int = 0  # samples of the timeline made so far (attached to pieces or waiting in the buffer)
@@ -117,6 +122,11 @@ class Playout:
         if not self.clock_running:
             return None
         return max(0, math.ceil(round((when - self.anchor) * self.fps, 6)))
+
+    def restart_clock(self) -> None:
+        """The viewer's player starts again (a resume, a consumer attaching): the next chunk plays on arrival."""
+        self.reanchor = True
+        self._opening_anchor = None
 
     def playing_frame(self, now: float) -> float | None:
         """The frame the viewer sees at ``now`` (fractional; None while the clock is not running)."""
@@ -231,9 +241,13 @@ class Playout:
         started = not self.clock_running
         taken = [self.pieces.popleft() for _ in range(self._unit())]
         if started:
-            self.anchor = now - taken[0].pts / self.fps
-            # The viewer waits for the block behind a lone opening frame: that next chunk restarts the clock.
+            anchor = now - taken[0].pts / self.fps
+            if self._opening_anchor is not None:
+                anchor = max(anchor, self._opening_anchor)  # the rest came in time: the player did not wait
+            self.anchor = anchor
+            # The viewer may wait for the block behind a lone opening frame: that next chunk restarts the clock.
             self.reanchor = len(taken) == 1 and taken[0].opening
+            self._opening_anchor = self.anchor if self.reanchor else None
         frames = sum(piece.num_frames for piece in taken)
         while not self.reanchor:
             unit = self._unit()

@@ -78,6 +78,25 @@ def test_an_opening_frame_restarts_the_clock_only_when_it_starts_it():
     assert playout.anchor == anchor and not playout.reanchor
 
 
+def test_after_an_opening_frame_the_clock_moves_only_if_the_viewer_had_to_wait():
+    """A player shows the opening frame on arrival and plays on: if the rest of the block comes before frame 1
+    is due, nothing waited and the clock stays where the opening frame put it (restarting it there put every
+    later frame up to a frame's time later on the screen than the engine thought); if it comes later, the
+    player waited and starts again from it."""
+    for arrives, anchor in ((0.5 / FPS, 0.0), (3 / FPS, 2 / FPS)):
+        playout = _playout()
+        playout.add(_piece(1, opening=True, last=False))
+        playout.release(0.0, paced=True)
+        _block(playout, sizes=(4, 4))
+        assert playout.release(arrives, paced=True).started_clock
+        assert playout.anchor == pytest.approx(anchor)
+        assert playout.clock_running
+    # A resume restarts the clock at its next chunk, whatever an opening frame did before.
+    playout.restart_clock()
+    released = playout.release(10.0, paced=True)
+    assert released.started_clock and playout.anchor == pytest.approx(10.0 - released.piece.pts / FPS)
+
+
 def test_a_cut_drops_the_lead_from_a_piece_on_and_keeps_audio_in_step():
     playout = _playout()
     _block(playout, audio=6 * SPF, fill=0.5)  # the block's audio trails its 12 frames by 6 frames' worth
