@@ -328,9 +328,8 @@ class EngineCore:
 
     def _cut_for_restart(self, record: SessionRecord, now: float) -> None:
         """A reset (or a prompt change with policy ``reset``) shows as soon as its first frames can be made: the
-        media made ahead and in flight is cut at the first of its frames (in the lead) or pieces (in flight) that
-        plays after that (a paced session), or at its start (a best-effort one, or a clock that is not running):
-        ``SessionRecord.restart_cut``. When even the end of what is made and in flight plays too soon, nothing is
+        media made ahead and in flight is cut at the first of its frames that plays after that (a paced session),
+        or at its start (a best-effort one, or a clock that is not running): ``SessionRecord.restart_cut``. When even the end of what is made and in flight plays too soon, nothing is
         cut: the new content follows it."""
         if not self.config.cut_on_reset or not record.opened_on_device:
             return
