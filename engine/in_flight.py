@@ -57,12 +57,19 @@ class InFlight:
             self.frames -= piece.frames
 
     def drop_from(self, at: int) -> int:
-        """Drop every piece with media from timeline frame ``at`` on; returns the frames dropped."""
+        """Drop the media from timeline frame ``at`` on: every piece that begins there or later, and of a piece
+        ``at`` falls inside (a restart's cut) the frames from it on, which the lead cuts when the piece is made:
+        it counts only the frames that will stay. Returns the frames dropped."""
         dropped = 0
         for piece in self.pieces:
-            if not piece.dropped and piece.frames and piece.pts >= at:
+            if piece.dropped or not piece.frames:
+                continue
+            if piece.pts >= at:
                 piece.dropped = True
                 dropped += piece.frames
+            elif piece.pts + piece.frames > at:
+                dropped += piece.pts + piece.frames - at
+                piece.frames = at - piece.pts
         self.frames -= dropped
         return dropped
 

@@ -157,7 +157,8 @@ class SessionRecord:
         """Where a restart's new content starts: the first frame ahead (made and not released, or in flight) that
         plays at or after ``ready``, the monotonic time its first frames can be out (None: the first frame ahead,
         for a best-effort session or a clock not running). Any frame will do: new content needs no block or piece
-        boundary (a piece the cut falls in keeps its frames before it). None when nothing ahead would be dropped."""
+        boundary (a piece the cut falls in keeps its frames before it). None when nothing ahead would be dropped
+        (a cut waiting in flight already ends what is ahead: ``InFlight.drop_from`` counts only what stays)."""
         end = self.playout.frames_made + self.frames_in_flight
         at = self.playout.lead_start
         if ready is not None:

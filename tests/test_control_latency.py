@@ -186,3 +186,7 @@ def test_a_restart_cuts_at_the_first_frame_it_can_reach_made_or_in_flight():
     assert at(21) == 21 and at(22.5) == 23  # inside the media in flight
     assert at(28) == 28 and at(28.5) is None  # only the end is left: the new content follows everything
     assert record.restart_cut(None) == 9  # best effort, or no clock: at the first frame ahead
+    # A restart's cut waiting inside a piece in flight (frame 23): what is ahead ends there, for pacing and for
+    # a later reset alike.
+    assert record.in_flight.drop_from(23) == 6 and record.frames_in_flight == 2
+    assert at(22) == 22 and at(23) is None

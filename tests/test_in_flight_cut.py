@@ -201,10 +201,12 @@ def test_a_reset_cuts_into_a_block_still_on_the_device_and_the_new_content_follo
             scene.core._apply_controls()
             assert record.deferred_cut is not None, timing
             at = record.deferred_cut.at
-            # New content needs no piece boundary: any frame of block 1 after its first piece's start; the pieces
-            # that begin before it are kept (the one it falls in is cut when it is made), the others dropped.
+            # New content needs no piece boundary: any frame of block 1 after its first piece's start; what comes
+            # before it stays (the piece it falls in is cut when it is made), the rest is dropped, and pacing
+            # counts only what stays.
             assert 9 < at < 21 and record.cut_pending, timing
-            assert record.frames_in_flight == 4 * -(-(at - 9) // 4)
+            assert record.frames_in_flight == at - 9
+            assert record.next_deadline() == record.playout.play_time(at)
             await scene.stream(at + 9)
             return scene.plans, scene.chunks, at, record
 
