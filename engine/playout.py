@@ -80,7 +80,8 @@ class Released:
     """What :meth:`Playout.release` hands over: the merged pieces, and whether the clock started with them."""
 
     piece: Piece
-    started_clock: bool  # this chunk plays on arrival (the first one, or the first after a resume or attach)
+    started_clock: bool  # this chunk plays on arrival (the first one, the first after a resume or attach, or one
+    # the viewer waited for behind a lone opening frame)
 
 
 @dataclass
@@ -238,14 +239,17 @@ class Playout:
 
     def release(self, now: float, *, paced: bool) -> Released:
         """Hand over every due piece at the lead's front (at least one unit: call when :meth:`due`), merged."""
-        started = not self.clock_running
+        stopped = not self.clock_running
+        started = stopped
         taken = [self.pieces.popleft() for _ in range(self._unit())]
-        if started:
+        if stopped:
             anchor = now - taken[0].pts / self.fps
-            if self._opening_anchor is not None:
-                anchor = max(anchor, self._opening_anchor)  # the rest came in time: the player did not wait
+            if self._opening_anchor is not None and self._opening_anchor >= anchor:
+                # The rest of the block came in time after a lone opening frame: the player did not wait, and
+                # this chunk plays on the clock the opening frame started (it does not restart it).
+                anchor, started = self._opening_anchor, False
             self.anchor = anchor
-            # The viewer may wait for the block behind a lone opening frame: that next chunk restarts the clock.
+            # The viewer may wait for the block behind a lone opening frame: then that next chunk restarts the clock.
             self.reanchor = len(taken) == 1 and taken[0].opening
             self._opening_anchor = self.anchor if self.reanchor else None
         frames = sum(piece.num_frames for piece in taken)

@@ -59,7 +59,7 @@ class Chunk:
     ready_at: float  # epoch ms when the chunk entered the session queue
     marks: tuple[ControlMark, ...] = ()  # controls first shown in these frames
     # The session's playback clock (re)starts at this chunk: it plays on arrival (the first chunk; after a resume, a
-    # socket attaching, or a lone opening frame). A gap before it is no stall.
+    # socket attaching, or a lone opening frame when it came after its time). A gap before it is no stall.
     starts_clock: bool = False
     # The live input frame its first frame shows: the frame's number among those the session received (from 0,
     # dropped ones included; engine.core.EngineCore.admit_frame). None: not made from live input.
