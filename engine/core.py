@@ -577,9 +577,9 @@ class EngineCore:
                 # inflate the session's cost per block (which paces its next blocks and the lead).
                 self._account(cost, record if current else None)
                 if output is not None and current and record.is_open:
-                    self._deliver(record, output, pending, tick)
-                if record is not None and record.deferred_cut is not None:
-                    self._make_deferred_cut(record)
+                    self._deliver(record, output, pending, tick)  # makes a cut waiting in flight, before release
+                elif record is not None and record.deferred_cut is not None:
+                    self._make_deferred_cut(record)  # a dropped, empty or failed piece may be the last before it
             except Exception as failure:
                 log.warning("session work failed", extra={"session_id": pending.session_id,
                                                           "error": repr(failure)}, exc_info=failure)

@@ -603,8 +603,12 @@ class Runner:
         video = self.decoder.denormalize(clean.video)
 
         def commit() -> None:
+            """The block's commit pass if it is still to come, then its undo record (which holds the commit's KV
+            journal)."""
+            nonlocal commit_pending
             if commit_pending:
                 self.pipeline.commit_block(device_session.kv, progress)
+                commit_pending = False
             if undo is not None:
                 undo.kv_journal, undo.clean_video = device_session.kv.take_journal(), video
                 self._remember(device_session, undo)
@@ -618,7 +622,6 @@ class Runner:
             first = device_session.redo[1] if device_session.redo is not None else (1 if rest_of_split else 0)
         if not commit_pending or video.shape[2] - first == 1:
             commit()
-            commit_pending = False
         timer.denoised()
         offset = 0  # the next piece's first frame within its block's frames
         if opening:
@@ -648,7 +651,6 @@ class Runner:
                 pending.timer.controls_done()
                 if commit_pending:
                     commit()  # timed with the second piece: in its block time, in no chunk's denoise or decode
-                    commit_pending = False
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
             input_frame, offset = shown_input(offset), offset + frames.shape[0]
