@@ -132,3 +132,47 @@ def test_shaded_clips_draw_the_captions_colours_in_other_shades_and_leave_other_
     assert not any(torch.equal(a.video, b.video) for a, b in zip(plain, shaded))
     with pytest.raises(ValueError, match="one scene"):
         make_clip(scene, 0, 4, switch_to=Scene("circle", "green", "still", "blue"), switch_latent=2, shades=shades[0])
+
+
+@pytest.mark.parametrize("motion", ["bouncing", "drifting", "orbiting", "still"])
+def test_the_nearest_trajectory_continues_a_seen_path_of_every_motion(motion):
+    """world.fit: centroids seen over 1.5 s of any path of the motion word (any seed, any moment of an hours-long
+    session, 1 px of reading noise) -> a path that goes on where the world's does."""
+    from world import motion as paths
+    from world.fit import nearest_trajectory
+
+    rng = np.random.default_rng(5)
+    for seed in range(4):
+        jitter = paths.Jitter.from_seed(seed)
+        start = rng.uniform(0, 3600)
+        seen, ahead = np.arange(24) / 16, np.arange(24, 36) / 16
+        x, y = paths.centre(motion, jitter, start + seen)
+        fit = nearest_trajectory(motion, seen, x + rng.normal(0, 1, 24), y + rng.normal(0, 1, 24))
+        assert fit.error_px < 2.0
+        fx, fy = fit.centre(ahead)
+        tx, ty = paths.centre(motion, jitter, start + ahead)
+        assert np.sqrt(np.mean((fx - tx) ** 2 + (fy - ty) ** 2)) < 5.0, (seed, fit)
+        if motion == "bouncing":  # it lands where its own path meets the floor
+            for t in fit.bounces(10.0):
+                assert abs(fit.centre(np.array([t]))[1][0] - paths.BOUNCE_FLOOR) < 0.5
+        else:
+            assert fit.bounces(10.0).size == 0
+    with pytest.raises(ValueError, match="one length"):
+        nearest_trajectory(motion, np.arange(3), np.arange(3), np.arange(2))
+    with pytest.raises(ValueError, match="unknown motion"):
+        nearest_trajectory("spinning", np.arange(3), np.arange(3), np.arange(3))
+
+
+def test_sound_along_a_path_is_the_clips_own_sound_for_the_clips_path():
+    """world.sound.features_along, given a clip's own path and landings, gives the clip's features (the long-rollout
+    stage builds its sound targets with it from a fitted path)."""
+    from world.motion import Jitter, bounce_times, centre
+
+    clip = make_clip(Scene("circle", "red", "bouncing", "blue"), seed=3, latent_frames=12)
+    jitter = Jitter.from_seed(3)
+    scenes = clip.scenes
+    count = clip.features.shape[1]
+    for start in (0, 40, 100):
+        along = sound.features_along(scenes, lambda t: centre("bouncing", jitter, t)[1], bounce_times("bouncing", jitter, 10.0),
+                                     count - start, start_frame=start)
+        torch.testing.assert_close(along, clip.features[:, start:])

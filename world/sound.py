@@ -49,19 +49,28 @@ def features(
     scenes: list[tuple[Scene, float]], jitter: Jitter, num_frames: int, start_frame: int = 0
 ) -> torch.Tensor:
     """``[8, num_frames]`` features; ``scenes`` lists ``(scene, from_time_s)`` in order (a prompt switch adds one)."""
+    motion = scenes[0][0].motion
+    starts = frame_start_times(num_frames, start_frame)
+    duration = max(starts[-1] + HOP / SAMPLE_RATE, 0.0) + 1.0
+    return features_along(scenes, lambda t: centre(motion, jitter, t)[1], bounce_times(motion, jitter, duration),
+                          num_frames, start_frame)
+
+
+def features_along(scenes: list[tuple[Scene, float]], height_at, bounces: np.ndarray, num_frames: int,
+                   start_frame: int = 0) -> torch.Tensor:
+    """:func:`features` of any path: ``height_at(times)`` gives the object's y (px), ``bounces`` the moments (s)
+    it lands, both on the session's clock (a model's own path fitted with world.fit, say)."""
     starts = frame_start_times(num_frames, start_frame)
     middle = np.maximum(starts + HOP / SAMPLE_RATE / 2, 0.0)
     out = np.zeros((FEATURES, num_frames), dtype=np.float32)
     out[:5] = -1.0
-    motion = scenes[0][0].motion
-    _, y = centre(motion, jitter, middle)
+    y = np.asarray(height_at(middle), dtype=np.float64)
     out[3] = 1.0 - 2.0 * np.clip(y / HEIGHT, 0.0, 1.0)
     for index, (scene, since) in enumerate(scenes):
         until = scenes[index + 1][1] if index + 1 < len(scenes) else math.inf
         active = (middle >= since) & (middle < until)
         out[SHAPES.index(scene.shape), active] = 1.0
-    duration = max(starts[-1] + HOP / SAMPLE_RATE, 0.0) + 1.0
-    for t in bounce_times(motion, jitter, duration):
+    for t in bounces:
         hit = np.nonzero((starts <= t) & (t < starts + HOP / SAMPLE_RATE))[0]
         out[4, hit] = 1.0
     return torch.from_numpy(out)
