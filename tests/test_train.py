@@ -124,8 +124,8 @@ def test_block_flow_after_a_short_context_is_the_engines_first_block_after_commi
     assert torch.equal(history_mask(6, 9, 2, "cpu"), whole.unsqueeze(1) >= whole.unsqueeze(0))
 
 
-def test_a_toy_continuation_round_runs_the_cont_stage_alone_from_the_shipped_weights(tmp_path, monkeypatch):
-    """train.run's flags for the GPU call (--only dit --round 3 --init the shipped weights, only cont_s), at --toy
+def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_shipped_weights(tmp_path, monkeypatch):
+    """train.run's flags for the GPU call (--only dit --round 3 --init the shipped weights, only cont_s and long_s), at --toy
     size on the CPU, without the codec's and the DiT's read-back checks (their own code, ~12 s here)."""
     import json
 
@@ -138,12 +138,83 @@ def test_a_toy_continuation_round_runs_the_cont_stage_alone_from_the_shipped_wei
     assert run.main([
         "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
         "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
-        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,dit_lr=2e-4,data_clips=2,max_steps=6,cont_mix=0.5",
+        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,long_s=60,dit_lr=2e-4,data_clips=2,max_steps=4,cont_mix=0.5",
     ]) == 0
     stages = json.loads((ckpt / "state.json").read_text())["stages"]
-    assert stages["cont3"] == {"done": True, "steps": 6}
+    assert stages["cont3"] == {"done": True, "steps": 4}
+    assert stages["long3"] == {"done": True, "steps": 4}  # rollouts learned against the world (train.long_rollout)
     assert all(stages[name]["steps"] == 0 for name in ("tf3", "fewstep3", "rollout3"))
     assert {p.name for p in ckpt.iterdir()} >= {"transformer.safetensors", "audio_tokens.safetensors", "text_encoder.safetensors"}
     assert not (ckpt / "codec.safetensors").exists()  # the shipped codec and its latent statistics stay
     logged = (tmp_path / "train.log").read_text()
     assert "cont3 step=" in logged and "cont3r step=" in logged  # both kinds of step ran
+    assert "long3 step=" in logged and "valid=" in logged and "long3h step=" in logged  # learned against the world, and held
+
+
+def test_the_long_rollouts_dense_forward_is_the_engines_after_blocks_of_two_and_keeps_what_the_engine_keeps():
+    """train.long_rollout rolls sessions out in the served block length (2): before the window's first eviction its
+    dense forward (each frame seeing its own block and the ones before) gives a new block what the engine's paged
+    forward gives it; past it, the resident frames are the sink's and the window's, numbered as the engine does."""
+    from engine.kv_cache import KVCacheManager
+    from train.long_rollout import Session, resident_flow
+
+    _, bundle = build_small(sink_frames=3, window_frames=6, frames_per_block=2)
+    pipeline = bundle.pipeline
+    causal = pipeline.transformer
+    kv = KVCacheManager(pipeline.kv_spec(), 1, "cpu").open_session("long")
+    progress = pipeline.new_progress(0, "a red circle bouncing on a blue background")
+    with torch.no_grad():
+        made = [pipeline.run_block(kv, progress) for _ in range(3)]  # 6 frames: the sink and 3 of the window
+        history = BlockLatents(torch.cat([b.video for b in made], 2).float(), torch.cat([b.audio for b in made], 2).float())
+        generator = torch.Generator().manual_seed(2)
+        x = BlockLatents(torch.randn(made[0].video.shape, generator=generator), torch.randn(made[0].audio.shape, generator=generator))
+        engine = pipeline.forward_branch(kv, progress, "cond", x, 625.0, stage=False)
+        groups = torch.tensor([0, 0, 1, 1, 2, 2, 3, 3])
+        dense = resident_flow(causal, history, groups, x, 625.0, text_kv(causal, progress.text["cond"]))
+    kv.close()
+    torch.testing.assert_close(dense.video, engine.video.float(), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(dense.audio, engine.audio.float(), atol=1e-4, rtol=1e-4)
+    per = history.audio.shape[2] // 6
+    frames = torch.arange(14, dtype=torch.float32)
+    session = Session(frames.view(1, 1, 14, 1, 1), frames.repeat_interleave(per).view(1, 1, -1), [i // 2 for i in range(14)])
+    resident, kept_groups = session.resident(sink=3, window=6)
+    assert resident.video.flatten().tolist() == [0, 1, 2, 8, 9, 10, 11, 12, 13]
+    assert resident.audio.flatten().tolist() == [f for f in [0, 1, 2, 8, 9, 10, 11, 12, 13] for _ in range(per)]
+    assert kept_groups == [0, 0, 1, 4, 4, 5, 5, 6, 6]
+
+
+def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
+    """train.long_rollout.WorldTargets on the shipped codec: a session whose frames are a world clip's (encoded, in
+    model space) reads back the clip's path, and the target made from it for the next block is what encoding the
+    longer clip gives there (up to the codec's encoder memory), with the object's footprint where the clip has it."""
+    from pathlib import Path
+
+    from engine.models.trained import TrainedWeights
+    from train.common import build_modules, load_module_file
+    from train.data import latent_footprint
+    from train.long_rollout import Session, WorldTargets
+    from world.clips import make_clip
+    from world.grammar import Scene
+
+    weights = Path("engine/models/weights/tiny")
+    codec = build_modules("cpu")["codec"]
+    assert load_module_file(weights / "codec.safetensors", codec)
+    stats = TrainedWeights(weights).latent_stats()
+    targets = WorldTargets(codec, torch.tensor(stats["latents_mean"]), torch.tensor(stats["latents_std"]), "cpu")
+    scene = Scene("circle", "red", "bouncing", "blue")
+    clip = make_clip(scene, seed=1, latent_frames=12)
+    with torch.no_grad():
+        latents = (codec.encode_video(clip.video.unsqueeze(0)) - targets.mean) / targets.std
+    session = Session(latents[:, :, :10], clip.features.unsqueeze(0)[:, :, :200], [i // 2 for i in range(10)])
+    (path,) = targets.read_paths(session)
+    fit = targets.fit(scene, path)
+    assert fit is not None and fit.error_px < 3.0  # the decoded frames' centroids are read to ~1-2 px
+    video, audio, footprint = targets.target(scene, fit, first=10, frames=2)
+    own = latents[0, :, 10:12]
+    relative = float(((video - own) ** 2).mean() / (own**2).mean())
+    assert relative < 0.05, relative
+    torch.testing.assert_close(audio[:3], clip.features[:3, 200:240])  # the circle's tone, on
+    assert float((audio[3] - clip.features[3, 200:240]).abs().max()) < 0.1  # the height, from the fitted path
+    expected = latent_footprint(clip.coverage, 12)[10:12]
+    assert float((footprint * expected).sum() / expected.sum()) > 0.8
+    assert targets.fit(Scene("circle", "red", "still", "blue"), (np.zeros(2), np.zeros(2), np.zeros(2))) is None  # too few frames

@@ -313,27 +313,31 @@ class DiTTrainer:
                  name: str = "fewstep") -> int:
         step = 0
         while not clock.expired(step):
-            clean, ids, weight, footprint = sampler.draw(batch, objects=True)
-            blocks = clean.video.shape[2] // BLOCK
-            target_step = int(rng.integers(len(ENGINE_SIGMAS)))
-            kv = self.cross_kv(ids)
-            x = _noise_like(clean)
-            for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
-                s = torch.full((batch, blocks), sigma, device=self.device)
-                t = 1000 * s.repeat_interleave(BLOCK, dim=1)
-                grad = index == target_step
-                with self.autocast, (nullcontext() if grad else torch.no_grad()):
-                    flow = teacher_forced_flow(self.causal, clean, x, t, kv if grad else kv.detach())
-                x0 = _x0(x, flow, s)
-                if not grad:
-                    nxt = torch.full((batch, blocks), ENGINE_SIGMAS[index + 1], device=self.device)
-                    x = _mix(BlockLatents(x0.video.detach(), x0.audio.detach()), _noise_like(clean), nxt)
-            losses = object_losses(x0, clean, weight, footprint)
+            losses, target_step = self.few_step_losses(sampler, batch, rng)
             self.update(losses["loss"])
             step += 1
             if step % 50 == 0 or step == 1:
                 self._log(log, name, step, losses, step_index=float(target_step))
         return step
+
+    def few_step_losses(self, sampler: Sampler, batch: int, rng: np.random.Generator) -> tuple[dict[str, torch.Tensor], int]:
+        """One few-step sample's losses (B) and the step learned: also mixed into other stages to hold what it taught."""
+        clean, ids, weight, footprint = sampler.draw(batch, objects=True)
+        blocks = clean.video.shape[2] // BLOCK
+        target_step = int(rng.integers(len(ENGINE_SIGMAS)))
+        kv = self.cross_kv(ids)
+        x = _noise_like(clean)
+        for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
+            s = torch.full((batch, blocks), sigma, device=self.device)
+            t = 1000 * s.repeat_interleave(BLOCK, dim=1)
+            grad = index == target_step
+            with self.autocast, (nullcontext() if grad else torch.no_grad()):
+                flow = teacher_forced_flow(self.causal, clean, x, t, kv if grad else kv.detach())
+            x0 = _x0(x, flow, s)
+            if not grad:
+                nxt = torch.full((batch, blocks), ENGINE_SIGMAS[index + 1], device=self.device)
+                x = _mix(BlockLatents(x0.video.detach(), x0.audio.detach()), _noise_like(clean), nxt)
+        return object_losses(x0, clean, weight, footprint), target_step
 
     @torch.no_grad()
     def generate_block(self, history: BlockLatents | None, shape_like: BlockLatents, kv) -> BlockLatents:

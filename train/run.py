@@ -8,7 +8,8 @@
 and its check, which is a gate: the DiT gets no time unless colour,
 background and shape read back in enough frames (train.codec.GATE;
 ``--no-gate`` overrides). Then the latent set, the DiT (teacher forcing,
-few-step, rollout; and continuation when ``cont_s`` > 0) from scratch, then a sampled check of the DiT (sessions
+few-step, rollout; and continuation when ``cont_s`` > 0, long rollouts learned against the world when ``long_s``
+> 0: train.long_rollout) from scratch, then a sampled check of the DiT (sessions
 generated as the engine does, decoded and read back).
 ``--only dit``: keep the codec (and its latent statistics) and continue the
 DiT (stages tf2, fewstep2, rollout2, cont2, from the loaded weights; ``--round 3``
@@ -51,12 +52,14 @@ from train.dit import DiTTrainer, Sampler, sample_session
 FULL = {
     "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
-    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
+    "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0,
+    "long_s": 0, "long_blocks": 24, "long_block": 2, "long_from": 3, "long_share": 0.5, "long_hold": 0.0, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
-    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
+    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5,
+    "long_s": 60, "long_blocks": 4, "long_block": 2, "long_from": 1, "long_share": 1.0, "long_hold": 0.5, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
 STATE_FILES = {"audio": "state.audio.json"}
 SAVE_EVERY_S = 45.0
@@ -173,9 +176,10 @@ def main(argv: list[str] | None = None) -> int:
     modules["text_encoder"].train()
     rng = np.random.default_rng(4 if not continuing else 4 + 2 * (args.round - 1))
     sampler = Sampler(data, cfg["frames"], rng)
-    stages = ("tf", "fewstep", "rollout", "cont")
+    stages = ("tf", "fewstep", "rollout", "cont", "long")
     names = tuple(f"{stage}{args.round}" for stage in stages) if continuing else stages
-    seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s", "cont_s")) if not ckpt.done(name)}
+    seconds = {name: cfg[key] for name, key in zip(names, ("tf_s", "fewstep_s", "rollout_s", "cont_s", "long_s"))
+               if not ckpt.done(name)}
     total = max(sum(seconds.values()), 1e-6)
     clock_start = time.monotonic()
     last_save = [time.monotonic()]
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = DiTTrainer(causal, modules["text_encoder"], lr=cfg["dit_lr"], device=device, schedule=schedule, on_step=on_step)
     batch = cfg["dit_batch"]
-    tf, fewstep, rollout, cont = names
+    tf, fewstep, rollout, cont, long = names
     if tf in seconds:
         n = trainer.flow_matching(sampler, log, StageClock(seconds[tf], steps()), batch, name=tf)
         save_dit()
@@ -219,6 +223,16 @@ def main(argv: list[str] | None = None) -> int:
                                  picture_share=cfg["cont_picture"])
         save_dit()
         ckpt.mark(cont, steps=n)
+    if long in seconds and seconds[long] > 0:  # none by default: rollouts past the window, learned against the world
+        from train.long_rollout import LongRollout, WorldTargets
+
+        stage = LongRollout(trainer, modules["text_encoder"], WorldTargets(codec, data.mean, data.std, device),
+                            latent_size=(latent_h, latent_w), block=cfg["long_block"], rng=rng)
+        n = stage.run(log, StageClock(seconds[long], steps()), batch, blocks=cfg["long_blocks"],
+                      learn_from=cfg["long_from"], learn_share=cfg["long_share"], name=long,
+                      hold=lambda: trainer.few_step_losses(sampler, batch, rng), hold_share=cfg["long_hold"])
+        save_dit()
+        ckpt.mark(long, steps=n)
 
     causal.eval()
     modules["text_encoder"].eval()
