@@ -78,21 +78,6 @@ def small_engine(**overrides) -> dict:
 
 
 @pytest.fixture
-def all_cores() -> Iterator[None]:
-    """Every core (up to 4) for a long test that computes in this process with nothing else running beside it (the
-    shipped model's 2,000-frame check). The rest keep one thread, so that a server started beside them keeps its
-    own core, a bit-exact comparison runs both sides at one thread count, and small ops do not pay for threads."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
-@pytest.fixture
 def make_client() -> Iterator[Callable]:
     """``with make_client(engine={...}, **settings) as client:`` — the app under TestClient, lifespan run."""
     from fastapi.testclient import TestClient
