@@ -117,6 +117,8 @@ class WorldTargets:
     def read_paths(self, session: Session) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Per sample, the session-clock times (s) and centroids of the frames of the last ``READ_LATENTS``
         latent frames in which the object reads back as one object."""
+        if session.length < READ_LATENTS:
+            raise ValueError(f"a session of {session.length} latent frames: at least {READ_LATENTS} are read")
         first = session.length - READ_LATENTS
         latents = session.video[:, :, first:] * self.std + self.mean
         video = self.codec.decode_video(latents.float())  # [B, 3, 1 + 4 (n - 1), H, W] in [-1, 1]
@@ -269,6 +271,8 @@ class LongRollout:
 
     def _update(self, session: Session, scenes: list[Scene], ids, like: BlockLatents, log: LossLog, name: str,
                 step: int, rollout: int) -> int:
+        if session.length < READ_LATENTS:  # too little of the session to read a path from
+            return 0
         paths = self.targets.read_paths(session)
         fits = [self.targets.fit(scene, path) for scene, path in zip(scenes, paths)]
         valid = torch.tensor([f is not None for f in fits], device=like.video.device)
