@@ -46,6 +46,11 @@ class _Running:
 _running: dict[Job, _Running] = {}
 
 
+def root_on_path() -> tuple[str, str]:
+    """The ``PYTHONPATH`` entry (for a Job's ``env``) that lets a job import the project from its root."""
+    return "PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+
+
 def _idle_priority() -> None:
     """In the child before exec: run only on otherwise idle CPU (a nice of 19 where SCHED_IDLE is missing)."""
     try:

@@ -5,7 +5,6 @@ docs/TINY_MODEL.md (``python -m train.score`` measures them).
 """
 
 import json
-import os
 import re
 import sys
 from pathlib import Path
@@ -23,7 +22,7 @@ torch.set_num_threads(1)
 # The checks that only stream and read back (~80 s of streaming whose scores do not depend on time) run on the core
 # the other tests leave idle (tests/tiny_sessions.py, tests/background.py); the tests below assert on their scores.
 SESSIONS = background.Job((sys.executable, "-m", "tests.tiny_sessions", "{scratch}/sessions.json"),
-                          env=(("PYTHONPATH", os.pathsep.join([str(background.ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])),))
+                          env=(background.root_on_path(),))
 BACKGROUND_JOBS = (SESSIONS,)
 MIN_SHARE = 0.8  # of frames
 MIN_SPEED_PX_S = 10.0

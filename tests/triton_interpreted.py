@@ -7,12 +7,11 @@ process (the rest of the session keeps the compiled-Triton behaviour); the modul
 from __future__ import annotations
 
 import json
-import os
 import sys
 from pathlib import Path
 
 from tests import background
-from tests.background import Job
+from tests.background import Job, root_on_path
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,9 +19,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def interpreter_job(module_file: str) -> Job:
     """The module's ``--interpreter-checks`` as a background job (tests/background.py): list it in the module's
     ``BACKGROUND_JOBS`` and the session starts it early, on the core the other tests leave idle."""
-    path = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
     return Job((sys.executable, str(Path(module_file).resolve()), "--interpreter-checks"),
-               env=(("TRITON_INTERPRET", "1"), ("PYTHONPATH", path)))
+               env=(("TRITON_INTERPRET", "1"), root_on_path()))
 
 
 def interpreter_checks(module_file: str, timeout_s: float = 240) -> dict:

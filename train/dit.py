@@ -353,14 +353,17 @@ class DiTTrainer:
                 x = BlockLatents((1 - nxt) * x0.video + nxt * noise.video, (1 - nxt) * x0.audio + nxt * noise.audio)
         return x0
 
-    def _learned_block(self, history: BlockLatents, like: BlockLatents, kv, target_step: int) -> BlockLatents:
+    def learned_block(self, history: BlockLatents, like: BlockLatents, kv, target_step: int, flow_of=None) -> BlockLatents:
         """The engine's steps for one block after ``history`` up to ``target_step``, only that one with
-        gradients: its x0 (what rollouts and continuations learn)."""
+        gradients: its x0 (what rollouts and continuations learn). ``flow_of(history, x, timestep, kv)``: the
+        forward to use (default :func:`block_flow` on this trainer's model)."""
+        if flow_of is None:
+            flow_of = lambda h, x, t, k: block_flow(self.causal, h, x, t, k)  # noqa: E731
         x = _noise_like(like)
         for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
             grad = index == target_step
             with self.autocast, (nullcontext() if grad else torch.no_grad()):
-                flow = block_flow(self.causal, history, x, 1000 * sigma, kv if grad else kv.detach())
+                flow = flow_of(history, x, 1000 * sigma, kv if grad else kv.detach())
             x0 = BlockLatents(x.video - sigma * flow.video.float(), x.audio - sigma * flow.audio.float())
             if not grad:
                 nxt = ENGINE_SIGMAS[index + 1]
@@ -399,7 +402,7 @@ class DiTTrainer:
             history = cat_frames(history, new)
         start = given + generated * BLOCK
         target = BlockLatents(clip.video[:, :, start : start + BLOCK], clip.audio[:, :, start * per : (start + BLOCK) * per])
-        x0 = self._learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
+        x0 = self.learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
         ones = torch.ones(batch, 1, device=self.device)
         return object_losses(x0, target, ones, footprint[:, start : start + BLOCK]), generated
 
@@ -453,7 +456,7 @@ class DiTTrainer:
                 history = cat_frames(history, self.generate_block(history, like, kv.detach()))
             start = n + own * BLOCK
             target = BlockLatents(video[:, :, start : start + BLOCK], audio[:, :, start * per : (start + BLOCK) * per])
-            x0 = self._learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
+            x0 = self.learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
             losses = continuation_losses(x0, target, footprint[:, start : start + BLOCK])
             self.update(losses["loss"])
             step += 1

@@ -39,7 +39,7 @@ import torch
 from engine.models.attention import DenseContext
 from engine.models.latents import BlockLatents
 from train.data import latent_footprint
-from train.dit import ENGINE_SIGMAS, OBJECT_WEIGHT, _forward, _noise_like, cat_frames
+from train.dit import ENGINE_SIGMAS, OBJECT_WEIGHT, _forward, cat_frames
 from train.progress import LossLog, StageClock
 from world import measure
 from world.clips import AUDIO_FRAMES_PER_LATENT, random_scene
@@ -198,17 +198,9 @@ class LongRollout:
         """The engine's steps for the next block up to ``target_step``, only that one with gradients: its x0."""
         history, groups = session.resident(self.sink, self.window)
         g = torch.tensor(groups + [session.groups[-1] + 1] * self.block, device=like.video.device)
-        x = _noise_like(like)
-        for index, sigma in enumerate(ENGINE_SIGMAS[: target_step + 1]):
-            grad = index == target_step
-            with self.trainer.autocast, (torch.enable_grad() if grad else torch.no_grad()):
-                flow = resident_flow(self.trainer.causal, history, g, x, 1000 * sigma, kv if grad else kv.detach())
-            x0 = BlockLatents(x.video - sigma * flow.video.float(), x.audio - sigma * flow.audio.float())
-            if not grad:
-                nxt = ENGINE_SIGMAS[index + 1]
-                noise = _noise_like(like)
-                x = BlockLatents((1 - nxt) * x0.video.detach() + nxt * noise.video, (1 - nxt) * x0.audio.detach() + nxt * noise.audio)
-        return x0
+        causal = self.trainer.causal
+        return self.trainer.learned_block(history, like, kv, target_step,
+                                          flow_of=lambda h, x, t, k: resident_flow(causal, h, g, x, t, k))
 
     def _loss(self, x0: BlockLatents, video: torch.Tensor, audio: torch.Tensor, footprint: torch.Tensor,
               valid: torch.Tensor) -> dict[str, torch.Tensor]:
