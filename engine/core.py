@@ -331,15 +331,20 @@ class EngineCore:
         media made ahead and in flight is cut at the first of its frames that plays after that (a paced session),
         or at its start (a best-effort one, or a clock that is not running): ``SessionRecord.restart_cut``. When even the end of what is made and in flight plays too soon, nothing is
         cut: the new content follows it."""
+        playout = record.playout
+        # The new content follows what is ahead unless a cut below starts it sooner. (The old content's pieces still
+        # ahead are never made again: the runner keeps no record of them past the restart.)
+        record.content_start = playout.frames_made + record.frames_in_flight
         if not self.config.cut_on_reset or not record.opened_on_device:
             return
-        playout = record.playout
         ready = now + self._backlog(now) + self._restart_cost(record) + playout.margin_s
         at = record.restart_cut(ready if record.pace and playout.clock_running else None)
         if at is None:
             if record.deferred_cut is not None:  # a supersede's cut still waits in flight: the new content starts there
                 record.deferred_cut = DeferredCut(record.deferred_cut.at, None)
+                record.content_start = record.deferred_cut.at
             return  # nothing made or dispatched ahead to drop: the restart simply comes next
+        record.content_start = at
         dropped = self._cut(record, at)
         record.cut_pending = True
         log.info("lead cut for a restart", extra={
@@ -361,28 +366,33 @@ class EngineCore:
         newest = record.blocks_since_reset - 1 + record.works_in_flight  # the newest block made or in flight
         per_latent = self.geometry.pixel_frames_per_block // self.geometry.frames_per_block
         points = record.cut_points()
-        for point in points:
-            skip = point.at - point.block_start
+        for point, following in zip(points, points[1:]):  # each piece ahead, from ``point.at`` to ``following.at``
+            if point.at < record.content_start:
+                continue  # an earlier content's (before a reset)
+            # The piece's latent frame is made again (a piece a cut trimmed starts inside it) and sent from the
+            # first frame it reaches in time: any frame (seventeenth session: a cut only at a piece's start waited
+            # for the next one, 0.125 s on average at 16 frames/s).
+            skip_latents = (point.at - point.block_start) // per_latent
+            ready = start + self._remake_cost(record, skip_latents)
+            at = max(point.at, playout.first_frame_playing_from(ready))
+            # The block after it must be made in time too: a block made again from its middle costs a whole block
+            # but gives only the frames from the cut on (measured on an H100: the standard config's next block was
+            # late by up to 0.27 s when only the first rule held).
             block_end = point.block_start + self.geometry.pixel_frames_per_block
-            # The cut's piece must be made again in time, and the block after it too: a block made again from its
-            # middle costs a whole block but gives only the frames from the cut on (measured on an H100: the
-            # standard config's next block was late by up to 0.27 s when only the first held).
-            if (playout.play_time(point.at) < start + self._remake_cost(record, skip // per_latent)
+            if (at >= following.at
                     or playout.play_time(block_end) < start + self.cost_of(record) + self._first_piece_cost(record)):
                 continue
-            if point is points[-1]:
-                return  # nothing made ahead of this point: the change comes with the next block anyway
             if point.block < max(1, record.undo_floor) or newest - point.block >= self.undo_blocks:
                 return  # not a block the runner keeps (a content's first, one before a change, too old)
-            if skip % per_latent:
-                return
-            dropped = self._cut(record, point.at, block_start=point.block_start)
+            skip_frames = at - point.block_start - skip_latents * per_latent
+            dropped = self._cut(record, at, block_start=point.block_start)
             record.cut_pending = True
-            record.rewind = Rewind(point.block, skip // per_latent)
+            record.rewind = Rewind(point.block, skip_latents, skip_frames)
             record.blocks_since_reset = point.block
-            log.info("lead superseded", extra={"session_id": record.session_id, "at": point.at, "block": point.block,
-                                                "skip_latents": skip // per_latent, "in_flight_dropped": dropped,
-                                                "ahead_s": round(playout.play_time(point.at) - now, 3)})
+            log.info("lead superseded", extra={"session_id": record.session_id, "at": at, "block": point.block,
+                                                "skip_latents": skip_latents, "skip_frames": skip_frames,
+                                                "in_flight_dropped": dropped,
+                                                "ahead_s": round(playout.play_time(at) - now, 3)})
             return
 
     def _cut(self, record: SessionRecord, at: int, *, block_start: int | None = None) -> int:
@@ -414,7 +424,7 @@ class EngineCore:
                 return
             if cut.block_start is None:
                 playout.cut(min(max(cut.at, playout.lead_start), playout.frames_made))
-            elif playout.frames_made == cut.at:
+            elif playout.lead_start <= cut.at <= playout.frames_made:  # (a piece it falls inside keeps its start)
                 playout.cut(cut.at, block_start=cut.block_start)
 
     def _control_cost_of(self, kind: str) -> float:

@@ -60,6 +60,8 @@ class Rewind:
 
     block: int
     skip_latents: int
+    skip_frames: int = 0  # of the next latent frame's frames, those the viewer has too: made, not sent (a cut
+    # inside a piece)
 
 
 @dataclass(frozen=True)

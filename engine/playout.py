@@ -13,10 +13,9 @@ of the session's **lead**, which lives here, on the server — not in the viewer
 * with ``whole_blocks``, a block's pieces leave together once its last one is made (one chunk per block, as
   before pieces existed; the engine's ``media_granularity = "block"``).
 
-Released media cannot change any more; the lead can. :meth:`Playout.cut` drops the lead from a frame on, so
-a reset shows at that point instead of after everything made before it (any frame of the lead: new content
-needs no boundary), and a prompt change can replace the rest of a block already made from one of its pieces on
-(the block made again, ``engine/undo.py``).
+Released media cannot change any more; the lead can. :meth:`Playout.cut` drops the lead from any frame on, so
+a reset shows at that point instead of after everything made before it, and a prompt change can replace the
+rest of a block already made from that frame on (the block made again, ``engine/undo.py``).
 
 The **playback clock** models the viewer: frame ``pts`` plays at ``anchor + pts / fps``. It starts with the
 first chunk released (that chunk plays on arrival), and restarts the same way after a resume or a new
@@ -269,32 +268,27 @@ class Playout:
         return Released(merged, started)
 
     # --- cut ---------------------------------------------------------------------------------
-    def cut_points(self) -> list[int]:
-        """Where the lead can be cut: each unreleased piece's start, and the made timeline's end."""
-        return [piece.pts for piece in self.pieces] + [self.frames_made]
-
     @property
     def lead_start(self) -> int:
         """The lead's first frame (the made timeline's end when the lead is empty)."""
         return self.pieces[0].pts if self.pieces else self.frames_made
 
     def cut(self, at: int, *, block_start: int | None = None) -> int:
-        """Drop the lead from frame ``at`` on; the next piece made starts there. Returns the frames dropped.
+        """Drop the lead from frame ``at`` on, any frame of it (a piece it falls inside keeps its frames before
+        it); the next piece made starts there. Returns the frames dropped.
 
-        Without ``block_start`` the next media is a new content starting at ``at``, any frame of the lead (a
-        piece it falls inside keeps its frames before it): the audio kept ends at or before ``at`` and the gap up
-        to it is silence. With it, ``at`` is one of :meth:`cut_points` and the block beginning at frame
-        ``block_start`` is made again (supersede): its audio comes again from that block's start, and only what
-        follows the audio kept is used."""
-        inside = block_start is None and self.lead_start <= at <= self.frames_made
-        if at not in self.cut_points() and not inside:
-            raise ValueError(f"{at} is not a piece boundary of the lead" if block_start is not None
-                             else f"{at} is not a frame of the lead")
+        Without ``block_start`` the next media is a new content starting at ``at``: the audio kept ends at or
+        before ``at`` and the gap up to it is silence. With it, the block beginning at frame ``block_start`` is
+        made again (supersede; its first piece made again starts at ``at``: the runner sends a piece the cut
+        falls inside from the cut on): its audio comes again from that block's start, and only what follows the
+        audio kept is used."""
+        if not self.lead_start <= at <= self.frames_made or (block_start is not None and block_start > at):
+            raise ValueError(f"{at} is not a frame of the lead")
         dropped = 0
         while self.pieces and self.pieces[-1].pts >= at:
             dropped += self.pieces.pop().num_frames
         if self.pieces and self.pieces[-1].pts + self.pieces[-1].num_frames > at:
-            split = self.pieces[-1]  # a restart inside a piece: its frames up to the cut stay
+            split = self.pieces[-1]  # a cut inside a piece: its frames up to the cut stay
             keep = at - split.pts
             dropped += split.num_frames - keep
             split.frames = split.frames[:keep]

@@ -67,7 +67,9 @@ class DeviceSession:
     denoise_parts: list["_WorkTimer"] = field(default_factory=list)  # the current output's denoising so far
     opening_frame_sent: bool = False  # the first block's opening frame went out ahead of its commit pass
     undo: deque[BlockUndo] = field(default_factory=deque)  # the last blocks, oldest first (engine/undo.py)
-    redo: tuple[torch.Tensor, int] | None = None  # a block made again: the old one's clean video, latents sent
+    # A block made again from its middle: the old one's clean video, its latent frames sent, and the frames of the
+    # next one the viewer has too (a cut inside a piece: that piece is decoded whole, sent from the cut on).
+    redo: tuple[torch.Tensor, int, int] | None = None
     # The live frames each recent block took (block index -> their numbers, and how many the block needed): its
     # pieces name the frame their first frame shows (a block made again keeps its input, and its entry).
     block_inputs: dict[int, tuple[tuple[int | None, ...], int]] = field(default_factory=dict)
@@ -624,6 +626,7 @@ class Runner:
             commit()
         timer.denoised()
         offset = 0  # the next piece's first frame within its block's frames
+        shown = 0  # frames of the first piece the viewer has already (a cut inside it)
         if opening:
             latent_frames = [video[:, :, :1]]
         else:
@@ -631,7 +634,7 @@ class Runner:
             if device_session.redo is not None:
                 # Made again from the middle: the old block's first latent frames were sent; decoding them again
                 # gives the decoder the context the viewer saw (their frames are not sent twice).
-                old, first = device_session.redo
+                old, first, shown = device_session.redo
                 for index in range(first):
                     again = self.decoder.decode_chunk(old[:, :, index:index + 1], device_session.decode_state)
                     offset += again.shape[2]
@@ -653,6 +656,9 @@ class Runner:
                     commit()  # timed with the second piece: in its block time, in no chunk's denoise or decode
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
+            if position == 0 and shown:
+                # Decoded whole (the decoder's context is the new frames'), sent from the cut on.
+                frames, offset = frames[shown:], offset + shown
             input_frame, offset = shown_input(offset), offset + frames.shape[0]
             last = position == len(latent_frames) - 1
             pending.last = last
@@ -667,7 +673,7 @@ class Runner:
                 opening_frame=opening,
                 encoder_state_bytes=device_session.encoder_state_bytes(),
                 last_piece=last and not opening,
-                first_of_block=position == 0 and (opening or first == 0),
+                first_of_block=position == 0 and (opening or first == shown == 0),
                 shows_controls=position == 0 and not rest_of_split,
                 input_frame=input_frame,
             )
@@ -714,7 +720,8 @@ class Runner:
         self.pipeline.history_changed()
         device_session.audio_samples_to_trim = oldest.audio_samples_to_trim
         device_session.audio_carry = oldest.audio_carry
-        device_session.redo = (oldest.clean_video, rewind.skip_latents) if rewind.skip_latents else None
+        device_session.redo = ((oldest.clean_video, rewind.skip_latents, rewind.skip_frames)
+                               if rewind.skip_latents or rewind.skip_frames else None)
 
     def _decode_audio(self, device_session: DeviceSession, clean) -> torch.Tensor:
         """The samples this block made decodable (float32, on the device), minus the part of the opening

@@ -95,6 +95,7 @@ class SessionRecord:
     cut_pending: bool = False  # the lead was cut for a restart or a prompt change the device has not been given yet
     rewind: Rewind | None = None  # with a prompt change's cut: the block the runner takes the session back to
     undo_floor: int = 0  # blocks before this one (content index) were made under an earlier prompt: never made again
+    content_start: int = 0  # the timeline frame the current content begins at: what is before it is never made again
     release_timer: asyncio.TimerHandle | None = None  # wakes the release of the lead's next piece
     marks: list[WaitingMark] = field(default_factory=list)  # controls not yet shown, oldest first
     control_latencies: deque[tuple[str, float]] = field(default_factory=lambda: deque(maxlen=RECENT_CONTROLS))

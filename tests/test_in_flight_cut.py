@@ -175,10 +175,12 @@ def test_a_prompt_change_supersedes_a_block_still_on_the_device():
             timing = _timing(scene.core, record)
             scene.core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
             scene.core._apply_controls()
-            # Cut inside the block in flight: a later piece of it is dropped, the block is to be made again.
+            # Cut inside the block in flight, at any frame after its first (a piece it falls inside is sent from
+            # the cut on when made again): the rest of it is dropped, the block is to be made again.
             assert record.deferred_cut is not None, timing
             at = record.deferred_cut.at
-            assert at in (13, 17) and record.rewind is not None and record.rewind.block == 1
+            assert 9 < at < 21 and record.rewind is not None and record.rewind.block == 1, timing
+            assert (record.rewind.skip_latents, record.rewind.skip_frames) == divmod(at - 9, 4)
             assert record.frames_in_flight == at - 9  # pacing counts only what will still arrive
             assert record.next_deadline() == record.playout.play_time(at)
             await scene.stream(9 + 12 + 12)
@@ -261,3 +263,36 @@ def test_a_reset_after_a_supersede_still_waiting_in_flight_starts_the_new_conten
     assert all(work.rewind is None for plan in plans[2:] for work in plan.work)  # the reset took the block made again's place
     made, _ = assert_streamed_what_was_made(chunks, plans, at, at + 9)
     assert next(work for work in made[2:] if work.shape[0]).shape[0] == 9  # the new content's first block
+
+
+def test_a_prompt_change_after_a_reset_never_takes_back_the_old_contents_blocks():
+    """A reset cut inside the block in flight and planned, the old block's pieces before the cut made and waiting in
+    the lead; then a prompt change that could reach them in time: they are not the current content's (the runner
+    keeps no record of them any more), so the change does not take them back; the session streams on."""
+    async def scenario():
+        async with block_in_flight(seed=9) as scene:
+            record, core, gate = scene.record, scene.core, scene.gate
+            core.submit(record.session_id, Reset())
+            core._apply_controls()
+            at = record.deferred_cut.at
+            assert 9 < at < 21
+            old_pieces = gate.submitted
+            assert await core.step()  # the reset is planned and dispatched behind block 1
+            assert not record.cut_pending and scene.plans[-1].work[0].reset
+            record.playout.anchor += 30  # the viewer far behind: every piece ahead could be made again in time
+            gate.allow(old_pieces)  # block 1's pieces arrive (the cut is made), the new content's stay on the device
+            deadline = time.monotonic() + 30
+            while record.deferred_cut is not None:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            assert record.playout.lead_start == 9 and record.playout.frames_made == at  # the old content's, ahead
+            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            core._apply_controls()
+            rewind = record.rewind
+            await scene.stream(at + 9 + 12)
+            return rewind, scene.chunks, record.error, record.is_open
+
+    rewind, chunks, error, still_open = run_async(scenario())
+    assert rewind is None  # (the new content's first block is not kept for taking back either)
+    assert error is None and still_open
+    assert [c.pts for c in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))

@@ -103,9 +103,9 @@ def test_a_cut_drops_the_lead_from_a_piece_on_and_keeps_audio_in_step():
     _block(playout, audio=6 * SPF, fill=0.5)  # the block's audio trails its 12 frames by 6 frames' worth
     playout.release(0.0, paced=True)  # frames 0-3 (clock starts): 4 frames of audio with them
     assert playout.audio_released == 4 * SPF
-    assert playout.cut_points() == [4, 8, 12]
+    assert [piece.pts for piece in playout.pieces] == [4, 8]
     with pytest.raises(ValueError):
-        playout.cut(6, block_start=0)  # a block made again starts at a piece: a latent frame's first frame
+        playout.cut(2, block_start=0)  # released: it cannot change any more
     assert playout.cut(8) == 4  # frames 8-11 dropped; 4-7 stay
     assert playout.frames_made == 8 and [p.pts for p in playout.pieces] == [4]
     # The new content's audio starts at the cut: the gap is silence, waiting for the next piece.
@@ -144,6 +144,33 @@ def test_a_restart_cuts_the_lead_at_any_frame_and_the_audio_follows():
     assert [c.audio_start for c in chunks if c.audio is not None][0] == 4 * SPF
     assert audio.shape[1] == (6 + 9) * SPF - 4 * SPF  # no gap, no overlap: the new audio starts at frame 6
     assert np.all(audio[0, : 2 * SPF] == 0.5) and np.all(audio[0, 2 * SPF:] == 1.0)
+
+
+def test_a_block_made_again_from_inside_a_piece_follows_the_frames_kept_and_its_audio_the_audio_kept():
+    """A prompt change's cut may fall inside a piece too: the frames before it stay, the block made again is sent
+    from the cut on (the runner trims its piece), and its audio, made again from the block's start, only after the
+    audio kept."""
+    playout = _playout()
+    _block(playout, audio=12 * SPF, fill=0.5)  # block 0, frames 0-11
+    _block(playout, audio=12 * SPF, fill=0.5, block=1)  # block 1, frames 12-23
+    playout.release(0.0, paced=True)  # frames 0-3 leave and start the clock
+    assert playout.cut(18, block_start=12) == 6  # frames 18-23 dropped; 12-17 stay (16-17 of the piece at 16)
+    assert [(p.pts, p.num_frames) for p in playout.pieces] == [(4, 4), (8, 4), (12, 4), (16, 2)]
+    # Block 1 made again from its second latent frame, that piece's first 2 frames not sent; the block's audio
+    # with its first piece sent.
+    for piece in (_piece(2, audio=12 * SPF, last=False, fill=1.0, block=1), _piece(4, last=True, block=1)):
+        piece.first_of_block = False
+        playout.add(piece)
+    assert [p.pts for p in playout.pieces][-2:] == [18, 20] and playout.frames_made == 24
+    assert all(p.block_start == 12 for p in list(playout.pieces)[-2:])  # the block made again
+    chunks = []
+    while playout.pieces:
+        chunks.append(playout.release(100.0, paced=True).piece)
+    audio = np.concatenate([c.audio for c in chunks if c.audio is not None], axis=1)
+    assert [c.audio_start for c in chunks if c.audio is not None][0] == 4 * SPF
+    assert audio.shape[1] == 24 * SPF - 4 * SPF  # contiguous to the block's end, no gap, no overlap
+    kept = 18 * SPF - 4 * SPF  # the old audio up to the cut
+    assert np.all(audio[0, :kept] == 0.5) and np.all(audio[0, kept:] == 1.0)
 
 
 def test_every_sample_of_a_blocks_audio_leaves_once_in_order_whatever_the_pieces():

@@ -2,8 +2,9 @@
 
 Compared with a session that changed its prompt before those blocks, on the same tiny real model (float32, CPU):
 the blocks made again are the same latents, bit for bit (same history, same noise), so is every block after them;
-the frames sent from the middle of a block are what decoding the viewer's actual sequence gives (the old block's
-first latent frames, then the new block's rest), and nothing is left held in the pools.
+the frames sent from the middle of a block (a latent frame's, or any frame's) are what decoding the viewer's actual
+sequence gives (the old block's first latent frames, then the new block's rest), and nothing is left held in the
+pools.
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ def _frames(runner, *work: SessionWork) -> list[np.ndarray]:
     return [output.frames for output in result.outputs]
 
 
-@pytest.mark.parametrize("blocks_back, skip_latents", [(1, 1), (1, 2), (2, 0)])
-def test_blocks_made_again_equal_a_session_that_changed_its_prompt_before_them(bundle, blocks_back, skip_latents):
-    _check_made_again(bundle, blocks_back, skip_latents)
+@pytest.mark.parametrize("blocks_back, skip_latents, skip_frames", [(1, 1, 0), (1, 2, 0), (2, 0, 0), (1, 1, 3),
+                                                                   (2, 0, 2)])
+def test_blocks_made_again_equal_a_session_that_changed_its_prompt_before_them(bundle, blocks_back, skip_latents,
+                                                                               skip_frames):
+    """``skip_frames``: the cut falls inside a piece, whose frames before it the viewer has (sent from the cut on)."""
+    _check_made_again(bundle, blocks_back, skip_latents, skip_frames)
 
 
 def test_with_blocks_of_two_a_block_taken_back_mid_block_equals_the_changed_session():
@@ -70,11 +74,11 @@ def test_on_the_gpu_blocks_made_again_equal_a_session_that_changed_its_prompt_be
     """The same on CUDA with the engine's fast paths (gathered history, fused kernels, CUDA graphs): the history
     taken back must not be read from a stale gathered context or a graph's buffer."""
     cuda = build_small(device="cuda", sink_frames=1, window_frames=3, audio=False, cuda_graphs=True)[1]
-    for blocks_back, skip_latents in [(1, 1), (2, 0)]:
-        _check_made_again(cuda, blocks_back, skip_latents)
+    for blocks_back, skip_latents, skip_frames in [(1, 1, 0), (2, 0, 0), (1, 1, 2)]:
+        _check_made_again(cuda, blocks_back, skip_latents, skip_frames)
 
 
-def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
+def _check_made_again(bundle, blocks_back: int, skip_latents: int, skip_frames: int = 0) -> None:
     opening = OpenSession(seed=11, prompt="a red circle bouncing", negative_prompt="")
     change = PromptUpdate("a yellow square drifting", "", "soft")
     made = 5  # blocks 0-4 under the old prompt, then blocks from `target` on are taken back
@@ -86,7 +90,7 @@ def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
     for _ in range(made):
         old_frames += _frames(superseding, SessionWork("s", run=True))
     old_latents = list(latents)
-    rewind = Rewind(target, skip_latents)
+    rewind = Rewind(target, skip_latents, skip_frames)
     again = _frames(superseding, SessionWork("s", prompt=change, run=True, rewind=rewind))
     again += _frames(superseding, SessionWork("s", run=True))
     superseding.pipeline.denoise_block = type(superseding.pipeline).denoise_block.__get__(superseding.pipeline)
@@ -113,7 +117,7 @@ def _check_made_again(bundle, blocks_back: int, skip_latents: int) -> None:
     viewer = decoder.to_uint8_tensor(decoder.decode_chunk(decoder.denormalize(torch.cat(sequence, dim=2)), state))
     sent_again = np.concatenate(again)
     per_block = bundle.pipeline.frames_per_block
-    assert sent_again.shape[0] == 4 * (per_block - skip_latents) + 4 * per_block
+    assert sent_again.shape[0] == 4 * (per_block - skip_latents) - skip_frames + 4 * per_block
     np.testing.assert_array_equal(sent_again, viewer.cpu().numpy()[-sent_again.shape[0]:])
     # Nothing is left held: closing returns the pool whole.
     superseding.release("s", "test")
