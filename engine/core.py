@@ -353,7 +353,7 @@ class EngineCore:
 
     def _supersede(self, record: SessionRecord, now: float, policy: str) -> None:
         """A soft or recache prompt change replaces what was made or dispatched ahead: the media is cut at the first
-        of its pieces that can be made again before it plays, and the runner takes the session back to that piece's
+        of its frames that can be made again before it plays, and the runner takes the session back to that frame's
         block and makes it again under the new prompt (``engine/undo.py``) — also a block still on the device
         (its output is dropped from the cut on). Only blocks made since the session's last restart or prompt
         change, and within the runner's last ``undo_blocks``; otherwise the change simply comes with the next
