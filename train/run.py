@@ -70,6 +70,7 @@ SAMPLE_PROMPTS = (
     "a white square drifting on a black background",
     "a yellow triangle drifting on a black background",
     "a yellow circle orbiting on a blue background",
+    "a white square orbiting on a black background",  # doubled after long-rollout rounds (TINY_MODEL.md)
     "a white square still on a black background",
 )
 
