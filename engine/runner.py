@@ -626,7 +626,7 @@ class Runner:
             commit()
         timer.denoised()
         offset = 0  # the next piece's first frame within its block's frames
-        shown = 0  # frames of the first piece the viewer has already (a cut inside it)
+        sent_before_cut = 0  # frames of the first piece the viewer has already (a cut inside it)
         if opening:
             latent_frames = [video[:, :, :1]]
         else:
@@ -634,7 +634,7 @@ class Runner:
             if device_session.redo is not None:
                 # Made again from the middle: the old block's first latent frames were sent; decoding them again
                 # gives the decoder the context the viewer saw (their frames are not sent twice).
-                old, first, shown = device_session.redo
+                old, first, sent_before_cut = device_session.redo
                 for index in range(first):
                     again = self.decoder.decode_chunk(old[:, :, index:index + 1], device_session.decode_state)
                     offset += again.shape[2]
@@ -656,9 +656,9 @@ class Runner:
                     commit()  # timed with the second piece: in its block time, in no chunk's denoise or decode
                 pending.timer.denoised()
             frames = self.decoder.to_uint8_tensor(self.decoder.decode_chunk(latent, device_session.decode_state))
-            if position == 0 and shown:
+            if position == 0 and sent_before_cut:
                 # Decoded whole (the decoder's context is the new frames'), sent from the cut on.
-                frames, offset = frames[shown:], offset + shown
+                frames, offset = frames[sent_before_cut:], offset + sent_before_cut
             input_frame, offset = shown_input(offset), offset + frames.shape[0]
             last = position == len(latent_frames) - 1
             pending.last = last
@@ -673,7 +673,7 @@ class Runner:
                 opening_frame=opening,
                 encoder_state_bytes=device_session.encoder_state_bytes(),
                 last_piece=last and not opening,
-                first_of_block=position == 0 and (opening or first == shown == 0),
+                first_of_block=position == 0 and (opening or first == sent_before_cut == 0),
                 shows_controls=position == 0 and not rest_of_split,
                 input_frame=input_frame,
             )
