@@ -123,6 +123,12 @@ class EngineConfig(BaseModel):
                     "viewer is) instead of waiting behind it; None: on where a session's decoder state is small "
                     "(<= 256 MiB: the tiny codec, TAEHV), off for the Wan VAE, whose state per kept block is 1.8 GiB",
     )
+    supersede_reserve: bool = Field(
+        default=True,
+        description="where prompt changes supersede the lead, a paced session keeps one block's device time more lead "
+                    "than just in time needs, so a block can be made again whenever a change comes, also where a "
+                    "block takes most of its playback (the standard config; docs/ENGINE.md); False: just in time",
+    )
     cut_on_reset: bool = Field(
         default=True,
         description="a reset drops the media made ahead of the viewer and shows at once (False: after what was made)",

@@ -479,7 +479,19 @@ class EngineCore:
         they play."""
         others = sum(self.cost_of(r) for r in self._open_records()
                      if r is not record and r.pace and r.state is SessionState.ACTIVE)
-        return self._first_piece_cost(record) + others + record.playout.margin_s
+        return self._first_piece_cost(record) + others + record.playout.margin_s + self._supersede_reserve(record)
+
+    def _supersede_reserve(self, record: SessionRecord) -> float:
+        """The lead a prompt change needs to supersede whenever it comes: one block's device time. A block made again
+        costs a whole block before the block after it can start, so that block's first piece is in time only if the
+        media ahead covers both (``_supersede``'s second rule). Just in time, the media ahead runs from the next
+        block's first piece plus the margin at its dispatch to that plus a block's playback less its cost: where a
+        block takes most of its playback (the standard config, ~0.53 of 0.75 s) that never covers a second block,
+        and a change waited for the next block boundary instead: half a block's playback on average. A live-input
+        session's blocks wait for their camera frames, not for a lead."""
+        if not self.config.supersede_reserve or not self.undo_blocks or record.live is not None:
+            return 0.0
+        return self.cost_of(record)
 
     # --- the tick -------------------------------------------------------------------------------
     async def step(self) -> bool:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
+import pytest
 
 from engine.controls import Reset, SetPrompt
 from engine.plan import StepPlan
@@ -74,10 +75,10 @@ class Scene:
 
 
 @contextlib.asynccontextmanager
-async def block_in_flight(seed: int):
+async def block_in_flight(seed: int, **config):
     """A :class:`Scene`; at the end its consumer stops and its completions are let through whatever happened."""
     gate = GatedCompletions()
-    async with stepped_core(small_config(**CONFIG), completions=gate) as core:
+    async with stepped_core(small_config(**{**CONFIG, **config}), completions=gate) as core:
         plans: list[StepPlan] = []
         dispatch = core.runner.dispatch
 
@@ -296,3 +297,38 @@ def test_a_prompt_change_after_a_reset_never_takes_back_the_old_contents_blocks(
     assert rewind is None  # (the new content's first block is not kept for taking back either)
     assert error is None and still_open
     assert [c.pts for c in chunks] == list(np.cumsum([0] + [c.frames.shape[0] for c in chunks[:-1]]))
+
+
+def test_a_session_made_just_in_time_keeps_the_lead_a_block_made_again_needs():
+    """Where a block takes most of its playback (here 4 s of 6, as the standard config's ~0.53 of 0.75 s on an H100),
+    a session made just in time never had enough ahead for a block to be made again (the rule above: the block
+    after it would be late), and every change waited for the next block to begin: half a block's playback on
+    average. Its lead now holds one block's device time more (``supersede_reserve``): dispatched at its lead target,
+    the block on the device is made again from the first frame the change can reach, the device's work, the
+    block's first piece and the margin from now."""
+    async def scenario(reserve: bool):
+        async with block_in_flight(seed=10, supersede_reserve=reserve) as scene:
+            record, core = scene.record, scene.core
+            record.cost, record.first_piece_cost = RunningCost(), RunningCost()
+            record.cost.observe(4.0)
+            record.first_piece_cost.observe(3.0)
+            now = time.monotonic()
+            core._device_free_at = now + 4.0  # block 1 was just dispatched: the device has all of it still to do
+            lead = core.lead_target(record)
+            playout = record.playout
+            playout.anchor = now + lead - 9 / playout.fps  # it was due: block 0's end plays a lead target from now
+            core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
+            core._apply_controls()
+            rewind = record.rewind  # block 1 starts at frame 9: the cut is where its frames made again are sent from
+            at = None if rewind is None else 9 + 4 * rewind.skip_latents + rewind.skip_frames
+            return lead, rewind, None if at is None else (at, playout.play_time(at) - now)
+
+    lead, rewind, cut = run_async(scenario(True))
+    assert lead == pytest.approx(3.0 + 5.0 + 4.0)  # first piece + margin + one block
+    assert rewind is not None and rewind.block == 1
+    at, plays_in = cut
+    assert at == 9 and plays_in == pytest.approx(4.0 + 3.0 + 5.0, abs=0.1)  # the device's work + first piece + margin
+
+    lead, rewind, cut = run_async(scenario(False))
+    assert lead == pytest.approx(3.0 + 5.0)
+    assert rewind is None and cut is None  # just in time: the change waits for the block after the one on the device

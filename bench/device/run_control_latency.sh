@@ -14,7 +14,8 @@
 #    FAST_LIVE="3 1" (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame
 #    (random weights: no marker to read), once per block length listed;
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16; STANDARD_SUPERSEDE=1: with supersede on
-#    (off by default for its 1.8 GiB decoder state per block kept);
+#    (off by default for its 1.8 GiB decoder state per block kept); STANDARD_REF=1: first the same with
+#    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false (just in time, the lead as before the twentieth session);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
 # SPREAD=S: each interval between changes longer by a seeded draw in [0, S) s (a block's playback, 0.75 s, samples
 # every phase of the block; 3 s alone is 4 blocks and times the same phase each time).
@@ -71,6 +72,11 @@ for blocks in ${FAST_LIVE:-}; do
 done
 if [ "${STANDARD:-1}" = 1 ]; then
   [ "${STANDARD_SUPERSEDE:-0}" = 1 ] && export ARSTREAM_ENGINE__SUPERSEDE=true
+  if [ "${STANDARD_REF:-0}" = 1 ]; then  # the reference first: just in time, no lead kept for a block made again
+    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false bench standard_prompt_just_in_time \
+      "$(( $(left) / 2 - 30 < ${STANDARD_S:-170} ? $(left) / 2 - 30 : ${STANDARD_S:-170} ))" \
+      --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
+  fi
   bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
     --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
 fi
