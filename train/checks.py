@@ -52,7 +52,8 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
     as on a fresh stream, so the first decoded chunk is an opening chunk; read the ones after it).
     """
     pipeline = bundle.pipeline
-    manager = KVCacheManager(pipeline.kv_spec(), 1, "cpu")
+    device = next(pipeline.transformer.parameters()).device
+    manager = KVCacheManager(pipeline.kv_spec(), 1, device.type if device.index is None else str(device))
     kv = manager.open_session("check")
     progress = pipeline.new_progress(seed, prompt, "")
     decode_state = bundle.decoder.new_state("check")
@@ -72,7 +73,7 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
                 pcm = bundle.audio_decoder.decode_block(clean.audio, audio_state)
                 cut = min(trim, pcm.shape[1])
                 trim -= cut
-                out.audio.append(pcm[:, cut:].float().numpy())
+                out.audio.append(pcm[:, cut:].float().cpu().numpy())
             if index % keep_every == 0 or index == chunks - 1:
                 out.frames.append(frames)
     finally:

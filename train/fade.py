@@ -1,7 +1,7 @@
 """How long a fast object lasts: its area in each stretch of a session, as a share of its opening area.
 
     python -m train.fade [--weights DIR] [--seconds 30] [--seeds 0,1,2,3] [--prompts "a red circle bouncing ..."]
-                         [--sheet PNG]
+                         [--sheet PNG] [--device cuda]
 
 A session of each prompt and seed through the engine's own model path (train.checks.stream, the served block
 length), every frame read back with world.measure. Per window: the median of the frames' object area over the
@@ -86,12 +86,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2,3")
     parser.add_argument("--prompts", default="|".join(PROMPTS), help="prompts separated by |")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="where the model runs (cuda: the issue's device-length checks)")
     parser.add_argument("--sheet", type=Path, help="save the first session's frames at 1 s and every 10 s here (PNG)")
     args = parser.parse_args(argv)
     if args.seconds <= 2 or args.seconds > 3600:
         parser.error("--seconds must be in (2, 3600]")
     torch.set_num_threads(args.threads)
-    bundle = checks.build()
+    bundle = checks.build(device=args.device)
     if args.weights is not None:
         loaded = overlay(bundle, args.weights)
         if not loaded:
