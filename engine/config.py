@@ -121,7 +121,8 @@ class EngineConfig(BaseModel):
         default=None,
         description="a soft or recache prompt change replaces media made ahead (the block made again from where the "
                     "viewer is) instead of waiting behind it; None: on where a session's decoder state is small "
-                    "(<= 256 MiB: the tiny codec, TAEHV), off for the Wan VAE, whose state per kept block is 1.8 GiB",
+                    "(<= 256 MiB: the tiny codec, TAEHV) or its kept copies fit an eighth of the GPU's memory (the Wan "
+                    "VAE's 1.8 GiB per kept block on an 80 or 141 GB card, not in a 24 GiB mode)",
     )
     supersede_reserve: bool = Field(
         default=True,

@@ -70,17 +70,32 @@ def indexed_cuda_device(name: str) -> torch.device:
 
 
 SUPERSEDE_MAX_STATE_BYTES = 256 * 2**20  # decoder state per session below which supersede is on by default
+SUPERSEDE_MAX_DEVICE_SHARE = 1 / 8  # or where a session's kept copies take at most this share of the device's memory
 
 
-def supersede_blocks(config: EngineConfig, decoder_state_bytes: int) -> int:
+def supersede_blocks(config: EngineConfig, decoder_state_bytes: int, device_bytes: int | None = None) -> int:
     """How many of a session's last blocks can be taken back (0: supersede off). The blocks a lead may hold
-    besides the one being sent, and those in flight; never in stepwise mode (a block spans ticks)."""
+    besides the one being sent, and those in flight; never in stepwise mode (a block spans ticks).
+
+    ``supersede`` unset: on where the decoders' state is small (the tiny codec, TAEHV), or where a session's
+    state and its kept copies take at most an eighth of ``device_bytes`` (the memory the engine may use on its
+    GPU): the Wan VAE's 1.8 GiB at 832x480, four copies, on an 80 or 141 GB card, not in a 24 GiB mode."""
+    blocks = config.resolved_blocks_in_flight + 1
     enabled = config.supersede
     if enabled is None:
-        enabled = decoder_state_bytes <= SUPERSEDE_MAX_STATE_BYTES
+        enabled = decoder_state_bytes <= SUPERSEDE_MAX_STATE_BYTES or (
+            device_bytes is not None and decoder_state_bytes * (1 + blocks) <= device_bytes * SUPERSEDE_MAX_DEVICE_SHARE)
     if not enabled or config.step_mode == "stepwise":
         return 0
-    return config.resolved_blocks_in_flight + 1
+    return blocks
+
+
+def _device_bytes(config: EngineConfig) -> int | None:
+    """The memory the engine may use on its GPU (``gpu_memory_gib``'s cap, else the card's); None on the CPU."""
+    if torch.device(config.device).type != "cuda":
+        return None
+    limit = allocator_limit_bytes(config)
+    return limit if limit is not None else torch.cuda.get_device_properties(indexed_cuda_device(config.device)).total_memory
 
 
 def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> BuiltEngine:
@@ -101,7 +116,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
         decoder_bytes += bundle.audio_decoder.declared_state_bytes()
     # Supersede (engine/undo.py): each of a session's last undo_blocks blocks keeps a copy of the decoders' state
     # and the window frames its commit evicted.
-    undo_blocks = supersede_blocks(config, decoder_bytes)
+    undo_blocks = supersede_blocks(config, decoder_bytes, _device_bytes(config))
     spec = dataclasses.replace(spec, held_frames=undo_blocks * spec.frames_per_block)
     decoder_bytes *= 1 + undo_blocks
     if bundle.encoder is not None:  # any session may turn live input on: its encoder state is reserved

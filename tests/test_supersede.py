@@ -18,7 +18,7 @@ import torch
 from engine.kv_cache import KVCacheManager
 from engine.plan import OpenSession, PromptUpdate, Rewind, SessionWork, StepPlan
 from engine.runner import runner_for
-from tests.engine_helpers import build_small
+from tests.engine_helpers import build_small, small_config
 
 UNDO_BLOCKS = 3
 
@@ -201,3 +201,17 @@ def test_a_paced_session_supersedes_with_the_first_block_split_and_streams_on(bu
     # At least one change took media back. (Whether a block made again is ready before it is due depends on the
     # machine's speed: stalls are the benchmark's to count, bench/control_to_screen.py, not a test's.)
     assert record.epoch >= 1, status.realtime
+
+
+def test_supersede_is_on_by_default_where_the_kept_decoder_states_are_small_or_fit_an_eighth_of_the_gpu():
+    from engine.startup import supersede_blocks
+
+    gib = 2**30
+    wan_state = int(1.8 * gib)  # the Wan VAE's streaming state at 832x480
+    cuda = small_config(blocks_in_flight=2)  # as on CUDA: two blocks in flight, three blocks kept
+    assert supersede_blocks(small_config(), 3 * 2**20) == 2  # the tiny codec on the CPU
+    assert supersede_blocks(cuda, wan_state, 141 * gib) == 3  # an H200
+    assert supersede_blocks(cuda, wan_state, 80 * gib) == 3  # an H100
+    assert supersede_blocks(cuda, wan_state, 24 * gib) == 0  # the 24 GiB mode: 7.2 GiB of kept states is too much
+    assert supersede_blocks(small_config(blocks_in_flight=2, supersede=False), 3 * 2**20, 141 * gib) == 0
+    assert supersede_blocks(small_config(blocks_in_flight=2, supersede=True), wan_state, 24 * gib) == 3

@@ -13,8 +13,8 @@
 #    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
 #    FAST_LIVE="3 1" (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame
 #    (random weights: no marker to read), once per block length listed;
-# 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16; STANDARD_SUPERSEDE=1: with supersede on
-#    (off by default for its 1.8 GiB decoder state per block kept); STANDARD_REF=1: first the same with
+# 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16 (supersede on by default on an 80 GB card or
+#    larger since the twentieth session; STANDARD_SUPERSEDE=1 sets it on anyway); STANDARD_REF=1: first the same with
 #    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false (just in time, the lead as before the twentieth session);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
 # SPREAD=S: each interval between changes longer by a seeded draw in [0, S) s (a block's playback, 0.75 s, samples
