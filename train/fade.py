@@ -1,7 +1,7 @@
 """How long a fast object lasts: its area in each stretch of a session, as a share of its opening area.
 
     python -m train.fade [--weights DIR] [--seconds 30] [--seeds 0,1,2,3] [--prompts "a red circle bouncing ..."]
-                         [--sheet PNG] [--device cuda]
+                         [--sheet PNG] [--device cuda] [--window-s 30]
 
 A session of each prompt and seed through the engine's own model path (train.checks.stream, the served block
 length), every frame read back with world.measure. Per window: the median of the frames' object area over the
@@ -48,7 +48,15 @@ def overlay(bundle, directory: Path) -> list[str]:
     return loaded
 
 
-def session_report(bundle, prompt: str, seed: int, seconds: float, sheet: Path | None = None) -> dict:
+def windows_of(seconds: float, window_s: float | None) -> tuple[float, ...]:
+    """The stretches' edges: ``WINDOWS_S`` (short ones first, where a fade begins), or every ``window_s`` seconds."""
+    if window_s is None:
+        return WINDOWS_S
+    return tuple(window_s * k for k in range(int(np.ceil(seconds / window_s)) + 1))
+
+
+def session_report(bundle, prompt: str, seed: int, seconds: float, sheet: Path | None = None,
+                   window_s: float | None = None) -> dict:
     scene = parse_caption(prompt)
     frames = checks.stream(bundle, prompt, seed, checks.chunks_for(bundle, int(seconds * 16) + 1)).video
     if sheet is not None:
@@ -58,11 +66,12 @@ def session_report(bundle, prompt: str, seed: int, seconds: float, sheet: Path |
     coloured = np.array([measure.colour_name(r) == scene.colour for r in readings])
     opening = float(np.median(areas[1:33])) or 1.0
     windows = {}
-    for start, end in zip(WINDOWS_S, WINDOWS_S[1:]):
+    edges = windows_of(seconds, window_s)
+    for start, end in zip(edges, edges[1:]):
         if start >= seconds:
             break
-        part = slice(start * 16, min(end * 16, int(seconds * 16), len(frames)))
-        windows[f"{start}-{min(end, seconds):g}s"] = {"area_pct": round(100 * float(np.median(areas[part])) / opening),
+        part = slice(int(start * 16), min(int(end * 16), int(seconds * 16), len(frames)))
+        windows[f"{start:g}-{min(end, seconds):g}s"] = {"area_pct": round(100 * float(np.median(areas[part])) / opening),
                                       "colour": round(float(coloured[part].mean()), 2)}
     return {"prompt": prompt, "seed": seed, "opening_px": opening, "windows": windows}
 
@@ -86,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seeds", default="0,1,2,3")
     parser.add_argument("--prompts", default="|".join(PROMPTS), help="prompts separated by |")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--window-s", type=float, help="stretches of this many seconds (the issue's 30) instead of the "
+                        "short-then-long default")
     parser.add_argument("--device", default="cpu", help="where the model runs (cuda: the issue's device-length checks)")
     parser.add_argument("--sheet", type=Path, help="save the first session's frames at 1 s and every 10 s here (PNG)")
     args = parser.parse_args(argv)
@@ -101,7 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     reports = []
     for prompt in filter(None, args.prompts.split("|")):
         for seed in (int(s) for s in args.seeds.split(",")):
-            report = session_report(bundle, prompt, seed, args.seconds, args.sheet if not reports else None)
+            report = session_report(bundle, prompt, seed, args.seconds, args.sheet if not reports else None,
+                                    args.window_s)
             print(json.dumps(report), flush=True)
             reports.append(report)
     names = list(reports[0]["windows"])
