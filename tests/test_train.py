@@ -138,7 +138,8 @@ def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_s
     assert run.main([
         "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
         "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
-        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,long_s=60,dit_lr=2e-4,data_clips=2,max_steps=4,cont_mix=0.5",
+        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,long_s=60,dit_lr=2e-4,data_clips=2,max_steps=4,cont_mix=0.5,"
+        "long_hold_kind=cont",  # the long stage held by continuation steps
     ]) == 0
     stages = json.loads((ckpt / "state.json").read_text())["stages"]
     assert stages["cont3"] == {"done": True, "steps": 4}

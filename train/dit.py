@@ -427,10 +427,6 @@ class DiTTrainer:
         (a picture) whatever ``n`` would have been drawn.
         """
         step = rollouts = 0
-        data = sampler.data
-        length = data.video.shape[2]
-        per = data.audio.shape[2] // length
-        plain = np.nonzero(data.switch.cpu().numpy() < 0)[0]
         while not clock.expired(step):
             if rng.random() < rollout_share:
                 losses, generated = self._rollout_losses(sampler, batch, rng)
@@ -440,29 +436,39 @@ class DiTTrainer:
                 if rollouts % 25 == 0 or rollouts == 1:
                     self._log(log, name + "r", step, losses, generated=float(generated))
                 continue
-            own = int(rng.random() < own_share)
-            n = int(rng.integers(1, min(max_context, length - BLOCK * (1 + own)) + 1))
-            if picture_share > 0 and rng.random() < picture_share:
-                n = 1
-            picks = rng.choice(plain, size=batch)
-            rows = torch.as_tensor(picks, device=data.video.device)
-            video = data.video.index_select(0, rows)
-            audio = data.audio.index_select(0, rows)
-            footprint = data.objects.index_select(0, rows)
-            kv = self.cross_kv([data.token_ids[r] for r in picks])
-            history = BlockLatents(video[:, :, :n], torch.zeros_like(audio[:, :, : n * per]))
-            if own:
-                like = BlockLatents(video[:, :, n : n + BLOCK], audio[:, :, n * per : (n + BLOCK) * per])
-                history = cat_frames(history, self.generate_block(history, like, kv.detach()))
-            start = n + own * BLOCK
-            target = BlockLatents(video[:, :, start : start + BLOCK], audio[:, :, start * per : (start + BLOCK) * per])
-            x0 = self.learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
-            losses = continuation_losses(x0, target, footprint[:, start : start + BLOCK])
+            losses, (n, own) = self.continuation_losses(sampler, batch, rng, max_context, own_share, picture_share)
             self.update(losses["loss"])
             step += 1
             if (step - rollouts) % 75 == 0 or step - rollouts == 1:
                 self._log(log, name, step, losses, context=float(n), own=float(own))
         return step
+
+    def continuation_losses(self, sampler: Sampler, batch: int, rng: np.random.Generator, max_context: int = 6,
+                            own_share: float = 0.3, picture_share: float = 0.0) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+        """One continuation sample's losses (D, see :meth:`continuation`) and its context (latent frames, own
+        block or not): also mixed into the long-rollout stage to hold the seam at a continued clip."""
+        data = sampler.data
+        length = data.video.shape[2]
+        per = data.audio.shape[2] // length
+        plain = np.nonzero(data.switch.cpu().numpy() < 0)[0]
+        own = int(rng.random() < own_share)
+        n = int(rng.integers(1, min(max_context, length - BLOCK * (1 + own)) + 1))
+        if picture_share > 0 and rng.random() < picture_share:
+            n = 1
+        picks = rng.choice(plain, size=batch)
+        rows = torch.as_tensor(picks, device=data.video.device)
+        video = data.video.index_select(0, rows)
+        audio = data.audio.index_select(0, rows)
+        footprint = data.objects.index_select(0, rows)
+        kv = self.cross_kv([data.token_ids[r] for r in picks])
+        history = BlockLatents(video[:, :, :n], torch.zeros_like(audio[:, :, : n * per]))
+        if own:
+            like = BlockLatents(video[:, :, n : n + BLOCK], audio[:, :, n * per : (n + BLOCK) * per])
+            history = cat_frames(history, self.generate_block(history, like, kv.detach()))
+        start = n + own * BLOCK
+        target = BlockLatents(video[:, :, start : start + BLOCK], audio[:, :, start * per : (start + BLOCK) * per])
+        x0 = self.learned_block(history, target, kv, int(rng.integers(len(ENGINE_SIGMAS))))
+        return continuation_losses(x0, target, footprint[:, start : start + BLOCK]), (n, own)
 
 
 @torch.no_grad()

@@ -53,13 +53,13 @@ FULL = {
     "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
     "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0,
-    "long_s": 0, "long_blocks": 24, "long_block": 2, "long_from": 3, "long_share": 0.5, "long_hold": 0.0, "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
+    "long_s": 0, "long_blocks": 24, "long_block": 2, "long_from": 3, "long_share": 0.5, "long_hold": 0.0, "long_hold_kind": "fewstep", "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
     "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5,
-    "long_s": 60, "long_blocks": 4, "long_block": 2, "long_from": 1, "long_share": 1.0, "long_hold": 0.5, "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
+    "long_s": 60, "long_blocks": 4, "long_block": 2, "long_from": 1, "long_share": 1.0, "long_hold": 0.5, "long_hold_kind": "fewstep", "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
 }
 STATE_FILES = {"audio": "state.audio.json"}
 SAVE_EVERY_S = 45.0
@@ -95,7 +95,12 @@ def main(argv: list[str] | None = None) -> int:
         key, value = item.split("=")
         if key not in cfg:
             parser.error(f"unknown plan value {key!r}; known: {sorted(cfg)}")
-        cfg[key] = type(cfg[key] if cfg[key] is not None else 0)(float(value)) if key != "max_steps" else int(value)
+        if isinstance(cfg[key], str):
+            cfg[key] = value
+        else:
+            cfg[key] = type(cfg[key] if cfg[key] is not None else 0)(float(value)) if key != "max_steps" else int(value)
+    if cfg["long_hold_kind"] not in ("fewstep", "cont"):
+        parser.error("long_hold_kind is fewstep or cont")
     device = torch.device(args.device)
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -227,11 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     if long in seconds and seconds[long] > 0:  # none by default: rollouts past the window, learned against the world
         from train.long_rollout import LongRollout, WorldTargets
 
+        if cfg["long_hold_kind"] == "cont":  # whole-clip continuation steps (D): hold the seam at a continued clip
+            def hold():
+                return trainer.continuation_losses(sampler, batch, rng, cfg["cont_context"])
+        else:  # few-step steps (B): hold the first block's shapes
+            def hold():
+                return trainer.few_step_losses(sampler, batch, rng)
         stage = LongRollout(trainer, modules["text_encoder"], WorldTargets(codec, data.mean, data.std, device),
                             latent_size=(latent_h, latent_w), block=cfg["long_block"], rng=rng)
         n = stage.run(log, StageClock(seconds[long], steps()), batch, blocks=cfg["long_blocks"],
                       learn_from=cfg["long_from"], learn_share=cfg["long_share"], name=long,
-                      hold=lambda: trainer.few_step_losses(sampler, batch, rng), hold_share=cfg["long_hold"])
+                      hold=hold, hold_share=cfg["long_hold"])
         save_dit()
         ckpt.mark(long, steps=n)
 
