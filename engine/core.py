@@ -488,8 +488,12 @@ class EngineCore:
         block's first piece plus the margin at its dispatch to that plus a block's playback less its cost: where a
         block takes most of its playback (the standard config, ~0.53 of 0.75 s) that never covers a second block,
         and a change waited for the next block boundary instead: half a block's playback on average. A live-input
-        session's blocks wait for their camera frames, not for a lead."""
-        if not self.config.supersede_reserve or not self.undo_blocks or record.live is not None:
+        session's blocks wait for their camera frames, not for a lead. The reserve is made one block at a time: with a
+        block of the session still on the device, the next is due by its deadline alone, so a control never waits
+        behind a second block queued only to rebuild the reserve (on an H200 the standard config's resets were cut
+        0.82-0.86 s ahead with it queued, 0.57-0.76 without the reserve)."""
+        if (not self.config.supersede_reserve or not self.undo_blocks or record.live is not None
+                or record.works_in_flight):
             return 0.0
         return self.cost_of(record)
 

@@ -314,21 +314,44 @@ def test_a_session_made_just_in_time_keeps_the_lead_a_block_made_again_needs():
             record.first_piece_cost.observe(3.0)
             now = time.monotonic()
             core._device_free_at = now + 4.0  # block 1 was just dispatched: the device has all of it still to do
-            lead = core.lead_target(record)
+            # Its lead target when it was due (nothing of the session on the device then): the first piece and the
+            # margin, and, with the reserve, one block's device time. With block 1 on the device, the next block is
+            # due by its deadline alone (the reserve is made one block at a time).
+            due_at = 3.0 + 5.0 + (4.0 if reserve else 0.0)
+            with_one_on_the_device = core.lead_target(record)
             playout = record.playout
-            playout.anchor = now + lead - 9 / playout.fps  # it was due: block 0's end plays a lead target from now
+            playout.anchor = now + due_at - 9 / playout.fps  # block 0's end plays that far from now
             core.submit(record.session_id, SetPrompt("a blue square", None, "soft"))
             core._apply_controls()
             rewind = record.rewind  # block 1 starts at frame 9: the cut is where its frames made again are sent from
             at = None if rewind is None else 9 + 4 * rewind.skip_latents + rewind.skip_frames
-            return lead, rewind, None if at is None else (at, playout.play_time(at) - now)
+            return with_one_on_the_device, rewind, None if at is None else (at, playout.play_time(at) - now)
 
-    lead, rewind, cut = run_async(scenario(True))
-    assert lead == pytest.approx(3.0 + 5.0 + 4.0)  # first piece + margin + one block
+    with_one_on_the_device, rewind, cut = run_async(scenario(True))
+    assert with_one_on_the_device == pytest.approx(3.0 + 5.0)
     assert rewind is not None and rewind.block == 1
     at, plays_in = cut
     assert at == 9 and plays_in == pytest.approx(4.0 + 3.0 + 5.0, abs=0.1)  # the device's work + first piece + margin
 
-    lead, rewind, cut = run_async(scenario(False))
-    assert lead == pytest.approx(3.0 + 5.0)
+    _, rewind, cut = run_async(scenario(False))
     assert rewind is None and cut is None  # just in time: the change waits for the block after the one on the device
+
+
+def test_the_reserve_is_due_only_while_nothing_of_the_session_is_on_the_device():
+    """With nothing of the session on the device, its next block is due a block's device time earlier than just in
+    time needs (the reserve); with one on the device, by its deadline alone, so a second block is never queued only
+    to rebuild the reserve (a control would wait behind it)."""
+    async def scenario():
+        async with stepped_core(small_config(**CONFIG)) as core:
+            record = core.admit(seed=11, pace=True, negative_prompt="", prompt="a red circle", start_on_attach=False)
+            record.cost, record.first_piece_cost = RunningCost(), RunningCost()
+            record.cost.observe(4.0)
+            record.first_piece_cost.observe(3.0)
+            idle = core.lead_target(record)
+            record.works_in_flight = 1
+            busy = core.lead_target(record)
+            record.works_in_flight = 0
+            return idle, busy
+
+    idle, busy = run_async(scenario())
+    assert idle == pytest.approx(3.0 + 5.0 + 4.0) and busy == pytest.approx(3.0 + 5.0)
