@@ -133,11 +133,10 @@ def test_long_session_still_shows_the_prompted_object_after_2000_frames(sessions
     assert scores["object_present"] >= MIN_SHARE and scores["foreground_colour"] >= MIN_SHARE, scores
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="issue 30: on the shipped weights a fast object fades once the session runs "
-                                        "past ~10 s (its area 0 % of the opening's at 18 s); passes once retrained")
 def test_a_fast_bouncing_object_keeps_half_its_opening_area_past_the_window(sessions):
-    """The demo's "a red circle bouncing on a blue background", 285 frames (18 s, far past the attention window):
-    the object keeps at least half its opening area, in its colour, in the last chunk's frames."""
+    """The demo's "a red circle bouncing on a blue background", 645 frames (40 s, far past the attention window):
+    the object keeps at least half its opening area, in its colour, in the last chunk's frames (issue 30: the
+    weights shipped until session 20 had 0 px of it from 8-10 s on; docs/TINY_MODEL.md)."""
     scores = sessions["fast_object"]
     assert scores["late_area"] >= 0.5 * scores["opening_area"], scores
     assert scores["late_colour"] >= MIN_SHARE, scores
