@@ -52,8 +52,7 @@ def stream(bundle: ModelBundle, prompt: str, seed: int, chunks: int, *, switch: 
     as on a fresh stream, so the first decoded chunk is an opening chunk; read the ones after it).
     """
     pipeline = bundle.pipeline
-    device = next(pipeline.transformer.parameters()).device
-    manager = KVCacheManager(pipeline.kv_spec(), 1, device.type if device.index is None else str(device))
+    manager = KVCacheManager(pipeline.kv_spec(), 1, pipeline.transformer.device)
     kv = manager.open_session("check")
     progress = pipeline.new_progress(seed, prompt, "")
     decode_state = bundle.decoder.new_state("check")

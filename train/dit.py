@@ -133,11 +133,12 @@ class Sampler:
             raise ValueError(f"{frames} frames: must be a multiple of {BLOCK} within the clips' {data.video.shape[2]}")
         self.data, self.frames, self.rng = data, frames, rng
         self.length = data.video.shape[2]
+        self.plain = np.nonzero(data.switch.cpu().numpy() < 0)[0]  # the clips without a prompt switch
 
     def draw(self, batch: int, evicted_share: float = 0.3, switches: bool = True, objects: bool = False):
         """``(latents, token ids, per-block weights)``, and the ``[B, F, h, w]`` object footprints when ``objects``."""
         data, frames = self.data, self.frames
-        candidates = np.arange(len(data)) if switches else np.nonzero(data.switch.cpu().numpy() < 0)[0]
+        candidates = np.arange(len(data)) if switches else self.plain
         rows = self.rng.choice(candidates, size=batch)
         videos, audios, weights, footprints = [], [], [], []
         per = data.audio.shape[2] // self.length
@@ -436,26 +437,25 @@ class DiTTrainer:
                 if rollouts % 25 == 0 or rollouts == 1:
                     self._log(log, name + "r", step, losses, generated=float(generated))
                 continue
-            losses, (n, own) = self.continuation_losses(sampler, batch, rng, max_context, own_share, picture_share)
+            losses, (n, own) = self.continuation_step_losses(sampler, batch, rng, max_context, own_share, picture_share)
             self.update(losses["loss"])
             step += 1
             if (step - rollouts) % 75 == 0 or step - rollouts == 1:
                 self._log(log, name, step, losses, context=float(n), own=float(own))
         return step
 
-    def continuation_losses(self, sampler: Sampler, batch: int, rng: np.random.Generator, max_context: int = 6,
-                            own_share: float = 0.3, picture_share: float = 0.0) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
+    def continuation_step_losses(self, sampler: Sampler, batch: int, rng: np.random.Generator, max_context: int = 6,
+                                 own_share: float = 0.3, picture_share: float = 0.0) -> tuple[dict[str, torch.Tensor], tuple[int, int]]:
         """One continuation sample's losses (D, see :meth:`continuation`) and its context (latent frames, own
         block or not): also mixed into the long-rollout stage to hold the seam at a continued clip."""
         data = sampler.data
         length = data.video.shape[2]
         per = data.audio.shape[2] // length
-        plain = np.nonzero(data.switch.cpu().numpy() < 0)[0]
         own = int(rng.random() < own_share)
         n = int(rng.integers(1, min(max_context, length - BLOCK * (1 + own)) + 1))
         if picture_share > 0 and rng.random() < picture_share:
             n = 1
-        picks = rng.choice(plain, size=batch)
+        picks = rng.choice(sampler.plain, size=batch)
         rows = torch.as_tensor(picks, device=data.video.device)
         video = data.video.index_select(0, rows)
         audio = data.audio.index_select(0, rows)

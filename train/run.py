@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if cfg["long_hold_kind"] == "cont":  # whole-clip continuation steps (D): hold the seam at a continued clip
             def hold():
-                return trainer.continuation_losses(sampler, batch, rng, cfg["cont_context"])
+                return trainer.continuation_step_losses(sampler, batch, rng, cfg["cont_context"])
         else:  # few-step steps (B): hold the first block's shapes
             def hold():
                 return trainer.few_step_losses(sampler, batch, rng)
