@@ -307,12 +307,22 @@ class StreamRelay:
 
     async def _downstream(self) -> tuple[bool, int | None, str]:
         """Worker → client. Returns (the worker ended it, its close code, reason)."""
+        held: str | None = None  # a chunk message waits for its segment: a worker that dies between them sent neither
         try:
             async for message in self.upstream:
                 if isinstance(message, str):
                     self._watch(message)
-                    await self.client.send_text(message)
+                    if held is not None:  # (never from a worker that keeps the protocol: a chunk has its segment)
+                        await self.client.send_text(held)
+                        held = None
+                    if _is_chunk(message):
+                        held = message
+                    else:
+                        await self.client.send_text(message)
                 else:
+                    if held is not None:
+                        await self.client.send_text(held)
+                        held = None
                     await self.client.send_bytes(message)
                     self._on_bytes(len(message))
         except ConnectionClosed:
@@ -357,3 +367,13 @@ class StreamRelay:
     async def _close_upstream(self) -> None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(self.upstream.close(CLOSE_NORMAL), FAREWELL_TIMEOUT_S)
+
+
+def _is_chunk(text: str) -> bool:
+    """A worker's ``chunk`` message (the segment follows it as a binary frame)."""
+    if '"chunk"' not in text:
+        return False
+    with contextlib.suppress(ValueError):
+        payload = json.loads(text)
+        return isinstance(payload, dict) and payload.get("type") == "chunk"
+    return False
