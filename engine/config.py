@@ -134,6 +134,13 @@ class EngineConfig(BaseModel):
         default=True,
         description="a reset drops the media made ahead of the viewer and shows at once (False: after what was made)",
     )
+    stop_block_on_restart: bool = Field(
+        default=True,
+        description="a reset (or a prompt change with policy reset) stops its session's block being queued between two "
+                    "denoising forwards when the block's frames would be cut anyway and the media ahead covers the new "
+                    "content's first block: the new content no longer waits for the rest of that block. Its forwards "
+                    "are then queued at most one ahead of the GPU (docs/ENGINE.md)",
+    )
     split_first_block: bool | None = Field(
         default=None,
         description="send a session's first block as two chunks, its opening frame as soon as it is denoised "

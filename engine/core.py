@@ -110,6 +110,8 @@ class EngineCore:
         self._all_delivered = asyncio.Event()
         self._all_delivered.set()
         self._planned: dict[str, tuple[int, int]] = {}  # session -> (epoch, tick) of the plan being dispatched
+        self._current_plan: StepPlan | None = None  # the plan being dispatched, and its sessions' blocks a restart
+        self._stoppable: frozenset[str] = frozenset()  # may stop (a block alone, no controls: Runner.stop_block)
         self._device_free_at = 0.0  # monotonic: when the device is expected to finish what was dispatched
         self.scheduler = Scheduler(
             fps=config.fps,
@@ -256,8 +258,28 @@ class EngineCore:
         if projected.state is SessionState.CREATED and new_state is SessionState.ACTIVE:
             record.start_requested_at = time.monotonic()  # `start`, or the attach a deferred start waits for
         record.controls.append(control)
+        if isinstance(control, Reset) or (isinstance(control, SetPrompt) and control.policy == "reset"):
+            self._stop_block_for_restart(record)
         self.wake.set()
         return new_state
+
+    def _stop_block_for_restart(self, record: SessionRecord) -> None:
+        """A restart that comes while its session's block is being dispatched stops that block between two denoising
+        forwards (``Runner.stop_block``) instead of waiting for the rest of it, when nothing is lost: the block's
+        frames would be cut (they play after the new content can), and what is made and queued before it plays
+        until the new content's first frames can follow (two forwards left on the device, the other sessions'
+        work in this plan, the restart's own cost and the margin). Otherwise the restart waits for the block, as
+        a control always did."""
+        playout = record.playout
+        if (self._current_plan is None or record.session_id not in self._stoppable or not self.config.cut_on_reset
+                or not record.pace or not playout.clock_running or record.live is not None):
+            return
+        now = time.monotonic()
+        forward = self.cost_of(record) / max(1, self.runner.pipeline.num_steps)
+        others = max(0.0, self._backlog(now) - self.cost_of(record))
+        ready = now + others + 2 * forward + self._restart_cost(record) + playout.margin_s
+        if playout.play_time(playout.frames_made + record.frames_in_flight) >= ready:
+            self.runner.stop_block(record.session_id, self._current_plan)
 
     def attach(self, session_id: str, margin_s: float | None = None) -> None:
         """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
@@ -530,6 +552,9 @@ class EngineCore:
                        for work in plan.work)
         self._device_free_at = max(self._device_free_at, now) + expected
         self._dispatching = True
+        if self.runner.stoppable:
+            self._current_plan = plan
+            self._stoppable = frozenset(work.session_id for work in plan.work if work.run and not work.control_kinds)
         try:
             dispatch = await loop.run_in_executor(self._executor, self.runner.dispatch, plan, on_pending)
         except Exception as error:  # the runner itself broke: nothing can be trusted
@@ -537,7 +562,8 @@ class EngineCore:
             dispatch = Dispatch(fatal=f"runner crashed: {error!r}")
         finally:
             self._dispatching = False
-        if not self._outstanding:
+            self._current_plan, self._stoppable = None, frozenset()
+        if not self._outstanding or dispatch.device_idle:  # (a stopped block's last forwards are done)
             self._device_free_at = time.monotonic()
         self.ticks += 1
         self._dispatched(dispatch)
@@ -590,6 +616,8 @@ class EngineCore:
             except Exception as failure:  # an asynchronous device error surfaces here
                 output, cost, error = None, None, failure
             record = self.records.get(pending.session_id)
+            if pending.stopped:
+                log.info("block stopped for a restart", extra={"session_id": pending.session_id})
             if record is not None:
                 if pending.ran and pending.last:
                     record.works_in_flight -= 1
@@ -598,7 +626,7 @@ class EngineCore:
             try:
                 if error is not None:
                     raise error
-                current = piece is not None and not piece.dropped
+                current = piece is not None and not piece.dropped and not pending.stopped
                 # Work dropped by a cut is not part of any block the session streams: its device time does not
                 # inflate the session's cost per block (which paces its next blocks and the lead).
                 self._account(cost, record if current else None)

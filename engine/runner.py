@@ -23,6 +23,7 @@ then wait for each, one output per block), for warm-up and tests.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -73,6 +74,9 @@ class DeviceSession:
     # The live frames each recent block took (block index -> their numbers, and how many the block needed): its
     # pieces name the frame their first frame shows (a block made again keeps its input, and its entry).
     block_inputs: dict[int, tuple[tuple[int | None, ...], int]] = field(default_factory=dict)
+    # A restart asked for the block being queued to stop between two forwards (Runner.stop_block): its frames
+    # would be cut anyway, and the device is then free for the new content a block sooner.
+    stop_requested: bool = False
 
     def decoder_state_bytes(self) -> int:
         """Bytes its streaming decoder caches (video and audio) hold on the device now."""
@@ -169,6 +173,7 @@ class PendingWork:
     context_frames: int | None = None  # latent frames of a context the work started the content from
     first: bool = True  # the work's first piece (it carries the work's controls and reports)
     last: bool = True  # the work's last piece: once it is done, so is the work
+    stopped: bool = False  # its block was stopped before its frames (Runner.stop_block): no block was made
 
     @property
     def frames(self) -> int:
@@ -213,6 +218,7 @@ class Dispatch:
     pending: list[PendingWork] = field(default_factory=list)
     failures: list[SessionFailure] = field(default_factory=list)
     fatal: str | None = None
+    device_idle: bool = False  # its last work's block was stopped, and the device had done all queued before it
 
 
 def is_device_fatal(error: BaseException) -> bool:
@@ -239,6 +245,7 @@ class Runner:
         split_first_block: bool = False,
         encoder=None,
         undo_blocks: int = 0,
+        stoppable: bool = False,
     ) -> None:
         """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
         as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
@@ -247,7 +254,8 @@ class Runner:
         that makes nothing), so it is not.
         ``encoder``: the streaming video encoder of pictures and live input (``decoders``), None when the
         codec cannot encode. ``undo_blocks``: how many of a session's last blocks can be taken back and made again
-        (supersede, ``engine/undo.py``; 0: none, nothing is recorded)."""
+        (supersede, ``engine/undo.py``; 0: none, nothing is recorded). ``stoppable``: a block's denoising forwards
+        are queued one ahead of the device at most, and a restart may stop them (:meth:`stop_block`)."""
         if (audio_decoder is None) != (pipeline.audio_shape is None):
             raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
@@ -260,7 +268,11 @@ class Runner:
         self.stepwise = stepwise
         self.split_first_block = split_first_block and pipeline.frames_per_block > 1
         self.undo_blocks = 0 if stepwise else undo_blocks  # a stepwise block spans ticks: nothing to take back
+        self.stoppable = stoppable and not stepwise
         self.device_sessions: dict[str, DeviceSession] = {}
+        # The plan being dispatched: a stop asked for (from the engine's loop) reaches only its blocks.
+        self._stop_lock = threading.Lock()
+        self._dispatching: StepPlan | None = None
 
     # --- lifetime ---------------------------------------------------------
     def open(self, session_id: str, request: OpenSession) -> DeviceSession:
@@ -374,6 +386,28 @@ class Runner:
             if on_pending is not None:
                 on_pending(pending)
 
+        with self._stop_lock:
+            self._dispatching = plan
+        try:
+            self._dispatch(plan, dispatch, emit)
+        finally:
+            with self._stop_lock:  # a stop asked for too late is forgotten: it must not reach a later block
+                self._dispatching = None
+                for work in plan.work:
+                    if (device_session := self.device_sessions.get(work.session_id)) is not None:
+                        device_session.stop_requested = False
+        dispatch.device_idle = bool(dispatch.pending) and dispatch.pending[-1].stopped
+        return dispatch
+
+    def stop_block(self, session_id: str, plan: StepPlan) -> None:
+        """Ask the session's block in ``plan`` (being dispatched) to stop before its next denoising forward (any
+        thread). The engine asks when a restart will cut the block's frames anyway; a block past its denoising, or
+        a plan no longer being dispatched, goes on as it was."""
+        with self._stop_lock:
+            if plan is self._dispatching and (device_session := self.device_sessions.get(session_id)) is not None:
+                device_session.stop_requested = True
+
+    def _dispatch(self, plan: StepPlan, dispatch: Dispatch, emit: Callable[[PendingWork], None]) -> None:
         for finished in plan.finished:
             try:
                 self.release(finished.session_id, finished.reason)
@@ -386,9 +420,8 @@ class Runner:
             except Exception as error:
                 if self._failed(work.session_id, error, dispatch.failures):
                     dispatch.fatal = str(error)
-                    return dispatch
+                    return
                 continue
-        return dispatch
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Dispatch the plan and wait for all of it: its outputs (one per block: a block's pieces joined) and
@@ -592,6 +625,12 @@ class Runner:
                 clean = self.pipeline.denoise_step(device_session.kv, progress)
         elif self.stepwise:
             clean = self.pipeline.step(device_session.kv, progress)
+        elif self.stoppable and not report.controls:
+            clean = self._denoise_stoppable(device_session, progress)
+            if clean is None:  # stopped for a restart: no block, the device free within about a forward
+                report.stopped = True
+                device_session.block_started_at = None
+            commit_pending = True
         else:
             clean = self.pipeline.denoise_block(device_session.kv, progress)
             commit_pending = True
@@ -680,6 +719,32 @@ class Runner:
             pending.timer.end()
             emit(pending)
         device_session.block_started_at = None
+
+    def _denoise_stoppable(self, device_session: DeviceSession, progress) -> BlockLatents | None:
+        """The block's denoising forwards (as ``denoise_block``), or None once a stop was asked for (checked before
+        each forward). On a GPU the host queues a forward only when the one before the last is done: the device
+        never waits for the host, and a stop leaves at most two forwards to finish, not the rest of the block; the
+        host then waits for them, so the device is free when the dispatch returns. A stopped block is begun again
+        (fresh noise) should its session go on without the restart."""
+        cuda = self.pipeline.transformer.device.type == "cuda"
+        queued: deque = deque()
+        while True:
+            if progress.clean is not None and progress.step_index >= self.pipeline.num_steps:
+                return progress.clean  # denoised (the rest of a split first block; an input at strength 0)
+            if device_session.stop_requested:
+                break
+            self.pipeline.denoise_step(device_session.kv, progress)
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+                queued.append(event)
+                if len(queued) > 1:
+                    queued.popleft().synchronize()
+        for event in queued:
+            event.synchronize()
+        progress.latents = progress.clean = None
+        progress.step_index = 0
+        return None
 
     def _shown_input(self, device_session: DeviceSession, block_index: int) -> Callable[[int], int | None]:
         """For the block's frame at an offset, the number of the live frame it shows (None: none, or only a
@@ -807,7 +872,7 @@ class Runner:
 
 def runner_for(
     bundle, kv_manager: KVCacheManager, *, stepwise: bool = False, split_first_block: bool = False,
-    undo_blocks: int = 0,
+    undo_blocks: int = 0, stoppable: bool = False,
 ) -> Runner:
     """A runner over a built :class:`~engine.bundle.ModelBundle` (audio wired when the model has it)."""
     timing = bundle.audio_timing
@@ -822,6 +887,7 @@ def runner_for(
         split_first_block=split_first_block,
         encoder=bundle.encoder,
         undo_blocks=undo_blocks,
+        stoppable=stoppable,
     )
 
 

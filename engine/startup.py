@@ -142,7 +142,7 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     manager = KVCacheManager(spec, int(capacity), config.device)
     stepwise = config.step_mode == "stepwise"
     runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block,
-                        undo_blocks=undo_blocks)
+                        undo_blocks=undo_blocks, stoppable=config.stop_block_on_restart and config.cut_on_reset)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
     with refused_when_out_of_memory(config, lambda: activation_peak):

@@ -15,7 +15,8 @@
 #    (random weights: no marker to read), once per block length listed;
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16 (supersede on by default on an 80 GB card or
 #    larger since the twentieth session; STANDARD_SUPERSEDE=1 sets it on anyway); STANDARD_REF=1: first the same with
-#    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false (just in time, the lead as before the twentieth session);
+#    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false (just in time, the lead as before the twentieth session), or with
+#    STANDARD_REF_ENV="NAME=value ..." instead (e.g. ARSTREAM_ENGINE__STOP_BLOCK_ON_RESTART=false);
 # 5. GPU_TESTS: the GPU tests of supersede (bit for bit against the reference on CUDA) and dispatching ahead.
 # SPREAD=S: each interval between changes longer by a seeded draw in [0, S) s (a block's playback, 0.75 s, samples
 # every phase of the block; 3 s alone is 4 blocks and times the same phase each time).
@@ -73,9 +74,10 @@ done
 if [ "${STANDARD:-1}" = 1 ]; then
   [ "${STANDARD_SUPERSEDE:-0}" = 1 ] && export ARSTREAM_ENGINE__SUPERSEDE=true
   if [ "${STANDARD_REF:-0}" = 1 ]; then  # the reference first: just in time, no lead kept for a block made again
-    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false bench standard_prompt_just_in_time \
+    # shellcheck disable=SC2086  # the variables' words, each NAME=value
+    (export ${STANDARD_REF_ENV:-ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false}; bench standard_prompt_reference \
       "$(( $(left) / 2 - 30 < ${STANDARD_S:-170} ? $(left) / 2 - 30 : ${STANDARD_S:-170} ))" \
-      --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
+      --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
   fi
   bench standard_prompt "$(( $(left) - 60 < ${STANDARD_S:-170} ? $(left) - 60 : ${STANDARD_S:-170} ))" \
     --changes "$CHANGES" --interval 3 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights
