@@ -138,8 +138,8 @@ class EngineConfig(BaseModel):
         default=True,
         description="a reset (or a prompt change with policy reset) stops its session's block being queued between two "
                     "denoising forwards when the block's frames would be cut anyway and the media ahead covers the new "
-                    "content's first block: the new content no longer waits for the rest of that block. Its forwards "
-                    "are then queued at most one ahead of the GPU (docs/ENGINE.md)",
+                    "content's first block: the new content no longer waits for the rest of that block. Forwards are "
+                    "then queued at most one ahead of the GPU (docs/ENGINE.md)",
     )
     split_first_block: bool | None = Field(
         default=None,

@@ -269,7 +269,9 @@ class EngineCore:
         frames would be cut (they play after the new content can), and what is made and queued before it plays
         until the new content's first frames can follow (two forwards left on the device, the other sessions'
         work in this plan, the restart's own cost and the margin). Otherwise the restart waits for the block, as
-        a control always did."""
+        a control always did. (A `soft` change does not stop the block: begun again under the new prompt, the
+        block shows only after all the media made ahead, where the block made whole lets the change be cut into
+        it sooner: tried and measured, docs/BENCHMARKS.md.)"""
         playout = record.playout
         if (self._current_plan is None or record.session_id not in self._stoppable or not self.config.cut_on_reset
                 or not record.pace or not playout.clock_running or record.live is not None):
@@ -626,7 +628,7 @@ class EngineCore:
             try:
                 if error is not None:
                     raise error
-                current = piece is not None and not piece.dropped and not pending.stopped
+                current = piece is not None and not piece.dropped  # (a stopped block's device time is the session's)
                 # Work dropped by a cut is not part of any block the session streams: its device time does not
                 # inflate the session's cost per block (which paces its next blocks and the lead).
                 self._account(cost, record if current else None)

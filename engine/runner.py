@@ -724,10 +724,12 @@ class Runner:
         """The block's denoising forwards (as ``denoise_block``), or None once a stop was asked for (checked before
         each forward). On a GPU the host queues a forward only when the one before the last is done: the device
         never waits for the host, and a stop leaves at most two forwards to finish, not the rest of the block; the
-        host then waits for them, so the device is free when the dispatch returns. A stopped block is begun again
-        (fresh noise) should its session go on without the restart."""
+        host then waits for them, so the device is free when the dispatch returns. A stopped block leaves the
+        session as if it had not begun (its noise generator too): begun again, it is the block never stopped."""
         cuda = self.pipeline.transformer.device.type == "cuda"
         queued: deque = deque()
+        begun = progress.latents is None and progress.clean is None  # its noise is drawn from here
+        start = progress.generator.get_state() if begun else None
         while True:
             if progress.clean is not None and progress.step_index >= self.pipeline.num_steps:
                 return progress.clean  # denoised (the rest of a split first block; an input at strength 0)
@@ -744,6 +746,8 @@ class Runner:
             event.synchronize()
         progress.latents = progress.clean = None
         progress.step_index = 0
+        if start is not None:  # begun again, it draws the noise it drew: as if it had never begun
+            progress.generator.set_state(start)
         return None
 
     def _shown_input(self, device_session: DeviceSession, block_index: int) -> Callable[[int], int | None]:
