@@ -78,8 +78,9 @@ EVERYDAY_BLUE = (35, 60, 190)  # an ordinary blue, off the world's palette (its 
                    "world's palette under some motion words (docs/TINY_MODEL.md, 'Pictures in everyday colours')")
 def test_a_picture_in_everyday_colours_keeps_its_object_under_every_motion_word(runner):
     """A picture of a red circle on an ordinary blue, under each motion word ("still" included): the object is
-    there, red, in at least 90 % of the first 36 generated frames. Shipped weights (2026-12-05, this picture):
-    bouncing 36, drifting 36, orbiting 16, still 24 of the 36 frames (docs/TINY_MODEL.md)."""
+    there, red, in at least 90 % of the first 36 generated frames. Shipped weights (session 20, this picture):
+    bouncing 36, drifting 36, orbiting 8, still 16 of the 36 frames (session 15's: 36, 36, 16, 24;
+    docs/TINY_MODEL.md)."""
     kept = {}
     for motion in MOTIONS:
         scene = Scene("circle", "red", motion, "blue")
