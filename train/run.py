@@ -233,8 +233,9 @@ def main(argv: list[str] | None = None) -> int:
         from train.long_rollout import LongRollout, WorldTargets
 
         if cfg["long_hold_kind"] == "cont":  # whole-clip continuation steps (D): hold the seam at a continued clip
-            def hold():
-                return trainer.continuation_step_losses(sampler, batch, rng, cfg["cont_context"])
+            def hold():  # (cont_picture: that share of them start from one latent frame, a picture)
+                return trainer.continuation_step_losses(sampler, batch, rng, cfg["cont_context"],
+                                                        picture_share=cfg["cont_picture"])
         else:  # few-step steps (B): hold the first block's shapes
             def hold():
                 return trainer.few_step_losses(sampler, batch, rng)
