@@ -110,8 +110,7 @@ class EngineCore:
         self._all_delivered = asyncio.Event()
         self._all_delivered.set()
         self._planned: dict[str, tuple[int, int]] = {}  # session -> (epoch, tick) of the plan being dispatched
-        self._current_plan: StepPlan | None = None  # the plan being dispatched, and its sessions' blocks a restart
-        self._stoppable: frozenset[str] = frozenset()  # may stop (a block alone, no controls: Runner.stop_block)
+        self._current_plan: StepPlan | None = None  # being dispatched, when its blocks can stop (Runner.stop_block)
         self._device_free_at = 0.0  # monotonic: when the device is expected to finish what was dispatched
         self.scheduler = Scheduler(
             fps=config.fps,
@@ -272,16 +271,17 @@ class EngineCore:
         a control always did. (A `soft` change does not stop the block: begun again under the new prompt, the
         block shows only after all the media made ahead, where the block made whole lets the change be cut into
         it sooner: tried and measured, docs/BENCHMARKS.md.)"""
-        playout = record.playout
-        if (self._current_plan is None or record.session_id not in self._stoppable or not self.config.cut_on_reset
-                or not record.pace or not playout.clock_running or record.live is not None):
-            return
+        playout, plan = record.playout, self._current_plan
+        if (plan is None or not record.pace or not playout.clock_running or record.live is not None
+                or not any(w.session_id == record.session_id and w.run and not w.control_kinds for w in plan.work)):
+            return  # (a work that applies controls is never stopped: the runner makes its block whole)
         now = time.monotonic()
-        forward = self.cost_of(record) / max(1, self.runner.pipeline.num_steps)
-        others = max(0.0, self._backlog(now) - self.cost_of(record))
-        ready = now + others + 2 * forward + self._restart_cost(record) + playout.margin_s
+        block = self.cost_of(record)
+        others = max(0.0, self._backlog(now) - block)
+        two_forwards = 2 * block / max(1, self.runner.pipeline.num_steps)
+        ready = now + others + two_forwards + self._restart_cost(record) + playout.margin_s
         if playout.play_time(playout.frames_made + record.frames_in_flight) >= ready:
-            self.runner.stop_block(record.session_id, self._current_plan)
+            self.runner.stop_block(record.session_id, plan)
 
     def attach(self, session_id: str, margin_s: float | None = None) -> None:
         """Queue the attach; the hand-over queue is cleared now, so the consumer's timeline starts at the next chunk."""
@@ -554,9 +554,8 @@ class EngineCore:
                        for work in plan.work)
         self._device_free_at = max(self._device_free_at, now) + expected
         self._dispatching = True
-        if self.runner.stoppable:
+        if self.runner.stoppable:  # (only where cut_on_reset: engine/startup.py)
             self._current_plan = plan
-            self._stoppable = frozenset(work.session_id for work in plan.work if work.run and not work.control_kinds)
         try:
             dispatch = await loop.run_in_executor(self._executor, self.runner.dispatch, plan, on_pending)
         except Exception as error:  # the runner itself broke: nothing can be trusted
@@ -564,7 +563,7 @@ class EngineCore:
             dispatch = Dispatch(fatal=f"runner crashed: {error!r}")
         finally:
             self._dispatching = False
-            self._current_plan, self._stoppable = None, frozenset()
+            self._current_plan = None
         if not self._outstanding or dispatch.device_idle:  # (a stopped block's last forwards are done)
             self._device_free_at = time.monotonic()
         self.ticks += 1

@@ -114,15 +114,17 @@ def test_a_block_stopped_then_made_under_a_new_prompt_is_what_a_session_that_cha
     ours.append(_frames(stopped.execute(StepPlan(work=[SessionWork("s", run=True)]))))
     plain = _runner(bundle, False)
     _blocks(plain, 2)
-    theirs = [_frames(plain.execute(StepPlan(work=[change]))), _frames(plain.execute(StepPlan(work=[SessionWork("s", run=True)])))]
+    theirs = [_frames(plain.execute(StepPlan(work=[change]))),
+              _frames(plain.execute(StepPlan(work=[SessionWork("s", run=True)])))]
     for a, b in zip(ours, theirs):
         np.testing.assert_array_equal(a, b)
 
 
 async def _control_during_block_one(seed: int, ahead_s: float, control=None):
-    """A paced session streams block 0; a reset (or ``control``) comes during block 1's first forward, when the media made and in
-    flight plays ``ahead_s`` from then (set there, as a GPU session's clock would be); everything after it is due
-    at once. Returns the forwards block 1 ran, its dispatch, and the frames streamed (at least 9 + 12)."""
+    """A paced session streams block 0; a reset (or ``control``) comes during block 1's first forward, when the
+    media made and in flight plays ``ahead_s`` from then (set there, as a GPU session's clock would be); everything
+    after it is due at once. Returns the forwards block 1 ran, its dispatch, and the frames streamed (at least
+    9 + 12)."""
     config = small_config(window_frames=3, fps=2, playout_margin_s=0.5, audio=False)
     async with stepped_core(config) as core:
         loop = asyncio.get_running_loop()
@@ -149,7 +151,8 @@ async def _control_during_block_one(seed: int, ahead_s: float, control=None):
                 if len(forwards) == 1:
                     playout = record.playout
                     playout.anchor = time.monotonic() + ahead_s - playout.frames_made / playout.fps
-                    loop.call_soon_threadsafe(lambda: (core.submit(record.session_id, control or Reset()), submitted.set()))
+                    loop.call_soon_threadsafe(
+                        lambda: (core.submit(record.session_id, control or Reset()), submitted.set()))
                     assert submitted.wait(10)
             return denoise_step(kv, progress)
 

@@ -310,19 +310,16 @@ class StreamRelay:
         held: str | None = None  # a chunk message waits for its segment: a worker that dies between them sent neither
         try:
             async for message in self.upstream:
+                if held is not None:  # its segment (or, from a worker off the protocol, whatever came instead)
+                    await self.client.send_text(held)
+                    held = None
                 if isinstance(message, str):
                     self._watch(message)
-                    if held is not None:  # (never from a worker that keeps the protocol: a chunk has its segment)
-                        await self.client.send_text(held)
-                        held = None
-                    if _is_chunk(message):
+                    if _is_type(message, "chunk"):
                         held = message
                     else:
                         await self.client.send_text(message)
                 else:
-                    if held is not None:
-                        await self.client.send_text(held)
-                        held = None
                     await self.client.send_bytes(message)
                     self._on_bytes(len(message))
         except ConnectionClosed:
@@ -344,12 +341,8 @@ class StreamRelay:
                 await asyncio.Event().wait()  # the downstream side reports how the worker ended it
 
     def _watch(self, text: str) -> None:
-        if '"closed"' not in text:
-            return
-        with contextlib.suppress(ValueError):
-            payload = json.loads(text)
-            if isinstance(payload, dict) and payload.get("type") == "closed":
-                self._on_ended(self.session_id)
+        if _is_type(text, "closed"):
+            self._on_ended(self.session_id)
 
     async def _farewell_failed(self) -> None:
         self._on_ended(self.session_id)
@@ -369,11 +362,11 @@ class StreamRelay:
             await asyncio.wait_for(self.upstream.close(CLOSE_NORMAL), FAREWELL_TIMEOUT_S)
 
 
-def _is_chunk(text: str) -> bool:
-    """A worker's ``chunk`` message (the segment follows it as a binary frame)."""
-    if '"chunk"' not in text:
+def _is_type(text: str, kind: str) -> bool:
+    """A worker's text message of type ``kind`` (parsed only when the word is in it: most frames are not)."""
+    if f'"{kind}"' not in text:
         return False
     with contextlib.suppress(ValueError):
         payload = json.loads(text)
-        return isinstance(payload, dict) and payload.get("type") == "chunk"
+        return isinstance(payload, dict) and payload.get("type") == kind
     return False
