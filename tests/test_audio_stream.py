@@ -10,7 +10,7 @@ import pytest
 
 from tests.stream_client import StreamClient
 
-BLOCKS = 80  # a sample of drift per block would show in the exact sum below after any number of blocks
+BLOCKS = 40  # a sample of drift per block would show in the exact sum below after any number of blocks
 SAMPLES_PER_FRAME = 3000  # 48 kHz at 16 fps
 TINY_LOOKAHEAD_SAMPLES = 12 * 600  # the tiny codec's right receptive field (12 latent frames) x hop
 OPUS_FRAME = 960

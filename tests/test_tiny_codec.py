@@ -4,6 +4,8 @@ clips, and encodes causally. The old tiny Wan VAE runs through the same step as 
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -92,8 +94,12 @@ def train_and_read(codec) -> dict[str, float]:
 @pytest.mark.parametrize(
     "make",
     [
+        # Why the codec was replaced, kept as a record (11 s of the suite's time): ARSTREAM_SLOW_TESTS=1 runs it.
         pytest.param(OldTinyWanVAE, id="old tiny Wan VAE",
-                     marks=pytest.mark.xfail(strict=True, reason="sessions 1-5's codec: colour not learned in STEPS")),
+                     marks=[pytest.mark.xfail(strict=True, reason="sessions 1-5's codec: colour not learned in STEPS"),
+                            pytest.mark.slow,
+                            pytest.mark.skipif(not os.environ.get("ARSTREAM_SLOW_TESTS"),
+                                               reason="the replaced codec's record (ARSTREAM_SLOW_TESTS=1 runs it)")]),
         pytest.param(lambda: _initialised(TinyCodec(TINY_CODEC_ENCODER, TINY_CODEC_DECODER)), id="tiny codec"),
     ],
 )
