@@ -3,8 +3,11 @@
 The tiny preset's codec is this encoder with :class:`decoders.taehv.TAEHVDecoder` (docs/TINY_MODEL.md):
 plain 3x3 convs and ReLUs, no normalisation layer, so a colour is a linear function of the input all the
 way down and back (the tiny Wan VAE's RMS norms over 4-16 channels made colour slow to learn). The
-published TAEHV checkpoints ship an encoder of this shape too; this module builds its own, with its own
-widths, and loads none of theirs.
+published TAEHV checkpoints for Wan2.1 (``taew2_1``) ship an encoder of this shape too, at widths
+(64, 64, 64, 64) with 3 memory blocks a stage and no colour shortcut (:data:`WAN_TAEHV_ENCODER`):
+:func:`load_taehv_encoder` reads their ``encoder.*`` half (a temporal pool's weight is ``f`` there, ``conv``
+here), so a Wan model streamed through TAEHV encodes its pictures and camera with the same file's tiny
+encoder instead of the Wan VAE's (docs/DECODERS.md).
 
 Layer list (``w`` = ``config.widths``)::
 
@@ -39,7 +42,9 @@ same group shapes), and equals :meth:`TAEHVEncoder.encode_video` to float roundi
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -47,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.latent_stats import LatentStats
-from decoders.taehv import MemoryBlock, _conv3x3
+from decoders.taehv import MemoryBlock, TAEHVWeightsError, _conv3x3, _read_state_dict, _show, find_taehv_weights
 
 FRAMES_PER_LATENT = 4
 
@@ -311,6 +316,64 @@ class TAEHVStreamingEncoder:
             raise ValueError(f"expected a TAEHVEncodeState, got {type(state).__name__}")
         if state.owner is not self:
             raise ValueError(f"encode state of session {state.session_id!r} belongs to another encoder")
+
+
+# The published Wan2.1 TAEHV encoder (taew2_1's ``encoder.*`` half): works in the Wan model's normalised latent
+# space, as its decoder does, so it comes with no latent statistics.
+WAN_TAEHV_ENCODER = TAEHVEncoderConfig(widths=(64, 64, 64, 64), blocks_per_stage=3, colour_shortcut=False)
+
+
+def model_dir_has_taehv_encoder(model_dir: str | Path) -> bool:
+    """Whether the model directory's TAEHV file (``find_taehv_weights``) holds an encoder half; False without
+    a readable file (loading the decoder then says why). Read once per file version."""
+    try:
+        path = find_taehv_weights(model_dir)
+        stat = path.stat()
+    except (TAEHVWeightsError, OSError):
+        return False
+    return _has_encoder_half(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=8)
+def _has_encoder_half(path: str, _mtime_ns: int, _size: int) -> bool:
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors import safe_open
+
+            with safe_open(path, framework="pt") as handle:
+                return any(key.startswith("encoder.") for key in handle.keys())
+        return any(key.startswith("encoder.") for key in _read_state_dict(Path(path)))
+    except Exception:  # unreadable: the decoder's load names the problem
+        return False
+
+
+def load_taehv_encoder(
+    path: str | Path, device="cpu", dtype=torch.float32, config: TAEHVEncoderConfig = WAN_TAEHV_ENCODER
+) -> TAEHVEncoder:
+    """The encoder with the ``encoder.*`` tensors of a local TAEHV file (``.pth`` / ``.safetensors``); never
+    downloads. Every tensor must match the config's encoder exactly (no missing, unknown or mis-shaped key);
+    the file's ``decoder.*`` half is :func:`decoders.taehv.load_taehv`'s."""
+    path = Path(path)
+    tensors = {key: value for key, value in _read_state_dict(path).items() if key.startswith("encoder.")}
+    if not tensors:
+        raise TAEHVWeightsError(f"{path}: no TAEHV encoder in the file (no encoder.* tensors)")
+    model = TAEHVEncoder(config)
+    pools = {f"encoder.{index}.f.weight": f"encoder.{index}.conv.weight"
+             for index, layer in enumerate(model.encoder) if isinstance(layer, TemporalPool)}
+    tensors = {pools.get(key, key): value for key, value in tensors.items()}
+    expected = model.state_dict()
+    missing = sorted(key for key in expected if key not in tensors)
+    unknown = sorted(key for key in tensors if key not in expected)
+    wrong_shape = sorted(f"{key} {tuple(tensors[key].shape)} (expected {tuple(value.shape)})"
+                         for key, value in expected.items() if key in tensors and tensors[key].shape != value.shape)
+    not_float = sorted(f"{key} ({value.dtype})" for key, value in tensors.items() if not value.is_floating_point())
+    problems = [f"{len(keys)} {label}: {_show(keys)}" for keys, label in (
+        (missing, "missing key(s)"), (unknown, "unknown key(s)"), (wrong_shape, "key(s) of another shape"),
+        (not_float, "non-float tensor(s)")) if keys]
+    if problems:
+        raise TAEHVWeightsError(f"{path}: not a TAEHV encoder with widths {config.widths}: " + "; ".join(problems))
+    model.load_state_dict(tensors, strict=True)
+    return model.to(device, dtype).eval()
 
 
 def random_taehv_encoder(

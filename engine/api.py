@@ -255,7 +255,8 @@ class Engine:
         runner = self.runner
         if runner is not None and runner.encoder is None:
             return (f"this server cannot encode pictures: its video decoder ({self.config.resolved_video_decoder}) "
-                    "comes without an encoder; image, clip and live input need the Wan VAE or the tiny preset's codec")
+                    "comes without an encoder; image, clip and live input need the Wan VAE, a TAEHV file with its encoder "
+                    "half, or the tiny preset's codec")
         return None
 
     @property

@@ -14,8 +14,8 @@ from diffusers import AutoencoderKLWan, AutoencoderOobleck, WanTransformer3DMode
 
 from decoders.audio import AudioStreamingDecoder, hop_length
 from decoders.audio_graphs import AudioDecodeGraphs
-from decoders.taehv import TAEHVStreamingDecoder, random_taehv, taehv_decoder_from_model_dir
-from decoders.taehv_encoder import TAEHVStreamingEncoder, random_taehv_encoder
+from decoders.taehv import TAEHVStreamingDecoder, find_taehv_weights, random_taehv, taehv_decoder_from_model_dir
+from decoders.taehv_encoder import WAN_TAEHV_ENCODER, TAEHVStreamingEncoder, load_taehv_encoder, random_taehv_encoder
 from decoders.video import WanStreamingDecoder
 from decoders.video_encode import WanStreamingEncoder
 from engine.config import FP8_ATTENTION, FP8_LINEAR, EngineConfig
@@ -191,13 +191,19 @@ VideoEncoder = WanStreamingEncoder | TAEHVStreamingEncoder  # the same streaming
 
 def _video_encoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained) -> VideoEncoder | None:
     """The encoder whose latents the configured decoder reads (``EngineConfig.resolved_video_encoder``): the Wan
-    VAE's for a Wan model, the tiny codec's encoder half for the tiny preset; None with video input off or
-    without a VAE (the engine then refuses pictures clearly)."""
+    VAE's, the TAEHV file's encoder half for a Wan model streamed through TAEHV, the tiny codec's encoder half for
+    the tiny preset; None with video input off or without a VAE (the engine then refuses pictures clearly)."""
     kind = config.resolved_video_encoder
     if kind is None:
         return None
     if kind == "wan":
         return WanStreamingEncoder(vae) if vae is not None else None
+    if config.model_dir is not None or preset.codec_encoder is None:  # a Wan model: the TAEHV file's encoder half
+        if config.model_dir is not None and not config.random_weights:
+            model = load_taehv_encoder(find_taehv_weights(config.model_dir), config.device, config.torch_dtype)
+        else:
+            model = random_taehv_encoder(config.seed + 5, WAN_TAEHV_ENCODER, config.device, config.torch_dtype)
+        return TAEHVStreamingEncoder(model)
     model = random_taehv_encoder(config.seed + 5, preset.codec_encoder)
     if trained is None:
         return TAEHVStreamingEncoder(model.to(config.device, config.torch_dtype))

@@ -170,6 +170,13 @@ class EngineConfig(BaseModel):
         "wan: the full Wan VAE; taehv: the tiny TAEHV decoder (model_dir/taehv/taew2_1.*, or random weights with "
         "random_weights), many times faster, lower quality",
     )
+    video_encoder: Literal["wan", "taehv"] | None = Field(
+        default=None,
+        description="whose encoder turns pictures and live input into latents. None: the decoder's kind (a Wan "
+        "model streamed through TAEHV uses the TAEHV file's encoder half, or the Wan VAE's if the file has none); "
+        "wan: the Wan VAE's (1.07 GiB of state per session at 832x480); taehv: the TAEHV encoder (a few MiB, "
+        "many times faster, lower fidelity)",
+    )
     cuda_graphs: bool = Field(
         default=True,
         description="on CUDA, replay each DiT forward shape and the text encoder (per padded prompt length) as CUDA "
@@ -315,6 +322,11 @@ class EngineConfig(BaseModel):
                 f"preset {self.preset} has no Wan VAE (its codec is a TAEHV-class encoder and decoder); "
                 "video_decoder=wan needs a Wan preset or a model directory"
             )
+        if self.video_encoder == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
+            raise ValueError(f"preset {self.preset} has no Wan VAE; video_encoder=wan needs a Wan preset or a model directory")
+        wan_model = self.model_dir is not None or get_preset(self.preset).codec_encoder is None
+        if self.video_encoder == "taehv" and wan_model and self.resolved_video_decoder != "taehv":
+            raise ValueError("video_encoder=taehv reads the TAEHV file's encoder half: it needs video_decoder=taehv")
         if self.gpu_memory_gib is not None and not self.device.startswith("cuda"):
             raise ValueError(f"gpu_memory_gib caps a CUDA device's memory; this engine runs on {self.device}")
         if self.random_text_encoder != "tiny":
@@ -361,15 +373,19 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_video_encoder(self) -> str | None:
-        """Whose encoder makes a session's input latents: "wan", a Wan model's own VAE, whichever decoder streams its
-        latents (the published TAEHV weights come without an encoder); "taehv", the tiny preset's codec; None with
-        video input off."""
+        """Whose encoder makes a session's input latents: "wan", a Wan model's own VAE; "taehv", the TAEHV
+        encoder (the tiny preset's codec, or the published Wan2.1 TAEHV file's encoder half where a Wan model
+        streams through TAEHV: its latents are the ones that decoder reads); None with video input off. Without
+        a choice, the decoder's kind; but a model directory whose TAEHV file has no encoder half gets the Wan VAE's."""
         if not self.resolved_video_input:
             return None
-        if self.resolved_video_decoder == "wan" or self.model_dir is not None \
-                or get_preset(self.preset).codec_encoder is None:
-            return "wan"
-        return "taehv"
+        if self.video_encoder is not None:
+            return self.video_encoder
+        if self.resolved_video_decoder == "taehv" and self.model_dir is not None and not self.random_weights:
+            from decoders.taehv_encoder import model_dir_has_taehv_encoder
+
+            return "taehv" if model_dir_has_taehv_encoder(self.model_dir) else "wan"
+        return self.resolved_video_decoder
 
     @property
     def resolved_gather_history_once(self) -> bool:

@@ -255,9 +255,12 @@ def test_one_session_that_does_not_fit_in_memory_is_refused_before_building():
     assert estimate_decoder_session_bytes(config) == round(WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32 * 832 * 480) + encoder
     without_input = EngineConfig(preset="wan2.1-1.3b", random_weights=True, video_input=False)
     assert estimate_decoder_session_bytes(without_input) == round(WAN_2_1_VAE_STATE_BYTES_PER_PIXEL_FP32 * 832 * 480)
-    # TAEHV streaming a Wan model: its VAE still encodes the session's input (TAEHV's own state is not estimated).
+    # TAEHV streaming a Wan model: its own encoder half encodes the session's input (TAEHV's small state is not
+    # estimated); asked to, the Wan VAE's.
     assert estimate_decoder_session_bytes(EngineConfig(preset="wan2.1-1.3b", random_weights=True,
-                                                       video_decoder="taehv")) == encoder
+                                                       video_decoder="taehv")) == 0
+    assert estimate_decoder_session_bytes(EngineConfig(preset="wan2.1-1.3b", random_weights=True,
+                                                       video_decoder="taehv", video_encoder="wan")) == encoder
     assert 1.4e9 * 4 < estimate_weight_bytes(config) < 1.6e9 * 4  # ~1.42 B parameters (DiT + VAE)
     with pytest.raises(InsufficientMemory, match="not enough memory for preset wan2.1-1.3b"):
         check_fits_in_memory(config, available=8 * 2**30)

@@ -589,9 +589,9 @@ def test_model_dir_wan_vae_encodes_pictures_and_live_input(model_dir, parts):
 
 
 def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir, tmp_path, make_client):
-    """The published TAEHV weights decode Wan latents and come without an encoder: the model directory's Wan VAE
-    encodes the session's pictures and live input for them. At strength 0 the stream shows the VAE-encoded,
-    TAEHV-decoded input frame for frame, as one call of each would."""
+    """A TAEHV file with no encoder half decodes Wan latents only: the model directory's Wan VAE encodes the
+    session's pictures and live input for it. At strength 0 the stream shows the VAE-encoded, TAEHV-decoded input
+    frame for frame, as one call of each would."""
     from decoders.taehv import random_taehv
     from decoders.video_encode import WanStreamingEncoder
     from tests.input_helpers import round_trip, run_session
@@ -616,6 +616,30 @@ def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir
             ws.send_json({"type": "live", "strength": 0.5, "id": "l"})
             answer = ws.receive_json()
             assert answer["type"] == "ack" and answer["of"] == "live", answer
+
+
+def test_a_taehv_file_with_its_encoder_half_encodes_the_sessions_input(model_dir, tmp_path):
+    """The published TAEHV files carry an encoder: with one, the model directory's TAEHV encodes pictures and live
+    input too (no Wan VAE encoder state per session), and at strength 0 the stream is its round trip."""
+    from decoders.taehv_encoder import TAEHVStreamingEncoder
+    from tests.input_helpers import round_trip, run_session
+    from tests.test_taehv_encoder_weights import WAN_TAEHV_ENCODER, published_state_dict, random_taehv_encoder
+
+    directory = linked_model_dir(model_dir, tmp_path / "with-taehv-encoder")
+    (directory / "taehv").mkdir()
+    original = random_taehv_encoder(3, WAN_TAEHV_ENCODER)
+    save_file(published_state_dict(original), str(directory / "taehv" / "taew2_1.safetensors"))
+    config = EngineConfig(model_dir=directory, video_decoder="taehv", sink_frames=1, window_frames=2, **SMALL)
+    assert config.resolved_video_encoder == "taehv"
+    bundle = build_models(config)
+    assert isinstance(bundle.encoder, TAEHVStreamingEncoder)
+    assert all(torch.equal(bundle.encoder.model.state_dict()[key], value) for key, value in original.state_dict().items())
+    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
+                    encoder=bundle.encoder)
+    frames = np.random.default_rng(4).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
+    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
+    expected = round_trip(bundle, frames)
+    assert live.shape == expected.shape == frames.shape and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
 
 
 def test_a_server_without_video_input_refuses_pictures_and_live_input_and_says_why(make_client):
