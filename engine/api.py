@@ -298,7 +298,7 @@ class Engine:
         config = self.config
         core.set_live(session_id, sigma, first_step, capacity=config.resolved_live_input_buffer_frames,
                       rate_per_s=config.live_input_fps, burst=config.live_input_burst,
-                      mark=_mark(control_id, "live", arrived_at))
+                      jitter_frames=config.live_input_jitter_frames, mark=_mark(control_id, "live", arrived_at))
         return sigma, pipeline.num_steps - first_step
 
     def admit_input_frame(self, session_id: str) -> int | None:

@@ -238,6 +238,11 @@ class EngineConfig(BaseModel):
         default=30.0, gt=0, le=240, description="live input frames a session takes per second; more are dropped unread"
     )
     live_input_burst: int = Field(default=8, ge=1, le=240, description="live input frames taken at once above the rate")
+    live_input_jitter_frames: int = Field(
+        default=1, ge=0, le=1024,
+        description="live frames beyond a block's own that may wait when it begins; older ones are dropped as stale "
+        "(frames arrive as fast as blocks take them: a standing queue would delay every frame after it)",
+    )
     live_input_buffer_frames: int | None = Field(
         default=None, ge=1, le=1024,
         description="decoded live frames waiting for blocks (the oldest dropped beyond); None: one block's frames + 4",

@@ -715,7 +715,7 @@ class EngineCore:
 
     # --- live input (on the event loop, not queued: a frame needs the buffer now) -------------------------
     def set_live(self, session_id: str, strength: float | None, first_step: int | None, *, capacity: int,
-                 rate_per_s: float, burst: int, mark: ControlMark | None = None) -> None:
+                 rate_per_s: float, burst: int, jitter_frames: int = 1, mark: ControlMark | None = None) -> None:
         """Live input on (or its strength changed: frames already waiting stay) or off (``strength`` None).
 
         Takes effect at once rather than at the tick: frames the client sends right after must find it on.
@@ -730,7 +730,7 @@ class EngineCore:
             record.live.strength, record.live.first_step = strength, first_step
         else:
             record.live = LiveInput(strength=strength, first_step=first_step, capacity=capacity,
-                                    rate_per_s=rate_per_s, burst=burst)
+                                    rate_per_s=rate_per_s, burst=burst, jitter_frames=jitter_frames)
         record.touch()
         self.wake.set()
 

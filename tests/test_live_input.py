@@ -160,3 +160,25 @@ def test_offered_frames_pushed_out_before_the_take_count_as_used_if_taken_and_dr
     assert [live.push(f) for f in frames[8:10]] == [0, 0]  # 4, 5 (offered) pushed out
     assert live.consume(live.offer(2).first_seq, 2) == (2, 2)  # 6, 7 taken (waiting); 4, 5 lost: dropped
     assert [int(f[0, 0, 0]) for f in live.offer(8).frames] == [8, 9]
+
+
+def test_a_standing_queue_is_dropped_as_stale_when_a_block_begins():
+    """Frames arrive as fast as blocks take them, so frames that piled up before a block began would wait for every
+    block after it: a block finds at most its own frames and one more (arrival jitter); older ones are dropped
+    and counted, but never frames offered to a block whose take is not known yet."""
+    live = LiveInput(strength=0.6, first_step=3, capacity=12, rate_per_s=10.0, burst=2)
+    frames = [np.full((2, 2, 3), k, dtype=np.uint8) for k in range(16)]
+    assert [live.push(f) for f in frames[:9]] == [0] * 9  # 9 waiting for a block of 4
+    offer = live.offer(4)
+    assert [int(f[0, 0, 0]) for f in offer.frames] == [4, 5, 6, 7] and offer.first_seq == 4  # 0-3 stale
+    assert live.consume(offer.first_seq, 4) == (4, 4)  # 4 used; the 4 stale ones dropped
+    assert live.waiting == 1  # frame 8: within the jitter allowance
+    for f in frames[9:13]:
+        live.push(f)
+    offer = live.offer(4)  # 5 waiting: a block's frames and one of jitter, none stale
+    assert [int(f[0, 0, 0]) for f in offer.frames] == [8, 9, 10, 11]
+    for f in frames[13:16]:  # arrive while that block's take is not known: nothing offered may go
+        live.push(f)
+    assert [int(f[0, 0, 0]) for f in live.offer(4).frames] == [8, 9, 10, 11]
+    assert live.consume(offer.first_seq, 4) == (4, 0)
+    assert [int(f[0, 0, 0]) for f in live.offer(3).frames] == [12, 13, 14]  # 4 waiting, limit 3 + 1: none stale

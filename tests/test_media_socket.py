@@ -212,15 +212,16 @@ def test_live_input_that_stops_or_floods_never_stalls_its_session_or_costs_anoth
 def test_a_live_chunk_names_the_input_frame_its_first_frame_shows(bundle):
     """At strength 0 a live session shows its camera frames frame for frame (the codec's round trip of them as one
     stream): each chunk made from live input names the frame its first frame shows, by the number the client
-    counts as it sends. The frames are all waiting before the session begins (a buffer and burst that hold
-    them), so its blocks take exactly the stream's frames whatever the machine's speed."""
+    counts as it sends. The frames are all waiting before the session begins (a buffer, burst and jitter allowance
+    that hold them: none is stale), so its blocks take exactly the stream's frames whatever the machine's speed."""
     count = 33  # three blocks' input: 9 + 12 + 12
     frames = np.stack([_picture(100 + k) for k in range(count)])
     sent = [png_bytes(frame) for frame in frames]
     seen = np.stack([decode_image(data, SIZE, max_bytes=1 << 20, max_pixels=1 << 20) for data in sent])
     expected = round_trip(bundle, seen)
     server = start_server(env={"ARSTREAM_ENGINE__LIVE_INPUT_BUFFER_FRAMES": "48",
-                               "ARSTREAM_ENGINE__LIVE_INPUT_BURST": "48"})
+                               "ARSTREAM_ENGINE__LIVE_INPUT_BURST": "48",
+                               "ARSTREAM_ENGINE__LIVE_INPUT_JITTER_FRAMES": "48"})
 
     async def scenario():
         client = await StreamClient.open(f"{server.ws_url}/v1/stream")
