@@ -140,6 +140,11 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
     frames_seen: list[tuple[int, float, np.ndarray]] = []  # (pts, time shown, rgb) when pixels are read
     camera_sent: list[float] = []
     camera_named: list[float] = []  # camera frame k sent -> the chunk naming it (chunk.input_frame) on screen
+    camera_sent_epoch: list[float] = []  # the same sends on the server's clock (same host on the device)
+    # Where a named camera frame's time went: sent -> its block began, the block's making until its chunk was
+    # sent (server timings), sent -> arrived, arrived -> shown (the player's slack).
+    camera_parts: dict[str, list[float]] = {"to_block_start": [], "block_to_sent": [], "sent_to_arrived": [],
+                                            "arrived_to_shown": [], "queued": [], "denoise": [], "decode": []}
     segments: list[tuple[int, float, bytes]] = []  # (pts, the player's clock anchor then, media segment)
     ahead_at_send: list[float] = []  # seconds of media the player held beyond the frame showing, at each control
     received_frames = 0
@@ -169,6 +174,7 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
             now = time.monotonic()
             if args.live is not None and now >= camera_next and player.anchor is not None:
                 camera_sent.append(now)
+                camera_sent_epoch.append(time.time())
                 await ws.send(marker_frame(len(camera_sent) - 1, width, height))
                 camera_next += 1 / fps
             if args.live is None and player.anchor is not None and (now - player.anchor) >= next_change \
@@ -204,6 +210,13 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
                 number = pending.get("input_frame")
                 if number is not None and number < len(camera_sent):
                     camera_named.append(shows - camera_sent[number])
+                    timings = pending["timings"]
+                    camera_parts["to_block_start"].append(timings["started_at"] / 1000 - camera_sent_epoch[number])
+                    camera_parts["block_to_sent"].append((timings["sent_at"] - timings["started_at"]) / 1000)
+                    camera_parts["sent_to_arrived"].append(time.time() - timings["sent_at"] / 1000)
+                    camera_parts["arrived_to_shown"].append(shows - arrived)
+                    for part in ("queued", "denoise", "decode"):
+                        camera_parts[part].append(timings[f"{part}_ms"] / 1000)
                 for control_id in pending.get("controls", ()):
                     if control_id in sent:
                         named[control_id] = pending["pts"]
@@ -239,6 +252,8 @@ async def run_case(url: str, args, *, seconds: float) -> dict:
     if args.live is not None:
         out["live"] = _camera_latencies(camera_sent, frames_seen, width)
         out["live_named"] = _stats(camera_named)
+        out["live_parts"] = {part: {k: v for k, v in _stats(values).items() if k != "all_s"}
+                             for part, values in camera_parts.items()}
     else:
         out["controls"] = _summaries(results)
         out["named"] = f"{len(named)} of {len(sent)}"

@@ -12,7 +12,7 @@
 # 3. TINY_LIVE: the tiny model on cuda, a camera stream with a moving marker as live input (strength 0);
 #    LIVE_BLOCK=N (off unless set): the same again with blocks of N latent frames;
 #    FAST_LIVE="3 1" (off unless set): the fast 1.3B with the same camera stream, timed by chunk.input_frame
-#    (random weights: no marker to read), once per block length listed;
+#    (random weights: no marker to read), once per block length listed; FAST_LIVE_VARIANTS (below) with settings;
 # 4. STANDARD: the 1.3B standard config, window 15 + the Wan VAE, bf16 (supersede on by default on an 80 GB card or
 #    larger since the twentieth session; STANDARD_SUPERSEDE=1 sets it on anyway); STANDARD_REF=1: first the same with
 #    ARSTREAM_ENGINE__SUPERSEDE_RESERVE=false (just in time, the lead as before the twentieth session), or with
@@ -70,6 +70,15 @@ for blocks in ${FAST_LIVE:-}; do
   ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$blocks bench "fast_live_block$blocks" 120 \
     --live 0 --seconds 25 -- --preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights --window-frames 6 \
     --fp8 attention
+done
+# FAST_LIVE_VARIANTS="LABEL:BLOCKS:NAME=value,NAME=value ..." (off unless set): the fast camera run again with those
+# settings, e.g. "wanenc:1:ARSTREAM_ENGINE__VIDEO_ENCODER=wan" (the Wan VAE's encoder, as before the 22nd session).
+for variant in ${FAST_LIVE_VARIANTS:-}; do
+  IFS=: read -r label blocks settings <<< "$variant"
+  # shellcheck disable=SC2086  # each NAME=value a word
+  (export ${settings//,/ }; ARSTREAM_ENGINE__VIDEO_DECODER=taehv ARSTREAM_ENGINE__FRAMES_PER_BLOCK=$blocks \
+    bench "fast_live_${label}_block$blocks" 120 --live 0 --seconds 25 -- --preset wan2.1-1.3b --device cuda \
+    --dtype bfloat16 --random-weights --window-frames 6 --fp8 attention)
 done
 if [ "${STANDARD:-1}" = 1 ]; then
   [ "${STANDARD_SUPERSEDE:-0}" = 1 ] && export ARSTREAM_ENGINE__SUPERSEDE=true
