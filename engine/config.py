@@ -231,8 +231,8 @@ class EngineConfig(BaseModel):
     video_input: bool | None = Field(
         default=None,
         description="build the codec's encoder for pictures and live input (each session reserves its encoder state: "
-        "1.07 GiB at 832x480 bf16 for the Wan VAE); off: pictures are refused (input_unsupported); None: on, except "
-        "under gpu_memory_gib (a small card keeps that memory for sessions)",
+        "1.07 GiB at 832x480 bf16 for the Wan VAE, 55 MiB for TAEHV's); off: pictures are refused (input_unsupported); "
+        "None: on, except under gpu_memory_gib with the Wan VAE's encoder (a small card keeps that memory for sessions)",
     )
     live_input_fps: float = Field(
         default=30.0, gt=0, le=240, description="live input frames a session takes per second; more are dropped unread"
@@ -372,9 +372,11 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_video_input(self) -> bool:
+        """On unless turned off, or under ``gpu_memory_gib`` with the Wan VAE's encoder (its 1.07 GiB of state per
+        session at 832x480 is a session's worth on a small card; TAEHV's few MiB are not)."""
         if self.video_input is not None:
             return self.video_input
-        return self.gpu_memory_gib is None
+        return self.gpu_memory_gib is None or self._video_encoder_kind() == "taehv"
 
     @property
     def resolved_video_encoder(self) -> str | None:
@@ -382,8 +384,9 @@ class EngineConfig(BaseModel):
         encoder (the tiny preset's codec, or the published Wan2.1 TAEHV file's encoder half where a Wan model
         streams through TAEHV: its latents are the ones that decoder reads); None with video input off. Without
         a choice, the decoder's kind; but a model directory whose TAEHV file has no encoder half gets the Wan VAE's."""
-        if not self.resolved_video_input:
-            return None
+        return self._video_encoder_kind() if self.resolved_video_input else None
+
+    def _video_encoder_kind(self) -> str:
         if self.video_encoder is not None:
             return self.video_encoder
         if self.resolved_video_decoder == "taehv" and self.model_dir is not None and not self.random_weights:

@@ -95,6 +95,12 @@ def test_the_engine_encodes_with_taehv_where_it_decodes_with_it_and_the_file_has
         EngineConfig(**wan, video_encoder="taehv")
     with pytest.raises(ValidationError, match="video_encoder=wan needs a Wan preset"):
         EngineConfig(video_encoder="wan")
+    # Under a GPU memory cap the Wan VAE's encoder (1.07 GiB a session) is off by default, TAEHV's (55 MiB) is not.
+    capped = dict(wan, device="cuda", dtype="bfloat16", gpu_memory_gib=24.0)
+    assert EngineConfig.model_construct(**capped).resolved_video_encoder is None
+    assert EngineConfig.model_construct(**capped, video_decoder="taehv").resolved_video_encoder == "taehv"
+    assert EngineConfig.model_construct(**capped, video_decoder="taehv", video_encoder="wan").resolved_video_encoder is None
+    assert EngineConfig.model_construct(**capped, video_input=True).resolved_video_encoder == "wan"
     # A model directory: the TAEHV file decides (the published files carry an encoder; one without falls back).
     folder = tmp_path / "taehv"
     folder.mkdir()
