@@ -1,0 +1,119 @@
+"""Why do FP8 linears give so little? (issue 31) Where a block's GPU time goes, with and without ``--fp8 linear``.
+
+Prints ONE JSON line. For each precision in ``--modes`` (the first is the reference), one session of the
+configured model as the engine runs it: warm-up blocks that fill the window, timed blocks (median ms), then a
+``torch.profiler`` trace of two blocks whose CUDA kernels are summed by kind — matrix products (cuBLAS /
+CUTLASS, bf16 or FP8), attention, the compiled (Triton) kernels (the FP8 activation quantizers, fused
+elementwise), the rest — and the largest kernels by name. CUDA graphs are off here so every kernel is seen.
+
+    python bench/fp8_linear_probe.py --device cuda --dtype bfloat16 --preset wan2.1-1.3b --modes attention,all
+    python bench/fp8_linear_probe.py --blocks 2 --warmup 2 --modes none    # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from engine.bundle import build_models
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+
+KINDS = (  # (kind, substrings of a kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attn", "attention")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "scaled_mm", "f8f8", "sm90")),
+    ("compiled", ("triton",)),
+)
+
+
+def kind_of(name: str) -> str:
+    lowered = name.lower()
+    for kind, needles in KINDS:
+        if any(needle in lowered for needle in needles):
+            return kind
+    return "other"
+
+
+def run(args, mode: str) -> dict:
+    settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True, cuda_graphs=False)
+    if mode != "none":
+        settings["fp8"] = mode
+    bundle = build_models(EngineConfig(**settings))
+    pipeline = bundle.pipeline
+    manager = KVCacheManager(pipeline.kv_spec(), 1, args.device)
+    kv = manager.open_session("probe")
+    progress = pipeline.new_progress(seed=0, prompt="a red circle bouncing on a blue background")
+    cuda = args.device.startswith("cuda")
+
+    def block() -> None:
+        pipeline.run_block(kv, progress)
+
+    for _ in range(args.warmup):
+        block()
+    times = []
+    for _ in range(args.blocks):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        block()
+        if cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) * 1000)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as trace:
+        for _ in range(2):
+            block()
+        if cuda:
+            torch.cuda.synchronize()
+    by_kind: dict[str, float] = defaultdict(float)
+    by_name: dict[str, float] = defaultdict(float)
+    for event in trace.events():
+        if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
+            us = event.time_range.elapsed_us()
+            by_kind[kind_of(event.name)] += us
+            by_name[event.name[:90]] += us
+    result = {
+        "mode": mode,
+        "block_ms_median": round(statistics.median(times), 1),
+        "kernel_ms_per_block_by_kind": {k: round(v / 2000, 1) for k, v in sorted(by_kind.items())},
+        "kernel_ms_per_block_total": round(sum(by_kind.values()) / 2000, 1),
+        "largest_kernels_ms_per_block": [(name, round(us / 2000, 2)) for name, us in
+                                         sorted(by_name.items(), key=lambda item: -item[1])[:args.top]],
+    }
+    del bundle, pipeline, manager, kv, progress
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", default="attention,all", help="comma-separated: none, linear, attention, all")
+    parser.add_argument("--blocks", type=int, default=4)
+    parser.add_argument("--warmup", type=int, default=8)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    runs = [run(args, mode) for mode in args.modes.split(",")]
+    print(json.dumps({
+        "bench": "fp8_linear_probe",
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "preset": args.preset,
+        "runs": runs,
+    }))
+
+
+if __name__ == "__main__":
+    main()
