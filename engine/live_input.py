@@ -10,10 +10,11 @@ limit or hold up anyone else::
 A block takes the oldest frames it needs, but never from behind a standing queue: a block offered frames finds
 at most its own frames and ``jitter_frames`` more waiting (config ``live_input_jitter_frames``, 1: one frame of
 arrival jitter, so a frame that comes just before a block instead of just after it is not dropped), the older
-ones dropped as stale. Frames arrive as fast
-as blocks take them, so whatever waited beyond that when a block began (the frames that came while the blocks made
-before live input played out) would wait for every block after it, each frame on screen that much later, for the
-rest of the session (twenty-second session: 3 frames, 0.19 s of the fast 1.3B's camera-to-screen on an H100).
+ones dropped as stale. Frames arrive as fast as blocks take them, so whatever waited beyond that when a block
+began (the frames that came while the blocks made before live input played out) would wait for every block after
+it, each frame on screen that much later, for the rest of the session (twenty-second session: 3 frames, 0.19 s of
+the fast 1.3B's camera-to-screen on an H100).
+
 Frames are numbered so that the frames it took, and only those,
 leave the buffer, even when newer ones arrived (and older ones were dropped) while it was being planned.
 Offered frames that a full buffer pushes out before the block's take is known are not counted yet: the
