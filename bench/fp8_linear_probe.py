@@ -87,11 +87,7 @@ def run(args, mode: str) -> dict:
         "largest_kernels_ms_per_block": [(name, round(us / 2000, 2)) for name, us in
                                          sorted(by_name.items(), key=lambda item: -item[1])[:args.top]],
     }
-    del bundle, pipeline, manager, kv, progress
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-    return result
+    return result  # the model goes with this frame: main() collects it before the next precision's
 
 
 def main() -> None:
@@ -104,7 +100,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
-    runs = [run(args, mode) for mode in args.modes.split(",")]
+    runs = []
+    for mode in args.modes.split(","):
+        runs.append(run(args, mode))
+        gc.collect()
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     print(json.dumps({
         "bench": "fp8_linear_probe",
         "date": time.strftime("%Y-%m-%d"),

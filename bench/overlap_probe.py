@@ -25,7 +25,6 @@ import argparse
 import concurrent.futures
 import json
 import platform
-import statistics
 import time
 
 import torch

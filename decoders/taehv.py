@@ -475,14 +475,22 @@ def load_taehv(
     unknown += sorted(key for key in decoder_tensors if key not in expected)
     missing = sorted(key for key in expected if key not in decoder_tensors)
     _fit_grow_weights(model, decoder_tensors)
+    check_tensors(path, f"a TAEHV decoder with widths {config.widths}", decoder_tensors, expected, missing, unknown)
+    model.load_state_dict({key: decoder_tensors[key] for key in expected}, strict=True)
+    log.info("TAEHV weights loaded", extra={"path": str(path), "dtype": str(dtype)})
+    return model.to(device, dtype).eval()
+
+
+def check_tensors(path: Path, what: str, tensors: dict[str, torch.Tensor], expected: dict[str, torch.Tensor],
+                  missing: list[str], unknown: list[str]) -> None:
+    """Raise one :class:`TAEHVWeightsError` naming the file and every problem (missing and unknown keys as the
+    caller found them, tensors of another shape or not floating point), or return when there is none."""
     wrong_shape = sorted(
-        f"{key} {tuple(decoder_tensors[key].shape)} (expected {tuple(value.shape)})"
+        f"{key} {tuple(tensors[key].shape)} (expected {tuple(value.shape)})"
         for key, value in expected.items()
-        if key in decoder_tensors and decoder_tensors[key].shape != value.shape
+        if key in tensors and tensors[key].shape != value.shape
     )
-    not_float = sorted(
-        f"{key} ({value.dtype})" for key, value in decoder_tensors.items() if not value.is_floating_point()
-    )
+    not_float = sorted(f"{key} ({value.dtype})" for key, value in tensors.items() if not value.is_floating_point())
     problems = [
         f"{len(keys)} {label}: {_show(keys)}"
         for keys, label in (
@@ -494,10 +502,7 @@ def load_taehv(
         if keys
     ]
     if problems:
-        raise TAEHVWeightsError(f"{path}: not a TAEHV decoder with widths {config.widths}: " + "; ".join(problems))
-    model.load_state_dict({key: decoder_tensors[key] for key in expected}, strict=True)
-    log.info("TAEHV weights loaded", extra={"path": str(path), "dtype": str(dtype)})
-    return model.to(device, dtype).eval()
+        raise TAEHVWeightsError(f"{path}: not {what}: " + "; ".join(problems))
 
 
 def _fit_grow_weights(model: TAEHVDecoder, tensors: dict[str, torch.Tensor]) -> None:

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from decoders.latent_stats import LatentStats
-from decoders.taehv import MemoryBlock, TAEHVWeightsError, _conv3x3, _read_state_dict, _show, find_taehv_weights
+from decoders.taehv import MemoryBlock, TAEHVWeightsError, _conv3x3, _read_state_dict, check_tensors, find_taehv_weights
 
 FRAMES_PER_LATENT = 4
 
@@ -364,14 +364,7 @@ def load_taehv_encoder(
     expected = model.state_dict()
     missing = sorted(key for key in expected if key not in tensors)
     unknown = sorted(key for key in tensors if key not in expected)
-    wrong_shape = sorted(f"{key} {tuple(tensors[key].shape)} (expected {tuple(value.shape)})"
-                         for key, value in expected.items() if key in tensors and tensors[key].shape != value.shape)
-    not_float = sorted(f"{key} ({value.dtype})" for key, value in tensors.items() if not value.is_floating_point())
-    problems = [f"{len(keys)} {label}: {_show(keys)}" for keys, label in (
-        (missing, "missing key(s)"), (unknown, "unknown key(s)"), (wrong_shape, "key(s) of another shape"),
-        (not_float, "non-float tensor(s)")) if keys]
-    if problems:
-        raise TAEHVWeightsError(f"{path}: not a TAEHV encoder with widths {config.widths}: " + "; ".join(problems))
+    check_tensors(path, f"a TAEHV encoder with widths {config.widths}", tensors, expected, missing, unknown)
     model.load_state_dict(tensors, strict=True)
     return model.to(device, dtype).eval()
 

@@ -588,13 +588,24 @@ def test_model_dir_wan_vae_encodes_pictures_and_live_input(model_dir, parts):
     assert live.shape[0] == 21 and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
 
 
+def _assert_live_at_strength_zero_is_the_round_trip(bundle) -> None:
+    """A live session at strength 0 shows the codec's round trip of its input frame for frame (one call each way)."""
+    from tests.input_helpers import round_trip, run_session
+
+    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
+                    encoder=bundle.encoder)
+    frames = np.random.default_rng(4).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
+    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
+    expected = round_trip(bundle, frames)
+    assert live.shape == expected.shape == frames.shape and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
+
+
 def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir, tmp_path, make_client):
     """A TAEHV file with no encoder half decodes Wan latents only: the model directory's Wan VAE encodes the
     session's pictures and live input for it. At strength 0 the stream shows the VAE-encoded, TAEHV-decoded input
     frame for frame, as one call of each would."""
     from decoders.taehv import random_taehv
     from decoders.video_encode import WanStreamingEncoder
-    from tests.input_helpers import round_trip, run_session
 
     directory = linked_model_dir(model_dir, tmp_path / "with-taehv")
     (directory / "taehv").mkdir()
@@ -602,12 +613,7 @@ def test_a_decode_only_taehv_takes_pictures_through_the_models_own_vae(model_dir
     config = EngineConfig(model_dir=directory, video_decoder="taehv", sink_frames=1, window_frames=2, **SMALL)
     bundle = build_models(config)
     assert isinstance(bundle.encoder, WanStreamingEncoder)
-    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
-                    encoder=bundle.encoder)
-    frames = np.random.default_rng(4).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
-    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
-    expected = round_trip(bundle, frames)
-    assert live.shape == expected.shape == frames.shape and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
+    _assert_live_at_strength_zero_is_the_round_trip(bundle)
     with make_client(engine={"model_dir": str(directory), "video_decoder": "taehv", "random_weights": False,
                              **{k: SMALL[k] for k in ("height", "width")}}) as client:
         with client.websocket_connect("/v1/stream") as ws:
@@ -622,7 +628,6 @@ def test_a_taehv_file_with_its_encoder_half_encodes_the_sessions_input(model_dir
     """The published TAEHV files carry an encoder: with one, the model directory's TAEHV encodes pictures and live
     input too (no Wan VAE encoder state per session), and at strength 0 the stream is its round trip."""
     from decoders.taehv_encoder import TAEHVStreamingEncoder
-    from tests.input_helpers import round_trip, run_session
     from tests.test_taehv_encoder_weights import WAN_TAEHV_ENCODER, published_state_dict, random_taehv_encoder
 
     directory = linked_model_dir(model_dir, tmp_path / "with-taehv-encoder")
@@ -634,12 +639,7 @@ def test_a_taehv_file_with_its_encoder_half_encodes_the_sessions_input(model_dir
     bundle = build_models(config)
     assert isinstance(bundle.encoder, TAEHVStreamingEncoder)
     assert all(torch.equal(bundle.encoder.model.state_dict()[key], value) for key, value in original.state_dict().items())
-    runner = Runner(bundle.pipeline, bundle.decoder, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"),
-                    encoder=bundle.encoder)
-    frames = np.random.default_rng(4).integers(0, 256, (21, 48, 64, 3), dtype=np.uint8)
-    live = np.concatenate(run_session(runner, "live", "a red fox runs", blocks=2, live=frames, strength=0.0))
-    expected = round_trip(bundle, frames)
-    assert live.shape == expected.shape == frames.shape and np.abs(live.astype(int) - expected.astype(int)).max() <= 2
+    _assert_live_at_strength_zero_is_the_round_trip(bundle)
 
 
 def test_a_server_without_video_input_refuses_pictures_and_live_input_and_says_why(make_client):
