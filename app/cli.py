@@ -43,6 +43,7 @@ _ENGINE_FLAGS = {
     "width": "width",
     "sink_frames": "sink_frames",
     "window_frames": "window_frames",
+    "frames_per_block": "frames_per_block",
     "guidance": "guidance_scale",
     "cpu_threads": "cpu_threads",
     "audio": "audio",
@@ -154,6 +155,9 @@ def _engine_arguments(parser: argparse.ArgumentParser, *, with_defaults: bool = 
            help="first latent frames kept forever (default: the model's arstream.json, else 3)")
     option("--window-frames", type=int, default=None,
            help="recent latent frames kept besides the sink (default: the model's arstream.json, else 15)")
+    option("--frames-per-block", type=int, default=None,
+           help="latent frames per AR block, 4 video frames each (default: the model's arstream.json or the shipped "
+                "weights' setting, else 3); 1 puts a live camera frame on screen soonest (docs/ENGINE.md)")
     option("--guidance", type=float, default=1.0, env="ARSTREAM_ENGINE__GUIDANCE_SCALE",
            help="classifier-free guidance scale; > 1 runs a second, unconditional branch")
     option("--cpu-threads", type=int, default=None,

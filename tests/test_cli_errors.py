@@ -294,6 +294,17 @@ def test_random_weights_are_asked_for_by_flag_or_by_variable(monkeypatch):
     assert _engine_config(args).random_weights is False and _engine_config(args).preset == "tiny"
 
 
+def test_the_block_length_is_a_flag_of_both_commands_and_unset_leaves_the_weights_setting():
+    from app.cli import _engine_config, _settings_from, build_parser
+
+    args = build_parser().parse_args(["serve", "--frames-per-block", "1"])
+    assert _settings_from(args).engine.frames_per_block == 1
+    assert _engine_config(build_parser().parse_args(["generate", "--prompt", "x", "--frames-per-block", "1"])) \
+        .frames_per_block == 1
+    # The shipped tiny weights are served with blocks of 2 (their arstream settings) unless a flag says otherwise.
+    assert _settings_from(build_parser().parse_args(["serve"])).engine.frames_per_block == 2
+
+
 def test_every_flag_has_help_and_generate_shows_its_defaults():
     import argparse
 
