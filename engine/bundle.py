@@ -198,7 +198,7 @@ def _video_encoder(config: EngineConfig, preset: ModelPreset, vae: AutoencoderKL
         return None
     if kind == "wan":
         return WanStreamingEncoder(vae) if vae is not None else None
-    if config.model_dir is not None or preset.codec_encoder is None:  # a Wan model: the TAEHV file's encoder half
+    if config.wan_model:  # the TAEHV file's encoder half
         if config.model_dir is not None and not config.random_weights:
             model = load_taehv_encoder(find_taehv_weights(config.model_dir), config.device, config.torch_dtype)
         else:

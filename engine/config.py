@@ -322,15 +322,13 @@ class EngineConfig(BaseModel):
             refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
             if refusal:
                 raise ValueError(refusal)
-        if self.video_decoder == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
-            raise ValueError(
-                f"preset {self.preset} has no Wan VAE (its codec is a TAEHV-class encoder and decoder); "
-                "video_decoder=wan needs a Wan preset or a model directory"
-            )
-        if self.video_encoder == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
-            raise ValueError(f"preset {self.preset} has no Wan VAE; video_encoder=wan needs a Wan preset or a model directory")
-        wan_model = self.model_dir is not None or get_preset(self.preset).codec_encoder is None
-        if self.video_encoder == "taehv" and wan_model and self.resolved_video_decoder != "taehv":
+        for field in ("video_decoder", "video_encoder"):  # the Wan VAE asked for where there is none
+            if getattr(self, field) == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
+                raise ValueError(
+                    f"preset {self.preset} has no Wan VAE (its codec is a TAEHV-class encoder and decoder); "
+                    f"{field}=wan needs a Wan preset or a model directory"
+                )
+        if self.video_encoder == "taehv" and self.wan_model and self.resolved_video_decoder != "taehv":
             raise ValueError("video_encoder=taehv reads the TAEHV file's encoder half: it needs video_decoder=taehv")
         if self.gpu_memory_gib is not None and not self.device.startswith("cuda"):
             raise ValueError(f"gpu_memory_gib caps a CUDA device's memory; this engine runs on {self.device}")
@@ -369,6 +367,12 @@ class EngineConfig(BaseModel):
         if self.video_decoder is not None:
             return self.video_decoder
         return "wan" if self.model_dir is not None else get_preset(self.preset).video_codec
+
+    @property
+    def wan_model(self) -> bool:
+        """A Wan model (a model directory, or a preset without a codec of its own): its pictures are encoded by the
+        Wan VAE or by the TAEHV file's encoder half, never by the tiny preset's codec."""
+        return self.model_dir is not None or get_preset(self.preset).codec_encoder is None
 
     @property
     def resolved_video_input(self) -> bool:
