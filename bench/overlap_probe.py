@@ -97,67 +97,54 @@ def main() -> None:
         for _ in range(blocks):
             serial_frames.append(serial_session.decode(serial_session.denoise()))
 
-    def overlapped(blocks: int) -> None:
+    threaded_frames: list[torch.Tensor] = []
+    threaded_session = Session(bundle, args.device, "threaded")
+
+    def decode_beside(session: Session, video: torch.Tensor, ready) -> tuple[torch.Tensor, object]:
+        """Block N's decode on the side stream once its latents are ready; its frames and the event they are
+        done at (None off CUDA)."""
+        if not cuda:
+            return session.decode(video), None
+        with torch.cuda.stream(side):
+            side.wait_event(ready)
+            frames = session.decode(video)
+            done = torch.cuda.Event()
+            done.record()
+        video.record_stream(side)
+        return frames, done
+
+    def overlapped(blocks: int, session: Session, out: list[torch.Tensor], pool=None) -> None:
+        """Each block's decode beside the next block's denoise. ``pool``: the decode launched from its host thread
+        (launches from one thread serialise the two: the decode's many small kernels hold the host while the
+        denoise waits to be queued); without one, from this thread, and the main stream waits for the side
+        stream once, at the end."""
         pending = None  # (latents, their ready event) of the block whose decode runs beside the next denoise
         for index in range(blocks + 1):
+            job = None
             if pending is not None:
-                video, ready = pending
-                if cuda:
-                    side.wait_event(ready)
-                    with torch.cuda.stream(side):
-                        frames = overlap_session.decode(video)
-                    video.record_stream(side)
-                else:
-                    frames = overlap_session.decode(video)
-                overlap_frames.append(frames)
+                job = (pool.submit(decode_beside, session, *pending) if pool is not None
+                       else decode_beside(session, *pending))
             if index < blocks:
-                video = overlap_session.denoise()
+                video = session.denoise()
                 ready = None
                 if cuda:
                     ready = torch.cuda.Event()
                     ready.record()
                 pending = (video, ready)
+            if job is not None:
+                frames, done = job.result() if pool is not None else job
+                if pool is not None and done is not None:
+                    torch.cuda.current_stream().wait_event(done)
+                out.append(frames)
         if cuda:
             torch.cuda.current_stream().wait_stream(side)
 
-    threaded_frames: list[torch.Tensor] = []
-    threaded_session = Session(bundle, args.device, "threaded")
+    def one_thread(blocks: int) -> None:
+        overlapped(blocks, overlap_session, overlap_frames)
 
     def threaded(blocks: int) -> None:
-        """The decode launched from a second host thread on its own stream: launches from one thread serialise
-        the two (the decode's many small kernels hold the host while the denoise waits to be queued)."""
-        pool = concurrent.futures.ThreadPoolExecutor(1)
-
-        def decode_on_side(video, ready):
-            if cuda:
-                with torch.cuda.stream(side):
-                    side.wait_event(ready)
-                    frames = threaded_session.decode(video)
-                    done = torch.cuda.Event()
-                    done.record()
-                return frames, done
-            return threaded_session.decode(video), None
-
-        pending = None
-        try:
-            for index in range(blocks + 1):
-                job = None
-                if pending is not None:
-                    job = pool.submit(decode_on_side, *pending)
-                if index < blocks:
-                    video = threaded_session.denoise()
-                    ready = None
-                    if cuda:
-                        ready = torch.cuda.Event()
-                        ready.record()
-                    pending = (video, ready)
-                if job is not None:
-                    frames, done = job.result()
-                    if done is not None:
-                        torch.cuda.current_stream().wait_event(done)
-                    threaded_frames.append(frames)
-        finally:
-            pool.shutdown()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            overlapped(blocks, threaded_session, threaded_frames, pool)
 
     def denoise_only(blocks: int) -> None:
         for _ in range(blocks):
@@ -171,13 +158,13 @@ def main() -> None:
 
     # Warm-up: every kernel, compile and graph, the window filled (both sessions alike, so their frames match).
     serial(args.warmup)
-    overlapped(args.warmup)
+    one_thread(args.warmup)
     threaded(args.warmup)
     for _ in range(2):
         latents_for_decode.append(serial_session.denoise())
     # Decode-only goes last on the serial session (it advances its decoder state); the others interleave.
     serial_ms = timed(device, serial, args.blocks)
-    overlap_ms = timed(device, overlapped, args.blocks)
+    overlap_ms = timed(device, one_thread, args.blocks)
     threaded_ms = timed(device, threaded, args.blocks)
     serial_again_ms = timed(device, serial, args.blocks)
     denoise_ms = timed(device, denoise_only, args.blocks)
