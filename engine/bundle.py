@@ -27,6 +27,7 @@ from engine.models.loading import load_model_dir
 from engine.models.pipeline import CausalWanPipeline
 from engine.models.presets import ModelPreset, get_preset
 from engine.models.random_text import random_umt5_text_encoder
+from engine.models.rope import ROPE_THETA
 from engine.models.schedule import shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
 from engine.models.trained import TrainedWeights, trained_weights
@@ -111,6 +112,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         # bf16 keeps every fused step bit-identical to eager; the FP8 modes (judged by their quality delta
         # against bf16) also take the steps that round differently (docs/ENGINE.md).
         exact_kernels=config.fp8 == "off",
+        rope_spatial_theta=trained.rope_spatial_theta() if trained else ROPE_THETA,
     )
     pipeline = CausalWanPipeline(
         causal,

@@ -1,6 +1,8 @@
 """Training mechanics: the teacher-forced forward is the engine's block forward, the word encoder, the sampler's targets,
 the continuation stage's history is the engine's opening context and a continuation round runs."""
 
+from pathlib import Path
+
 import numpy as np
 import torch
 
@@ -150,6 +152,29 @@ def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_s
     logged = (tmp_path / "train.log").read_text()
     assert "cont3 step=" in logged and "cont3r step=" in logged  # both kinds of step ran
     assert "long3 step=" in logged and "valid=" in logged and "long3h step=" in logged  # learned against the world, and held
+
+
+def test_a_round_trained_with_another_spatial_rotary_base_names_it_and_the_fade_checks_overlay_takes_it(tmp_path, monkeypatch):
+    """``rope_spatial_theta=20`` (engine.models.rope; not the shipped base): one teacher-forced step from the shipped weights; the checkpoint's
+    transformer file says its base, and train.fade's overlay onto the shipped model's bundle rebuilds the tables."""
+    from engine.models.trained import rope_spatial_theta
+    from train import checks, codec, fade, run
+
+    monkeypatch.setattr(codec, "reconstruction_report", lambda *a, **k: ([], None))
+    monkeypatch.setattr(codec, "print_report", lambda *a, **k: None)
+    monkeypatch.setattr(run, "_sample_check", lambda *a, **k: None)
+    ckpt = tmp_path / "ckpt"
+    assert run.main([
+        "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
+        "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
+        "--budget", "fewstep_s=0,rollout_s=0,cont_s=0,long_s=0,data_clips=2,max_steps=1,rope_spatial_theta=20",
+    ]) == 0
+    assert rope_spatial_theta(ckpt / "transformer.safetensors") == 20.0
+    shipped = rope_spatial_theta(Path("engine/models/weights/tiny/transformer.safetensors"))
+    bundle = checks.build()
+    assert bundle.pipeline.transformer.rope.spatial_theta == shipped != 20.0
+    assert fade.overlay(bundle, ckpt) == ["transformer", "audio_tokens", "text_encoder"]
+    assert bundle.pipeline.transformer.rope.spatial_theta == 20.0
 
 
 def test_the_long_rollouts_dense_forward_is_the_engines_after_blocks_of_two_and_keeps_what_the_engine_keeps():

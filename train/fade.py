@@ -39,7 +39,12 @@ def overlay(bundle, directory: Path) -> list[str]:
     from engine.models.prompt_embeddings import PromptEmbeddings
     from train.common import load_module_file
 
+    from engine.models.trained import rope_spatial_theta
+
     loaded = []
+    transformer_file = directory / "transformer.safetensors"
+    if transformer_file.exists():  # trained with another spatial rotary base than the shipped file's
+        bundle.pipeline.transformer.use_rope_spatial_theta(rope_spatial_theta(transformer_file))
     for name, module_of in DIT_FILES.items():
         module = module_of(bundle.pipeline)
         if module is not None and load_module_file(directory / f"{name}.safetensors", module):

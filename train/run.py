@@ -42,7 +42,8 @@ import numpy as np
 import torch
 
 from engine.models.causal_wan import CausalWanTransformer
-from engine.models.trained import TrainedWeights
+from engine.models.rope import ROPE_THETA
+from engine.models.trained import ROPE_SPATIAL_THETA_KEY, TrainedWeights, rope_spatial_theta
 from train.audio import train_audio_decoder
 from train.common import Checkpoint, build_modules, latent_stats_metadata, load_module_file
 from train.progress import LossLog, StageClock
@@ -54,12 +55,14 @@ FULL = {
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
     "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0,
     "long_s": 0, "long_blocks": 24, "long_block": 2, "long_from": 3, "long_share": 0.5, "long_hold": 0.0, "long_hold_kind": "fewstep", "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
+    "rope_spatial_theta": 0.0,  # 0: the base of the transformer file loaded (Wan's 10000 for a new one)
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
     "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5,
     "long_s": 60, "long_blocks": 4, "long_block": 2, "long_from": 1, "long_share": 1.0, "long_hold": 0.5, "long_hold_kind": "fewstep", "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
+    "rope_spatial_theta": 0.0,
 }
 STATE_FILES = {"audio": "state.audio.json"}
 SAVE_EVERY_S = 45.0
@@ -112,12 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"plan ({args.only}): {json.dumps(cfg)}", flush=True)
     modules = build_modules(device)
     from_init = set(filter(None, args.init_modules.split(","))) or set(modules)
-    loaded = set()
+    loaded = {}
     for name, module in modules.items():
         for source in (args.init if name in from_init else None, ckpt.directory):
             if source is not None and load_module_file(source / f"{name}.safetensors", module):
-                loaded.add(name)
+                loaded[name] = source / f"{name}.safetensors"
                 print(f"loaded {name} from {source}", flush=True)
+    # The DiT's spatial rotary base: asked for, else the loaded file's (a run resumed from its checkpoint keeps it).
+    theta = cfg["rope_spatial_theta"] or (rope_spatial_theta(loaded["transformer"]) if "transformer" in loaded else ROPE_THETA)
+    transformer_metadata = {ROPE_SPATIAL_THETA_KEY: repr(float(theta))} if theta != ROPE_THETA else None
     steps = lambda: cfg["max_steps"]  # noqa: E731
 
     if args.only == "audio":
@@ -177,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
 
     latent_h, latent_w = data.video.shape[3], data.video.shape[4]
     causal = CausalWanTransformer(modules["transformer"], latent_height=latent_h, latent_width=latent_w,
-                                  audio=modules["audio_tokens"], fused_kernels=False)  # no compile time in the budget
+                                  audio=modules["audio_tokens"], fused_kernels=False,  # no compile time in the budget
+                                  rope_spatial_theta=theta)
+    print(f"spatial rotary base {theta:g}", flush=True)
     causal.train()
     modules["text_encoder"].train()
     rng = np.random.default_rng(4 if not continuing else 4 + 2 * (args.round - 1))
@@ -199,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
         return cfg["dit_lr"] * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def save_dit() -> None:
-        ckpt.save("transformer", modules["transformer"])
+        ckpt.save("transformer", modules["transformer"], metadata=transformer_metadata)
         ckpt.save("audio_tokens", modules["audio_tokens"])
         ckpt.save("text_encoder", modules["text_encoder"])
 

@@ -23,7 +23,7 @@ from engine.models.attention import (
 )
 from engine.models.kernels import Kernels
 from engine.models.latents import BlockLatents
-from engine.models.rope import FrameRotaryEmbedding
+from engine.models.rope import ROPE_THETA, FrameRotaryEmbedding
 
 
 class CausalWanTransformer(torch.nn.Module):
@@ -39,8 +39,11 @@ class CausalWanTransformer(torch.nn.Module):
         fused_kernels: bool | None = None,
         fp8_attention: bool = False,
         exact_kernels: bool = True,
+        rope_spatial_theta: float = ROPE_THETA,
     ) -> None:
-        """``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA).
+        """``rope_spatial_theta``: the rotary base of the rows and columns, the one the weights were trained with
+        (``engine.models.trained.rope_spatial_theta``; Wan's 10000 unless they say otherwise).
+        ``fused_kernels``: run the elementwise work through compiled kernels (default: on CUDA).
         ``exact_kernels=False``: also the fused steps that round differently from eager (``Kernels.make``).
         ``fp8_attention``: self-attention through the FP8 kernel (docs/FP8.md); needs a bf16 model on a Hopper
         GPU (or the Triton interpreter on the CPU, for tests) and a pipeline that gathers history once per block."""
@@ -73,16 +76,22 @@ class CausalWanTransformer(torch.nn.Module):
         self.inner_dim = self.num_heads * self.head_dim
         self.audio = audio
         self.audio_tokens_per_frame = audio.tokens_per_frame if audio is not None else 0
+        self.use_rope_spatial_theta(rope_spatial_theta)
+        for index, block in enumerate(transformer.blocks):
+            block.attn1.set_processor(PagedSelfAttentionProcessor(index, fp8_attention=fp8_attention))
+            block.attn2.set_processor(CachedCrossAttentionProcessor(index))
+
+    def use_rope_spatial_theta(self, theta: float) -> None:
+        """Rotary tables of this spatial base (weights trained with another one loaded in place: before the first
+        forward, whose graphs and history loads would keep the old tables)."""
         self.rope = FrameRotaryEmbedding(
             self.head_dim,
             self.patch_rows,
             self.patch_cols,
-            config.rope_max_seq_len,
+            self.transformer.config.rope_max_seq_len,
             audio_tokens=self.audio_tokens_per_frame,
+            spatial_theta=theta,
         )
-        for index, block in enumerate(transformer.blocks):
-            block.attn1.set_processor(PagedSelfAttentionProcessor(index, fp8_attention=fp8_attention))
-            block.attn2.set_processor(CachedCrossAttentionProcessor(index))
 
     @property
     def video_tokens_per_frame(self) -> int:

@@ -5,12 +5,20 @@ is given. A streamed block needs its keys numbered after the history, so this
 builds the same tables (same split of head_dim into t/h/w, same frequencies,
 from diffusers' own ``get_1d_rotary_pos_embed``) and indexes the frame axis by
 position.
+
+The spatial axes may take their own ``spatial_theta``: with Wan's 10000, a head of 32 dims gives each spatial axis
+five frequencies of which only the two fastest move across a small frame (the tiny model's is 16 tokens wide), so
+a position 6 tokens away looks to attention nearly like the query's own. A smaller base spreads the five across
+the frame (docs/TINY_MODEL.md, *Pictures in everyday colours*). Trained weights say which base they were trained
+with (``engine.models.trained``); the frame axis always keeps ``theta``.
 """
 
 from __future__ import annotations
 
 import torch
 from diffusers.models.embeddings import get_1d_rotary_pos_embed
+
+ROPE_THETA = 10000.0  # Wan2.1's base, for every axis
 
 
 class FrameRotaryEmbedding:
@@ -20,13 +28,23 @@ class FrameRotaryEmbedding:
     """
 
     def __init__(
-        self, head_dim: int, rows: int, cols: int, max_frames: int, theta: float = 10000.0, audio_tokens: int = 0
+        self,
+        head_dim: int,
+        rows: int,
+        cols: int,
+        max_frames: int,
+        theta: float = ROPE_THETA,
+        audio_tokens: int = 0,
+        spatial_theta: float = ROPE_THETA,
     ) -> None:
+        if not spatial_theta > 1.0:
+            raise ValueError(f"spatial rotary base {spatial_theta} must be above 1")
         self.head_dim = head_dim
         self.rows = rows
         self.cols = cols
         self.audio_tokens = audio_tokens
         self.max_frames = max_frames
+        self.spatial_theta = float(spatial_theta)
         h_dim = w_dim = 2 * (head_dim // 6)
         t_dim = head_dim - h_dim - w_dim
         row_index = torch.arange(rows).repeat_interleave(cols)
@@ -36,9 +54,10 @@ class FrameRotaryEmbedding:
             col_index = torch.cat([col_index, torch.arange(audio_tokens)])
         # Half-width tables: one angle per rotated pair of channels.
         halves = []
-        for dim, length in ((t_dim, max_frames), (h_dim, rows + 1), (w_dim, max(cols, audio_tokens))):
+        axes = ((t_dim, max_frames, theta), (h_dim, rows + 1, spatial_theta), (w_dim, max(cols, audio_tokens), spatial_theta))
+        for dim, length, base in axes:
             cos, sin = get_1d_rotary_pos_embed(
-                dim, length, theta, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
+                dim, length, base, use_real=True, repeat_interleave_real=True, freqs_dtype=torch.float64
             )
             halves.append((cos[:, 0::2].float(), sin[:, 0::2].float()))
         (self._t_cos, self._t_sin), (h_cos, h_sin), (w_cos, w_sin) = halves

@@ -1,6 +1,7 @@
 """Weights shipped in the package for a preset (engine/models/weights/<name>/), one safetensors file per module.
 
-    transformer.safetensors   WanTransformer3DModel state dict
+    transformer.safetensors   WanTransformer3DModel state dict; metadata: rope_spatial_theta, the rotary base of its
+                              rows and columns when it is not Wan's 10000 (engine.models.rope)
     codec.safetensors         the TAEHV-class video codec: encoder.* and decoder.* tensors (decoders.taehv_encoder,
                               decoders.taehv); metadata: latents_mean, latents_std (JSON lists) of its latents
     audio_vae.safetensors     AutoencoderOobleck state dict
@@ -21,7 +22,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from engine.models.rope import ROPE_THETA
 from engine.models.text_encoder import WordTextEncoder
+
+ROPE_SPATIAL_THETA_KEY = "rope_spatial_theta"
+
+
+def rope_spatial_theta(path: Path) -> float:
+    """The spatial rotary base a transformer file was trained with: its metadata's, else Wan's."""
+    with safe_open(str(path), framework="pt") as handle:
+        value = (handle.metadata() or {}).get(ROPE_SPATIAL_THETA_KEY)
+    if value is None:
+        return ROPE_THETA
+    try:
+        theta = float(value)
+    except ValueError:
+        raise ValueError(f"{path}: metadata {ROPE_SPATIAL_THETA_KEY}={value!r} is not a number") from None
+    if not theta > 1.0:
+        raise ValueError(f"{path}: metadata {ROPE_SPATIAL_THETA_KEY}={value!r} must be above 1")
+    return theta
 
 WEIGHTS_ROOT = Path(__file__).parent / "weights"
 
@@ -44,6 +63,9 @@ class TrainedWeights:
         tensors = load_file(str(self._path("codec")))
         prefix = next(iter(module.state_dict())).split(".")[0] + "."
         module.load_state_dict({key: value for key, value in tensors.items() if key.startswith(prefix)})
+
+    def rope_spatial_theta(self) -> float:
+        return rope_spatial_theta(self._path("transformer"))
 
     def latent_stats(self) -> dict[str, list[float]]:
         """The codec's latent statistics measured at training time (the decoder denormalises with them)."""
