@@ -21,9 +21,12 @@ def _angles(rope: FrameRotaryEmbedding) -> torch.Tensor:
 
 
 def _column_similarity(base: float, distance: int) -> float:
-    """How alike two columns ``distance`` tokens apart look to a rotary pair set of this base (mean cos over pairs)."""
-    pairs = 2 * (HEAD_DIM // 6) // 2
-    return sum(math.cos(distance * base ** (-2 * i / (2 * pairs))) for i in range(pairs)) / pairs
+    """How alike two columns ``distance`` tokens apart look to the width axis's rotary pairs of the tables built
+    with this base (mean cos of the pairs' angle differences, row 0 of frame 0)."""
+    rope = FrameRotaryEmbedding(HEAD_DIM, ROWS, COLS, FRAMES, spatial_theta=base)
+    pairs = HEAD_DIM // 6
+    width = _angles(rope)[:COLS, -pairs:]  # frame 0, row 0: columns 0..COLS-1
+    return float(torch.cos(width[distance] - width[0]).mean())
 
 
 def test_the_default_base_is_wans_and_another_spatial_base_leaves_the_frame_axis_alone():
