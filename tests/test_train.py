@@ -244,3 +244,18 @@ def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
     expected = latent_footprint(clip.coverage, 12)[10:12]
     assert float((footprint * expected).sum() / expected.sum()) > 0.8
     assert targets.fit(Scene("circle", "red", "still", "blue"), (np.zeros(2), np.zeros(2), np.zeros(2))) is None  # too few frames
+
+
+def test_the_gate_fails_the_shipped_weights_where_the_everyday_picture_test_does_and_passes_their_recache(capsys):
+    """train.gate, the CPU gate of a round's candidate: on the shipped weights (no --weights) a picture on an
+    ordinary blue under "still" loses its object (tests/test_image_to_video.py's strict xfail), `recache` repaints
+    the background; the exit status says which."""
+    from train import gate
+
+    assert gate.main(["--only", "pictures,recache", "--blues", "everyday", "--motions", "still"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    pictures = [line for line in lines if line.startswith("pictures")]
+    recache = [line for line in lines if line.startswith("recache")]
+    assert len(pictures) == 1 and pictures[0].endswith("FAIL") and "everyday still" in pictures[0]
+    assert len(recache) == 3 and all(line.endswith("PASS") for line in recache)
+    assert lines[-1] == "some failed"
