@@ -126,11 +126,9 @@ def test_block_flow_after_a_short_context_is_the_engines_first_block_after_commi
     assert torch.equal(history_mask(6, 9, 2, "cpu"), whole.unsqueeze(1) >= whole.unsqueeze(0))
 
 
-def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_shipped_weights(tmp_path, monkeypatch):
-    """train.run's flags for the GPU call (--only dit --round 3 --init the shipped weights, only cont_s and long_s), at --toy
-    size on the CPU, without the codec's and the DiT's read-back checks (their own code, ~12 s here)."""
-    import json
-
+def _toy_round_from_the_shipped_weights(tmp_path, monkeypatch, budget: str) -> Path:
+    """``train.run --toy --only dit --round 3 --init`` the shipped weights with ``budget``, on the CPU, without the
+    codec's and the DiT's read-back checks (their own code, ~12 s here); the checkpoint's directory."""
     from train import codec, run
 
     monkeypatch.setattr(codec, "reconstruction_report", lambda *a, **k: ([], None))
@@ -139,10 +137,21 @@ def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_s
     ckpt = tmp_path / "ckpt"
     assert run.main([
         "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
-        "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
-        "--budget", "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,long_s=60,dit_lr=2e-4,data_clips=2,max_steps=4,cont_mix=0.5,"
-        "long_hold_kind=cont",  # the long stage held by continuation steps
+        "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny", "--budget", budget,
     ]) == 0
+    return ckpt
+
+
+def test_a_toy_continuation_round_runs_the_cont_and_long_stages_alone_from_the_shipped_weights(tmp_path, monkeypatch):
+    """train.run's flags for the GPU call (--only dit --round 3 --init the shipped weights, only cont_s and long_s), at --toy
+    size on the CPU."""
+    import json
+
+    ckpt = _toy_round_from_the_shipped_weights(
+        tmp_path, monkeypatch,
+        "tf_s=0,fewstep_s=0,rollout_s=0,cont_s=60,long_s=60,dit_lr=2e-4,data_clips=2,max_steps=4,cont_mix=0.5,"
+        "long_hold_kind=cont",  # the long stage held by continuation steps
+    )
     stages = json.loads((ckpt / "state.json").read_text())["stages"]
     assert stages["cont3"] == {"done": True, "steps": 4}
     assert stages["long3"] == {"done": True, "steps": 4}  # rollouts learned against the world (train.long_rollout)
@@ -158,17 +167,11 @@ def test_a_round_trained_with_another_spatial_rotary_base_names_it_and_the_fade_
     """``rope_spatial_theta=20`` (engine.models.rope; not the shipped base): one teacher-forced step from the shipped weights; the checkpoint's
     transformer file says its base, and train.fade's overlay onto the shipped model's bundle rebuilds the tables."""
     from engine.models.trained import rope_spatial_theta
-    from train import checks, codec, fade, run
+    from train import checks, fade
 
-    monkeypatch.setattr(codec, "reconstruction_report", lambda *a, **k: ([], None))
-    monkeypatch.setattr(codec, "print_report", lambda *a, **k: None)
-    monkeypatch.setattr(run, "_sample_check", lambda *a, **k: None)
-    ckpt = tmp_path / "ckpt"
-    assert run.main([
-        "--checkpoint", str(ckpt), "--log", str(tmp_path / "train.log"), "--toy", "--device", "cpu",
-        "--only", "dit", "--round", "3", "--init", "engine/models/weights/tiny",
-        "--budget", "fewstep_s=0,rollout_s=0,cont_s=0,long_s=0,data_clips=2,max_steps=1,rope_spatial_theta=20",
-    ]) == 0
+    ckpt = _toy_round_from_the_shipped_weights(
+        tmp_path, monkeypatch, "fewstep_s=0,rollout_s=0,cont_s=0,long_s=0,data_clips=2,max_steps=1,rope_spatial_theta=20"
+    )
     assert rope_spatial_theta(ckpt / "transformer.safetensors") == 20.0
     shipped = rope_spatial_theta(Path("engine/models/weights/tiny/transformer.safetensors"))
     bundle = checks.build()
