@@ -37,9 +37,8 @@ DIT_FILES = {"transformer": lambda p: p.transformer.transformer, "audio_tokens":
 def overlay(bundle, directory: Path) -> list[str]:
     """Load the DiT's module files found in ``directory`` into ``bundle``'s modules; the names loaded."""
     from engine.models.prompt_embeddings import PromptEmbeddings
-    from train.common import load_module_file
-
     from engine.models.trained import rope_spatial_theta
+    from train.common import load_module_file
 
     loaded = []
     transformer_file = directory / "transformer.safetensors"
