@@ -521,6 +521,18 @@ def _fit_grow_weights(model: TAEHVDecoder, tensors: dict[str, torch.Tensor]) -> 
                 tensors[key] = stored[-wanted.shape[0] :]
 
 
+def _torch_load_mapped(path: Path):
+    """``torch.load(weights_only=True)``, memory-mapped where the file allows (the zip format): the start-up's
+    encoder-half check and the decoder's and encoder's loads of one file then each read only the tensors they use,
+    not the whole file three times. A legacy (non-zip) file is read whole."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as error:
+        if "mmap can only be used" not in str(error):
+            raise
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
     if not path.is_file():
         raise TAEHVWeightsError(f"TAEHV weights {path}: no such file")
@@ -538,7 +550,7 @@ def _read_state_dict(path: Path) -> dict[str, torch.Tensor]:
             f"TAEHV weights {path}: unknown file type {suffix or '(none)'}; use .safetensors or .pth"
         )
     try:
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        loaded = _torch_load_mapped(path)
     except Exception as error:  # an unpickler refusal, a truncated file: one message naming the file
         raise TAEHVWeightsError(
             f"TAEHV weights {path}: cannot be read with torch.load(weights_only=True) ({type(error).__name__}: "

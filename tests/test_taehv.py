@@ -130,11 +130,15 @@ def test_default_config_has_the_published_decoder_layout():
     assert len(shapes) == 64 and not any(".skip." in key for key in shapes)
 
 
-@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors", "legacy.pth"])
 def test_saved_state_dict_round_trips_through_load_taehv(tmp_path, model, decoder, seven_frames, suffix):
+    """A .pth is memory-mapped (the zip format), a legacy (pre-zip) .pth read whole: the same weights either way."""
     path = tmp_path / f"taew2_1{suffix}"
     state_dict = {key: value.contiguous() for key, value in model.state_dict().items()}
-    torch.save(state_dict, path) if suffix == ".pth" else save_file(state_dict, str(path))
+    if suffix == ".safetensors":
+        save_file(state_dict, str(path))
+    else:
+        torch.save(state_dict, path, _use_new_zipfile_serialization=suffix == ".pth")
     loaded = load_taehv(path, "cpu", torch.float32, config=TINY_TAEHV_CONFIG)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
