@@ -262,3 +262,45 @@ def test_the_gate_fails_the_shipped_weights_where_the_everyday_picture_test_does
     assert len(pictures) == 1 and pictures[0].endswith("FAIL") and "everyday still" in pictures[0]
     assert len(recache) == 3 and all(line.endswith("PASS") for line in recache)
     assert lines[-1] == "some failed"
+
+
+def _candidate(directory: Path, value: float, theta: str | None = "16.0") -> Path:
+    """A candidate's DiT files with a few tensors of one value (the layout train.run writes)."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    metadata = {"rope_spatial_theta": theta} if theta is not None else None
+    save_file({"blocks.0.attn1.to_q.weight": torch.full((4, 4), value), "blocks.0.ffn.net.0.proj.weight": torch.full((4, 2), value),
+               "steps": torch.tensor([3, 4])}, directory / "transformer.safetensors", metadata=metadata)
+    save_file({"embedding.weight": torch.full((2, 3), value)}, directory / "text_encoder.safetensors")
+    return directory
+
+
+def test_a_soup_mixes_two_candidates_weight_by_weight_or_only_the_named_tensors_and_refuses_two_rotary_bases(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    from train.soup import main
+
+    a, b = _candidate(tmp_path / "a", 1.0), _candidate(tmp_path / "b", 3.0)
+    assert main([str(a), str(b), "--alpha", "0.25", "--out", str(tmp_path / "all")]) == 0
+    mixed = load_file(tmp_path / "all" / "transformer.safetensors")
+    assert torch.equal(mixed["blocks.0.attn1.to_q.weight"], torch.full((4, 4), 1.5))
+    assert torch.equal(mixed["blocks.0.ffn.net.0.proj.weight"], torch.full((4, 2), 1.5))
+    assert torch.equal(mixed["steps"], torch.tensor([3, 4]))  # an integer tensor is copied, not averaged
+    assert torch.equal(load_file(tmp_path / "all" / "text_encoder.safetensors")["embedding.weight"], torch.full((2, 3), 1.5))
+    with safe_open(tmp_path / "all" / "transformer.safetensors", "pt") as handle:
+        assert handle.metadata() == {"rope_spatial_theta": "16.0"}  # the engine serves it with A's base
+
+    assert main([str(a), str(b), "--alpha", "1", "--only", "attn1", "--out", str(tmp_path / "attn")]) == 0
+    part = load_file(tmp_path / "attn" / "transformer.safetensors")
+    assert torch.equal(part["blocks.0.attn1.to_q.weight"], torch.full((4, 4), 3.0))
+    assert torch.equal(part["blocks.0.ffn.net.0.proj.weight"], torch.full((4, 2), 1.0))
+    assert torch.equal(load_file(tmp_path / "attn" / "text_encoder.safetensors")["embedding.weight"], torch.full((2, 3), 1.0))
+
+    other = _candidate(tmp_path / "wan", 3.0, theta=None)
+    assert main([str(a), str(other), "--alpha", "0.5", "--out", str(tmp_path / "bad")]) == 2
+    assert "spatial rotary bases differ" in capsys.readouterr().err
+    assert main([str(a), str(b), "--alpha", "0.5", "--only", "attn9", "--out", str(tmp_path / "none")]) == 2
+    assert "no transformer tensor" in capsys.readouterr().err
+    assert main([str(a), str(b), "--alpha", "1.5", "--out", str(tmp_path / "far")]) == 2
