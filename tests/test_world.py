@@ -163,6 +163,51 @@ def test_the_nearest_trajectory_continues_a_seen_path_of_every_motion(motion):
         nearest_trajectory("spinning", np.arange(3), np.arange(3), np.arange(3))
 
 
+def test_orbits_drawn_elsewhere_stay_in_the_frame_reach_a_picture_off_the_one_circle_and_are_fitted_as_drawn():
+    """Jitter.from_seed's orbit_spread (issue 30's pictured orbit): 0 leaves every seed's world as it was; 1 draws
+    every orbit about another centre at another radius, inside the frame; a circle through (80, 60), where the
+    world's one circle never goes, is drawable; free_orbit fits a drawn orbit and continues it, while the one-circle
+    fit cannot."""
+    from world import motion as paths
+    from world.clips import make_clip
+    from world.fit import nearest_trajectory
+
+    for seed in range(5):
+        assert paths.Jitter.from_seed(seed, 0.0) == paths.Jitter.from_seed(seed)
+    spread = [paths.Jitter.from_seed(seed, 1.0) for seed in range(200)]
+    times = np.arange(64) / 16
+    for jitter in spread:
+        x, y = paths.centre("orbiting", jitter, times)
+        assert paths.X_MIN - 1e-9 <= x.min() and x.max() <= paths.X_MAX + 1e-9
+        assert paths.ORBIT_Y_MIN - 1e-9 <= y.min() and y.max() <= paths.ORBIT_Y_MAX + 1e-9
+        assert paths.ORBIT_RADIUS_MIN <= jitter.orbit_radius <= paths.ORBIT_RADIUS
+    # the same seed's other draws, so drifting and the rest are unchanged
+    assert all((j.dx, j.dy, j.speed, j.phase) == (k.dx, k.dy, k.speed, k.phase)
+               for j, k in zip(spread, (paths.Jitter.from_seed(seed) for seed in range(200))))
+    through = [j for j in spread if abs(np.hypot(80 - 128 - j.orbit_dx, 60 - 72 - j.orbit_dy) - j.orbit_radius) < 4]
+    assert through, "no drawn orbit passes within 4 px of (80, 60)"
+    scene = Scene("circle", "red", "orbiting", "blue")
+    assert not torch.equal(make_clip(scene, 7, 2).video, make_clip(scene, 7, 2, orbit_spread=1.0).video)
+    assert torch.equal(make_clip(scene, 7, 2).video, make_clip(scene, 7, 2, orbit_spread=0.0).video)
+    with pytest.raises(ValueError, match="orbit_spread"):
+        paths.Jitter.from_seed(0, 1.5)
+
+    rng = np.random.default_rng(9)
+    for jitter in spread[:6]:
+        start = rng.uniform(0, 3600)
+        seen, ahead = np.arange(24) / 16, np.arange(24, 36) / 16
+        x, y = paths.centre("orbiting", jitter, start + seen)
+        noisy = x + rng.normal(0, 1, 24), y + rng.normal(0, 1, 24)
+        fit = nearest_trajectory("orbiting", seen, *noisy, free_orbit=True)
+        assert fit.error_px < 2.0, (jitter, fit)
+        fx, fy = fit.centre(ahead)
+        tx, ty = paths.centre("orbiting", jitter, start + ahead)
+        assert np.sqrt(np.mean((fx - tx) ** 2 + (fy - ty) ** 2)) < 5.0, (jitter, fit)
+    far = max(spread, key=lambda j: np.hypot(j.orbit_dx, j.orbit_dy))
+    x, y = paths.centre("orbiting", far, np.arange(24) / 16)
+    assert nearest_trajectory("orbiting", np.arange(24) / 16, x, y).error_px > 10.0  # the one circle is far from it
+
+
 def test_sound_along_a_path_is_the_clips_own_sound_for_the_clips_path():
     """world.sound.features_along, given a clip's own path and landings, gives the clip's features (the long-rollout
     stage builds its sound targets with it from a fitted path)."""

@@ -43,16 +43,18 @@ def latent_footprint(coverage: torch.Tensor, latent_frames: int, scale: int = 8)
 @torch.no_grad()
 def build_latent_set(codec, text_encoder, *, clips: int, latent_frames: int, device, batch: int = 16, seed: int = 3,
                      switch_probability: float = 0.25, stats: tuple[torch.Tensor, torch.Tensor] | None = None,
-                     shades_probability: float = 0.0) -> LatentSet:
+                     shades_probability: float = 0.0, orbit_spread: float = 0.0) -> LatentSet:
     """``stats``: the (mean, std) to normalise with, when a DiT was already trained on them; else measured here.
     ``shades_probability``: the share of clips drawn in everyday shades of their colours (world.render.Shades),
-    so that a picture in colours off the palette is continued in its own."""
+    so that a picture in colours off the palette is continued in its own. ``orbit_spread``: the share of orbits
+    drawn about another centre at another radius (world.motion.Jitter.from_seed), so that an object pictured off
+    the world's one orbit circle is continued on a circle of its own."""
     rng = np.random.default_rng(seed)
     videos, audios, ids, switches, objects = [], [], [], [], []
     for start in range(0, clips, batch):
         group = [
             random_clip(int(rng.integers(1 << 31)), latent_frames, switch_probability=switch_probability,
-                        shades_probability=shades_probability, device=device)
+                        shades_probability=shades_probability, orbit_spread=orbit_spread, device=device)
             for _ in range(min(batch, clips - start))
         ]
         videos.append(codec.encode_video(torch.stack([c.video for c in group])))

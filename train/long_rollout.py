@@ -108,8 +108,10 @@ class Session:
 class WorldTargets:
     """What the world shows next from where a session's own frames put the object."""
 
-    def __init__(self, codec, mean: torch.Tensor, std: torch.Tensor, device) -> None:
-        self.codec, self.device = codec, device
+    def __init__(self, codec, mean: torch.Tensor, std: torch.Tensor, device, free_orbit: bool = False) -> None:
+        """``free_orbit``: fit an orbit's centre and radius too (a latent set drawn with ``orbit_spread``), so a
+        session's orbit off the world's one circle is continued on its own circle instead of left unlearned."""
+        self.codec, self.device, self.free_orbit = codec, device, free_orbit
         self.mean = torch.as_tensor(mean, device=device).view(1, -1, 1, 1, 1)
         self.std = torch.as_tensor(std, device=device).view(1, -1, 1, 1, 1)
 
@@ -139,7 +141,7 @@ class WorldTargets:
         times, xs, ys = path
         if len(times) < MIN_TRACKED:
             return None
-        fit = nearest_trajectory(scene.motion, times, xs, ys)
+        fit = nearest_trajectory(scene.motion, times, xs, ys, free_orbit=self.free_orbit)
         return fit if fit.error_px <= MAX_FIT_ERROR_PX else None
 
     @torch.no_grad()

@@ -54,13 +54,14 @@ FULL = {
     "audio_s": 150, "codec_s": 180, "codec_batch": 8, "codec_latents": 5, "codec_lr": 2e-3, "codec_pool": 1024,
     "data_clips": 1024, "clip_latents": 39, "data_batch": 64,
     "tf_s": 120, "fewstep_s": 80, "rollout_s": 60, "cont_s": 0, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.0, "data_shades": 0.0,
+    "data_orbits": 0.0,  # the share of orbits drawn about another centre at another radius (world.motion)
     "long_s": 0, "long_blocks": 24, "long_block": 2, "long_from": 3, "long_share": 0.5, "long_hold": 0.0, "long_hold_kind": "fewstep", "dit_batch": 16, "frames": 21, "dit_lr": 2e-3, "max_steps": None,
     "rope_spatial_theta": 0.0,  # 0: the base of the transformer file loaded (Wan's 10000 for a new one)
 }
 TOY = {
     "audio_s": 60, "codec_s": 60, "codec_batch": 1, "codec_latents": 3, "codec_lr": 1e-3, "codec_pool": 2,
     "data_clips": 4, "clip_latents": 12, "data_batch": 4,
-    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5,
+    "tf_s": 60, "fewstep_s": 60, "rollout_s": 60, "cont_s": 60, "cont_context": 6, "cont_mix": 0.25, "cont_picture": 0.5, "data_shades": 0.5, "data_orbits": 0.5,
     "long_s": 60, "long_blocks": 4, "long_block": 2, "long_from": 1, "long_share": 1.0, "long_hold": 0.5, "long_hold_kind": "fewstep", "dit_batch": 2, "frames": 9, "dit_lr": 1e-4, "max_steps": 2,
     "rope_spatial_theta": 0.0,
 }
@@ -174,7 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = (latent["latents_mean"], latent["latents_std"])
     data = build_latent_set(codec, modules["text_encoder"], clips=cfg["data_clips"], latent_frames=cfg["clip_latents"],
                             device=device, stats=stats, seed=3 + 2 * (args.round - 1) if continuing else 3,
-                            batch=cfg["data_batch"], shades_probability=cfg["data_shades"])
+                            batch=cfg["data_batch"], shades_probability=cfg["data_shades"],
+                            orbit_spread=cfg["data_orbits"])
     print(f"latent set: {len(data)} clips x {cfg['clip_latents']} latent frames in {time.monotonic() - t0:.1f}s; "
           f"latent std by channel {[round(float(s), 3) for s in data.std]}", flush=True)
     codec_metadata = latent_stats_metadata(data.mean, data.std)
@@ -247,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # few-step steps (B): hold the first block's shapes
             def hold():
                 return trainer.few_step_losses(sampler, batch, rng)
-        stage = LongRollout(trainer, modules["text_encoder"], WorldTargets(codec, data.mean, data.std, device),
+        stage = LongRollout(trainer, modules["text_encoder"], WorldTargets(codec, data.mean, data.std, device,
+                                                                              free_orbit=cfg["data_orbits"] > 0),
                             latent_size=(latent_h, latent_w), block=cfg["long_block"], rng=rng)
         n = stage.run(log, StageClock(seconds[long], steps()), batch, blocks=cfg["long_blocks"],
                       learn_from=cfg["long_from"], learn_share=cfg["long_share"], name=long,

@@ -63,14 +63,15 @@ def make_clip(
     switch_latent: int | None = None,
     device="cpu",
     shades: Shades | None = None,
+    orbit_spread: float = 0.0,
 ) -> Clip:
     """The clip of ``scene`` for ``seed``: deterministic in its arguments. ``shades``: drawn in those colours
-    instead of the palette's (a clip without a switch)."""
+    instead of the palette's (a clip without a switch); ``orbit_spread``: :meth:`Jitter.from_seed`'s."""
     if shades is not None and switch_to is not None:
         raise ValueError("shades are for a clip of one scene")
     if latent_frames < 1:
         raise ValueError("a clip needs at least one latent frame")
-    jitter = Jitter.from_seed(seed)
+    jitter = Jitter.from_seed(seed, orbit_spread)
     times = frame_times(video_frames(latent_frames))
     cx, cy = centre(scene.motion, jitter, times)
     scenes = [(scene, 0.0)]
@@ -89,16 +90,19 @@ def make_clip(
 
 
 def random_clip(seed: int, latent_frames: int, *, switch_probability: float = 0.0, shades_probability: float = 0.0,
-                device="cpu") -> Clip:
+                orbit_spread: float = 0.0, device="cpu") -> Clip:
     """A random scene (and maybe a switch at a block boundary, multiple of 3) from one seed; a clip without a
-    switch is drawn in shades near the palette's (:meth:`Shades.around`) with ``shades_probability``."""
+    switch is drawn in shades near the palette's (:meth:`Shades.around`) with ``shades_probability``; an orbit
+    turns about another centre at another radius with ``orbit_spread`` (:meth:`Jitter.from_seed`)."""
     rng = np.random.default_rng(seed)
     scene = random_scene(rng)
     if shades_probability > 0 and rng.random() < shades_probability:
-        return make_clip(scene, seed, latent_frames, device=device, shades=Shades.around(scene, rng))
+        return make_clip(scene, seed, latent_frames, device=device, shades=Shades.around(scene, rng),
+                         orbit_spread=orbit_spread)
     if latent_frames > 6 and rng.random() < switch_probability:
         switch_latent = 3 * int(rng.integers(1, (latent_frames - 1) // 3 + 1))
         if switch_latent < latent_frames:
             other = random_scene(rng, motion=scene.motion)
-            return make_clip(scene, seed, latent_frames, switch_to=other, switch_latent=switch_latent, device=device)
-    return make_clip(scene, seed, latent_frames, device=device)
+            return make_clip(scene, seed, latent_frames, switch_to=other, switch_latent=switch_latent, device=device,
+                             orbit_spread=orbit_spread)
+    return make_clip(scene, seed, latent_frames, device=device, orbit_spread=orbit_spread)

@@ -78,8 +78,10 @@ def _best_per_speed(err: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return flat[np.arange(err.shape[0]), index], index // err.shape[2], index % err.shape[2]
 
 
-def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.ndarray) -> Fit:
-    """The path of ``motion`` whose centre passes nearest ``(xs, ys)`` at ``times`` (seconds, any origin)."""
+def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.ndarray, free_orbit: bool = False) -> Fit:
+    """The path of ``motion`` whose centre passes nearest ``(xs, ys)`` at ``times`` (seconds, any origin).
+    ``free_orbit``: an orbit's centre and radius are fitted too, within the range ``Jitter.from_seed``'s
+    ``orbit_spread`` draws from (else every orbit is the world's one circle)."""
     t = np.asarray(times, dtype=np.float64)
     x, y = np.asarray(xs, dtype=np.float64), np.asarray(ys, dtype=np.float64)
     if t.ndim != 1 or not (t.shape == x.shape == y.shape) or t.size == 0:
@@ -87,6 +89,8 @@ def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.nd
     if motion == "still":
         jitter = m.Jitter(dx=float(np.clip(x.mean() - 128.0, -6, 6)), dy=float(np.clip(y.mean() - 72.0, -6, 6)))
         return _fitted(motion, jitter, 0.0, 0.0, t, x, y)
+    if motion == "orbiting" and free_orbit:
+        return _free_orbit(t, x, y)
     if motion == "orbiting":
         # angle = phase + 2 pi (start + t) speed / period: the start folds into the phase.
         speeds = _SPEEDS[:, None, None]
@@ -112,6 +116,29 @@ def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.nd
     coarse = _fitted(motion, m.Jitter(dx=float(_OFFSETS[dx[s]]), dy=float(_OFFSETS[dy[s]]), speed=float(_SPEEDS[s])),
                      float(starts_x[kx[s]]), float(starts_y[ky[s]]), t, x, y)
     return _refined_bounce(coarse, t, x, y)
+
+
+def _free_orbit(t, x, y) -> Fit:
+    """Every (speed, phase) on the grid, and for each the centre and radius of least squares (closed form: the
+    path is linear in them), held to the drawable range; the best of those."""
+    speeds = _SPEEDS[:, None, None]
+    phases = np.linspace(-np.pi, np.pi, 720, endpoint=False)[None, :, None]
+    angle = phases + 2 * np.pi * t[None, None, :] / m.ORBIT_PERIOD_S * speeds  # [S, P, T]
+    cos, sin = np.cos(angle), np.sin(angle)
+    dc, ds = cos - cos.mean(-1, keepdims=True), sin - sin.mean(-1, keepdims=True)
+    spread = (dc ** 2 + ds ** 2).sum(-1)
+    radius = ((x - x.mean()) * dc + (y - y.mean()) * ds).sum(-1) / np.maximum(spread, 1e-9)
+    radius = np.clip(radius, m.ORBIT_RADIUS_MIN, m.ORBIT_RADIUS)
+    room_x = (m.X_MAX - m.X_MIN) / 2 - radius
+    room_y = (m.ORBIT_Y_MAX - m.ORBIT_Y_MIN) / 2 - radius
+    centre_dx = np.clip(x.mean() - radius * cos.mean(-1) - 128.0, -room_x, room_x)
+    centre_dy = np.clip(y.mean() - radius * sin.mean(-1) - 72.0, -room_y, room_y)
+    err = ((128.0 + centre_dx[..., None] + radius[..., None] * cos - x) ** 2
+           + (72.0 + centre_dy[..., None] + radius[..., None] * sin - y) ** 2).sum(-1)
+    s, p = np.unravel_index(err.argmin(), err.shape)
+    jitter = m.Jitter(speed=float(_SPEEDS[s]), phase=float(phases[0, p, 0]), orbit_dx=float(centre_dx[s, p]),
+                      orbit_dy=float(centre_dy[s, p]), orbit_radius=float(radius[s, p]))
+    return _fitted("orbiting", jitter, 0.0, 0.0, t, x, y)
 
 
 def _refined_bounce(coarse: Fit, t, x, y) -> Fit:

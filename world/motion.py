@@ -8,7 +8,7 @@ session seed still varies the details. Units: pixels and seconds, y downward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -20,6 +20,10 @@ BOUNCE_SPEED = 48.0
 DRIFT_SPEED = 28.0
 ORBIT_RADIUS = 36.0
 ORBIT_PERIOD_S = 4.0
+# An orbit drawn elsewhere (Jitter.from_seed's orbit_spread): its radius in this range, its centre anywhere that
+# keeps the object's centre within X_MIN..X_MAX and ORBIT_Y_MIN..ORBIT_Y_MAX (half-size <= 20 px in a 144-px frame).
+ORBIT_RADIUS_MIN = 20.0
+ORBIT_Y_MIN, ORBIT_Y_MAX = 24.0, 120.0
 
 
 @dataclass(frozen=True)
@@ -30,16 +34,31 @@ class Jitter:
     dy: float = 0.0
     speed: float = 1.0
     phase: float = 0.0
+    # An orbit's centre (from the frame's middle) and radius; the world's own orbit unless drawn elsewhere.
+    orbit_dx: float = 0.0
+    orbit_dy: float = 0.0
+    orbit_radius: float = ORBIT_RADIUS
 
     @staticmethod
-    def from_seed(seed: int) -> "Jitter":
+    def from_seed(seed: int, orbit_spread: float = 0.0) -> "Jitter":
+        """``orbit_spread``: the chance that the orbit turns about another centre at another radius (the path of
+        every other motion is the same). The seed's other draws come first, so 0 gives the world as it always was."""
         rng = np.random.default_rng(seed)
-        return Jitter(
+        jitter = Jitter(
             dx=float(rng.uniform(-6, 6)),
             dy=float(rng.uniform(-6, 6)),
             speed=float(rng.uniform(0.92, 1.08)),
             phase=float(rng.uniform(-0.3, 0.3)),
         )
+        if not 0.0 <= orbit_spread <= 1.0:
+            raise ValueError(f"orbit_spread is a share in [0, 1], got {orbit_spread}")
+        if orbit_spread == 0.0 or rng.random() >= orbit_spread:
+            return jitter
+        radius = float(rng.uniform(ORBIT_RADIUS_MIN, ORBIT_RADIUS))
+        room_x = (X_MAX - X_MIN) / 2 - radius
+        room_y = (ORBIT_Y_MAX - ORBIT_Y_MIN) / 2 - radius
+        return replace(jitter, orbit_dx=float(rng.uniform(-room_x, room_x)), orbit_dy=float(rng.uniform(-room_y, room_y)),
+                       orbit_radius=radius)
 
 
 def _reflect(start: float, velocity: float, times: np.ndarray) -> np.ndarray:
@@ -59,7 +78,8 @@ def centre(motion: str, jitter: Jitter, times: np.ndarray) -> tuple[np.ndarray, 
         return _reflect(64.0 + jitter.dx, DRIFT_SPEED * jitter.speed, times), np.full_like(times, 72.0 + jitter.dy)
     if motion == "orbiting":
         angle = jitter.phase + 2 * np.pi * times / ORBIT_PERIOD_S * jitter.speed
-        return 128.0 + ORBIT_RADIUS * np.cos(angle), 72.0 + ORBIT_RADIUS * np.sin(angle)
+        r = jitter.orbit_radius
+        return 128.0 + jitter.orbit_dx + r * np.cos(angle), 72.0 + jitter.orbit_dy + r * np.sin(angle)
     if motion == "bouncing":
         x = _reflect(64.0 + jitter.dx, BOUNCE_SPEED * jitter.speed, times)
         top = BOUNCE_TOP + jitter.dy
