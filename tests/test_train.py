@@ -303,4 +303,5 @@ def test_a_soup_mixes_two_candidates_weight_by_weight_or_only_the_named_tensors_
     assert "spatial rotary bases differ" in capsys.readouterr().err
     assert main([str(a), str(b), "--alpha", "0.5", "--only", "attn9", "--out", str(tmp_path / "none")]) == 2
     assert "no transformer tensor" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()  # refused before anything is written
     assert main([str(a), str(b), "--alpha", "1.5", "--out", str(tmp_path / "far")]) == 2

@@ -169,7 +169,6 @@ def test_orbits_drawn_elsewhere_stay_in_the_frame_reach_a_picture_off_the_one_ci
     world's one circle never goes, is drawable; free_orbit fits a drawn orbit and continues it, while the one-circle
     fit cannot."""
     from world import motion as paths
-    from world.clips import make_clip
     from world.fit import nearest_trajectory
 
     for seed in range(5):

@@ -26,7 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.models.trained import ROPE_SPATIAL_THETA_KEY
+from engine.models.trained import rope_spatial_theta
 
 DIT_FILES = ("transformer", "audio_tokens", "text_encoder")
 
@@ -43,13 +43,12 @@ def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
 def mix_file(a: Path, b: Path, alpha: float, only: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, str], int]:
     """One module file of A mixed with B's: (tensors, A's metadata, how many tensors were mixed)."""
     tensors_a, meta_a = _read(a)
-    tensors_b, meta_b = _read(b)
+    tensors_b, _ = _read(b)
     if tensors_a.keys() != tensors_b.keys():
         differ = sorted(tensors_a.keys() ^ tensors_b.keys())
         raise SoupError(f"{a.name}: the candidates hold other tensors ({', '.join(differ[:4])}...)")
-    theta_a, theta_b = meta_a.get(ROPE_SPATIAL_THETA_KEY), meta_b.get(ROPE_SPATIAL_THETA_KEY)
-    if theta_a != theta_b:
-        raise SoupError(f"{a.name}: spatial rotary bases differ ({theta_a} and {theta_b}): a mix would be neither")
+    if a.name == "transformer.safetensors" and (theta_a := rope_spatial_theta(a)) != (theta_b := rope_spatial_theta(b)):
+        raise SoupError(f"{a.name}: spatial rotary bases differ ({theta_a:g} and {theta_b:g}): a mix would be neither")
     out, mixed = {}, 0
     for key, ta in tensors_a.items():
         tb = tensors_b[key]
@@ -74,22 +73,23 @@ def soup(a: Path, b: Path, alpha: float, out: Path, only: tuple[str, ...] = ()) 
     present = [name for name in DIT_FILES if (a / f"{name}.safetensors").exists()]
     if "transformer" not in present or not (b / "transformer.safetensors").exists():
         raise SoupError("both candidates need a transformer.safetensors")
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {}
+    mixes = {}  # every file mixed in memory first: a refusal leaves nothing half-written in ``out``
     for name in present:
         source_b = b / f"{name}.safetensors"
         if not source_b.exists():
             raise SoupError(f"{name}.safetensors is in A but not in B")
-        if only and name != "transformer":  # --only names the transformer's tensors: the other files are A's
-            shutil.copyfile(a / f"{name}.safetensors", out / f"{name}.safetensors")
-            counts[name] = 0
-            continue
-        tensors, metadata, mixed = mix_file(a / f"{name}.safetensors", source_b, alpha, only)
-        save_file(tensors, out / f"{name}.safetensors", metadata=metadata)
-        counts[name] = mixed
-    if only and counts["transformer"] == 0:
+        if not (only and name != "transformer"):  # --only names the transformer's tensors: the other files are A's
+            mixes[name] = mix_file(a / f"{name}.safetensors", source_b, alpha, only)
+    if only and mixes["transformer"][2] == 0:
         raise SoupError(f"--only {','.join(only)}: no transformer tensor has such a name")
-    return counts
+    out.mkdir(parents=True, exist_ok=True)
+    for name in present:
+        if name in mixes:
+            tensors, metadata, _ = mixes[name]
+            save_file(tensors, out / f"{name}.safetensors", metadata=metadata)
+        else:
+            shutil.copyfile(a / f"{name}.safetensors", out / f"{name}.safetensors")
+    return {name: mixes[name][2] if name in mixes else 0 for name in present}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -25,6 +25,7 @@ from world import motion as m
 _SPEEDS = np.linspace(0.92, 1.08, 9)
 _OFFSETS = np.arange(-6.0, 6.01, 1.0)
 _STEP_S = 1.0 / 64
+_PHASES = np.linspace(-np.pi, np.pi, 720, endpoint=False)  # an orbit's phase, 0.5 degree apart
 
 
 @dataclass(frozen=True)
@@ -92,13 +93,10 @@ def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.nd
     if motion == "orbiting" and free_orbit:
         return _free_orbit(t, x, y)
     if motion == "orbiting":
-        # angle = phase + 2 pi (start + t) speed / period: the start folds into the phase.
-        speeds = _SPEEDS[:, None, None]
-        phases = np.linspace(-np.pi, np.pi, 720, endpoint=False)[None, :, None]
-        angle = phases + 2 * np.pi * t[None, None, :] / m.ORBIT_PERIOD_S * speeds
+        angle = _orbit_angles(t)
         err = ((128.0 + m.ORBIT_RADIUS * np.cos(angle) - x) ** 2 + (72.0 + m.ORBIT_RADIUS * np.sin(angle) - y) ** 2).sum(-1)
         s, p = np.unravel_index(err.argmin(), err.shape)
-        jitter = m.Jitter(speed=float(_SPEEDS[s]), phase=float(phases[0, p, 0]))
+        jitter = m.Jitter(speed=float(_SPEEDS[s]), phase=float(_PHASES[p]))
         return _fitted(motion, jitter, 0.0, 0.0, t, x, y)
     if motion not in ("drifting", "bouncing"):
         raise ValueError(f"unknown motion {motion!r}")
@@ -118,25 +116,28 @@ def nearest_trajectory(motion: str, times: np.ndarray, xs: np.ndarray, ys: np.nd
     return _refined_bounce(coarse, t, x, y)
 
 
+def _orbit_angles(t: np.ndarray) -> np.ndarray:
+    """The orbit's angle at ``t`` for every (speed, phase) of the grid: ``[S, P, T]``. angle = phase + 2 pi (start +
+    t) speed / period: the start folds into the phase."""
+    return _PHASES[None, :, None] + 2 * np.pi * t[None, None, :] / m.ORBIT_PERIOD_S * _SPEEDS[:, None, None]
+
+
 def _free_orbit(t, x, y) -> Fit:
     """Every (speed, phase) on the grid, and for each the centre and radius of least squares (closed form: the
     path is linear in them), held to the drawable range; the best of those."""
-    speeds = _SPEEDS[:, None, None]
-    phases = np.linspace(-np.pi, np.pi, 720, endpoint=False)[None, :, None]
-    angle = phases + 2 * np.pi * t[None, None, :] / m.ORBIT_PERIOD_S * speeds  # [S, P, T]
+    angle = _orbit_angles(t)
     cos, sin = np.cos(angle), np.sin(angle)
     dc, ds = cos - cos.mean(-1, keepdims=True), sin - sin.mean(-1, keepdims=True)
     spread = (dc ** 2 + ds ** 2).sum(-1)
     radius = ((x - x.mean()) * dc + (y - y.mean()) * ds).sum(-1) / np.maximum(spread, 1e-9)
     radius = np.clip(radius, m.ORBIT_RADIUS_MIN, m.ORBIT_RADIUS)
-    room_x = (m.X_MAX - m.X_MIN) / 2 - radius
-    room_y = (m.ORBIT_Y_MAX - m.ORBIT_Y_MIN) / 2 - radius
+    room_x, room_y = m.orbit_room(radius)
     centre_dx = np.clip(x.mean() - radius * cos.mean(-1) - 128.0, -room_x, room_x)
     centre_dy = np.clip(y.mean() - radius * sin.mean(-1) - 72.0, -room_y, room_y)
     err = ((128.0 + centre_dx[..., None] + radius[..., None] * cos - x) ** 2
            + (72.0 + centre_dy[..., None] + radius[..., None] * sin - y) ** 2).sum(-1)
     s, p = np.unravel_index(err.argmin(), err.shape)
-    jitter = m.Jitter(speed=float(_SPEEDS[s]), phase=float(phases[0, p, 0]), orbit_dx=float(centre_dx[s, p]),
+    jitter = m.Jitter(speed=float(_SPEEDS[s]), phase=float(_PHASES[p]), orbit_dx=float(centre_dx[s, p]),
                       orbit_dy=float(centre_dy[s, p]), orbit_radius=float(radius[s, p]))
     return _fitted("orbiting", jitter, 0.0, 0.0, t, x, y)
 

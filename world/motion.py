@@ -43,6 +43,8 @@ class Jitter:
     def from_seed(seed: int, orbit_spread: float = 0.0) -> "Jitter":
         """``orbit_spread``: the chance that the orbit turns about another centre at another radius (the path of
         every other motion is the same). The seed's other draws come first, so 0 gives the world as it always was."""
+        if not 0.0 <= orbit_spread <= 1.0:
+            raise ValueError(f"orbit_spread is a share in [0, 1], got {orbit_spread}")
         rng = np.random.default_rng(seed)
         jitter = Jitter(
             dx=float(rng.uniform(-6, 6)),
@@ -50,15 +52,19 @@ class Jitter:
             speed=float(rng.uniform(0.92, 1.08)),
             phase=float(rng.uniform(-0.3, 0.3)),
         )
-        if not 0.0 <= orbit_spread <= 1.0:
-            raise ValueError(f"orbit_spread is a share in [0, 1], got {orbit_spread}")
         if orbit_spread == 0.0 or rng.random() >= orbit_spread:
             return jitter
         radius = float(rng.uniform(ORBIT_RADIUS_MIN, ORBIT_RADIUS))
-        room_x = (X_MAX - X_MIN) / 2 - radius
-        room_y = (ORBIT_Y_MAX - ORBIT_Y_MIN) / 2 - radius
+        room_x, room_y = orbit_room(radius)
         return replace(jitter, orbit_dx=float(rng.uniform(-room_x, room_x)), orbit_dy=float(rng.uniform(-room_y, room_y)),
                        orbit_radius=radius)
+
+
+def orbit_room(radius):
+    """How far (x, y) an orbit of ``radius`` (a number or an array) may turn from the frame's middle with the object's
+    centre staying within X_MIN..X_MAX and ORBIT_Y_MIN..ORBIT_Y_MAX: what Jitter.from_seed draws from, what a fit
+    holds to."""
+    return (X_MAX - X_MIN) / 2 - radius, (ORBIT_Y_MAX - ORBIT_Y_MIN) / 2 - radius
 
 
 def _reflect(start: float, velocity: float, times: np.ndarray) -> np.ndarray:
