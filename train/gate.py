@@ -1,7 +1,7 @@
 """A training round's candidate against the checks that rounds have broken, on the CPU, before it is installed.
 
     python -m train.gate [--weights CKPT] [--only pictures,recache,fade] [--blues own,everyday,pure]
-                         [--motions bouncing,...] [--seconds 40]
+                         [--motions bouncing,...] [--seconds 40] [--sheet PNG]
 
 Lays the candidate's DiT files over the shipped weights (``train.fade.overlay``: its rotary base included; none:
 the shipped weights themselves) and prints each check with its bound and PASS or FAIL:
@@ -10,6 +10,7 @@ the shipped weights themselves) and prints each check with its bound and PASS or
   ordinary blue (35, 60, 190) and pure blue (0, 0, 255), with each motion word in the prompt: of the first 36
   generated frames, those in which the reader finds a red object. The bound (>= 90 %) is
   tests/test_image_to_video.py's, which asks it of the ordinary blue at (80, 60); every cell is printed and judged.
+  ``--sheet PNG`` saves one row a cell to look at (the picture at (80, 60), then generated frames 0, 4, 12, 24, 35).
 - ``recache``: three background changes by ``recache`` after 3 chunks (blue -> green drifting, black -> grey
   bouncing, grey -> purple orbiting): the new background's share of the first chunk after it (>= 0.8, as
   tests/test_tiny_model.py).
@@ -29,6 +30,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image, ImageDraw
 
 from train import checks
 from train.fade import overlay, session_report
@@ -45,11 +47,13 @@ MIN_SHARE = 0.8
 FADE_PROMPTS = ("a green triangle drifting on a black background", "a red circle drifting on a blue background",
                 "a red circle bouncing on a blue background")
 MIN_AREA_PCT = 50
+SHEET_FRAMES = (0, 4, 12, 24, 35)  # the generated frames a --sheet row shows after its picture
 
 
-def picture_frames_kept(runner, motion: str, blue: tuple[int, int, int] | None, x: float, y: float, seed: int) -> int:
-    """Of the first 36 frames generated after a picture of a red circle at (x, y) on ``blue`` (None: the world's),
-    those in which the reader finds a red object."""
+def picture_session(runner, motion: str, blue: tuple[int, int, int] | None, x: float, y: float,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """A picture of a red circle at (x, y) on ``blue`` (None: the world's), and the first 36 frames generated
+    after it."""
     from tests.input_helpers import run_session, scene_picture
 
     scene = Scene("circle", "red", motion, "blue")
@@ -57,23 +61,46 @@ def picture_frames_kept(runner, motion: str, blue: tuple[int, int, int] | None, 
     picture = scene_picture(scene, x, y, shades)
     blocks = -(-PICTURE_FRAMES // (4 * runner.pipeline.frames_per_block))
     chunks = run_session(runner, f"gate-{seed}", scene.caption, blocks=blocks, context=picture, seed=seed)
-    generated = np.concatenate(chunks[1:])[:PICTURE_FRAMES]
+    return picture, np.concatenate(chunks[1:])[:PICTURE_FRAMES]
+
+
+def frames_kept(generated: np.ndarray) -> int:
+    """Those of the frames in which the reader finds a red object."""
     return sum(measure.colour_name(measure.read_frame(frame)) == "red" for frame in generated)
 
 
-def check_pictures(bundle, blues: list[str], motions: list[str]) -> bool:
+def sheet_row(label: str, picture: np.ndarray, generated: np.ndarray) -> np.ndarray:
+    """The picture, then generated frames SHEET_FRAMES, side by side; the cell's label on the picture."""
+    tiles = [Image.fromarray(picture.reshape(picture.shape[-3:]))]  # scene_picture's frame: [1, H, W, 3]
+    tiles += [Image.fromarray(generated[i]) for i in SHEET_FRAMES]
+    ImageDraw.Draw(tiles[0]).text((3, 2), label, fill=(255, 255, 255))
+    for index, tile in zip(SHEET_FRAMES, tiles[1:]):
+        ImageDraw.Draw(tile).text((3, 2), f"f{index}", fill=(255, 255, 255))
+    return np.concatenate([np.asarray(tile) for tile in tiles], axis=1)
+
+
+def check_pictures(bundle, blues: list[str], motions: list[str], sheet: Path | None = None) -> bool:
     from engine.kv_cache import KVCacheManager
     from engine.runner import runner_for
 
     runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 2, "cpu"))
-    ok = True
+    ok, rows = True, []
     for name in blues:
         for motion in motions:
-            kept = [picture_frames_kept(runner, motion, BLUES[name], x, y, seed) for x, y, seed in PLACES]
+            kept = []
+            for x, y, seed in PLACES:
+                picture, generated = picture_session(runner, motion, BLUES[name], x, y, seed)
+                kept.append(frames_kept(generated))
+                if sheet is not None and (x, y, seed) == PLACES[0]:
+                    rows.append(sheet_row(f"{name} {motion}: {kept[-1]}", picture, generated))
             passed = all(n >= KEEP_SHARE * PICTURE_FRAMES for n in kept)
             ok &= passed
             print(f"pictures  {name:8s} {motion:8s} kept {kept[0]:2d}, {kept[1]:2d} of {PICTURE_FRAMES} "
                   f"(>= {KEEP_SHARE * PICTURE_FRAMES:.1f})  {'PASS' if passed else 'FAIL'}", flush=True)
+    if sheet is not None:
+        sheet.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(np.concatenate(rows, axis=0)).save(sheet)
+        print(f"# sheet: {sheet}", flush=True)
     return ok
 
 
@@ -110,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--motions", default=",".join(MOTIONS), help="the motion words of the picture check")
     parser.add_argument("--seconds", type=float, default=40.0, help="length of the fade check's sessions")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--sheet", type=Path, help="save the pictures' rows (the first place: the picture, then "
+                        "generated frames 0, 4, 12, 24, 35) as this PNG")
     args = parser.parse_args(argv)
     only = [name for name in args.only.split(",") if name]
     blues = [name for name in args.blues.split(",") if name]
@@ -132,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# spatial rotary base {bundle.pipeline.transformer.rope.spatial_theta:g}", flush=True)
     ok = True
     if "pictures" in only:
-        ok &= check_pictures(bundle, blues, motions)
+        ok &= check_pictures(bundle, blues, motions, args.sheet)
     if "recache" in only:
         ok &= check_recache(bundle)
     if "fade" in only:
