@@ -249,19 +249,28 @@ def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
     assert targets.fit(Scene("circle", "red", "still", "blue"), (np.zeros(2), np.zeros(2), np.zeros(2))) is None  # too few frames
 
 
-def test_the_gate_fails_the_shipped_weights_where_the_everyday_picture_test_does_and_passes_their_recache(capsys):
-    """train.gate, the CPU gate of a round's candidate: on the shipped weights (no --weights) a picture on an
-    ordinary blue under "still" loses its object (tests/test_image_to_video.py's strict xfail), `recache` repaints
-    the background; the exit status says which."""
+def test_the_gate_judges_each_picture_cell_and_recache_and_saves_the_cells_it_ran(capsys, tmp_path):
+    """train.gate, the CPU gate of a round's candidate, on the shipped weights (no --weights): a picture on an
+    ordinary blue under "bouncing" keeps its object (tests/test_image_to_video.py's bound) and one on pure blue
+    does not (31 and 29 of 36 frames, docs/TINY_MODEL.md), `recache` repaints the background; the exit status
+    says that one cell failed, and the sheet holds one row a cell: the picture, then five generated frames."""
+    from PIL import Image
+
     from train import gate
 
-    assert gate.main(["--only", "pictures,recache", "--blues", "everyday", "--motions", "still"]) == 1
+    sheet = tmp_path / "pictures.png"
+    argv = ["--only", "pictures,recache", "--blues", "everyday,pure", "--motions", "bouncing", "--sheet", str(sheet)]
+    assert gate.main(argv) == 1
     lines = capsys.readouterr().out.splitlines()
     pictures = [line for line in lines if line.startswith("pictures")]
     recache = [line for line in lines if line.startswith("recache")]
-    assert len(pictures) == 1 and pictures[0].endswith("FAIL") and "everyday still" in pictures[0]
+    assert len(pictures) == 2
+    assert "everyday bouncing" in pictures[0] and pictures[0].endswith("PASS")
+    assert "pure     bouncing" in pictures[1] and pictures[1].endswith("FAIL")
     assert len(recache) == 3 and all(line.endswith("PASS") for line in recache)
     assert lines[-1] == "some failed"
+    with Image.open(sheet) as image:  # two rows (one a cell) of the picture and frames 0, 4, 12, 24, 35
+        assert image.size == (256 * (1 + len(gate.SHEET_FRAMES)), 2 * 144)
 
 
 def _candidate(directory: Path, value: float, theta: str | None = "16.0") -> Path:
