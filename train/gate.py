@@ -65,7 +65,7 @@ def picture_session(runner, motion: str, blue: tuple[int, int, int] | None, x: f
 
 
 def frames_kept(generated: np.ndarray) -> int:
-    """Those of the frames in which the reader finds a red object."""
+    """How many of ``generated`` show an object the reader calls red."""
     return sum(measure.colour_name(measure.read_frame(frame)) == "red" for frame in generated)
 
 
