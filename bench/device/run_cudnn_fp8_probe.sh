@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Issue 31: cuDNN's FP8 attention against ours and bf16 at the engine's shapes (bench/cudnn_fp8_attention_probe.py),
-# one JSON line in $OUT, in one device call. Needs only torch (the device's) and the cuDNN frontend's wheel:
+# one JSON line in $OUT, in one device call. Needs only torch (the device's) and the cuDNN frontend's wheel, kept
+# apart from .whl/ (pack_site.sh packs every wheel there into the service's site):
 #
-#     run(command="bash bench/device/run_cudnn_fp8_probe.sh", carry=[".whl/nvidia_cudnn_frontend-1.16.0-...whl"])
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 -d .whl-cudnn nvidia-cudnn-frontend==1.16.0
+#     run(command="bash bench/device/run_cudnn_fp8_probe.sh", carry=[".whl-cudnn"])
 set -u -o pipefail
 OUT=${OUT:-$PWD/out-device}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cudnnfe .whl/nvidia_cudnn_frontend-*.whl \
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/cudnnfe .whl-cudnn/nvidia_cudnn_frontend-*.whl \
   || { echo "cudnn frontend install failed"; exit 1; }
 # The frontend dlopens libcudnn: point it at the one torch loads.
 cudnn_dir=$(python3 - <<'PY'
