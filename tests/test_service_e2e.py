@@ -82,6 +82,7 @@ def test_stream_is_one_playable_file_and_no_segment_waits_for_the_next_block(ser
             next_message()
         while len(chunks) < _released_chunks(server, session["session_id"]):
             next_message()
+        client.send(json.dumps({"type": "close"}))  # free the shared server's slot now, not after the grace
     finally:
         client.close()
 
