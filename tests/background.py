@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +45,8 @@ class _Running:
 
 
 _running: dict[Job, _Running] = {}
+_lock = threading.Lock()  # start() is called from the session and from start_after_others' thread
+_stopped = threading.Event()  # the session ended: nothing starts any more
 
 
 def root_on_path() -> tuple[str, str]:
@@ -60,8 +63,12 @@ def _idle_priority() -> None:
 
 
 def start(job: Job) -> None:
-    if job in _running:
-        return
+    with _lock:
+        if job not in _running and not _stopped.is_set():
+            _running[job] = _launch(job)
+
+
+def _launch(job: Job) -> _Running:
     where = Path(tempfile.mkdtemp(prefix="arstream-job-"))
     (where / "scratch").mkdir()
 
@@ -75,7 +82,33 @@ def start(job: Job) -> None:
     with open(where / "stdout", "w") as stdout, open(where / "stderr", "w") as stderr:  # no pipe to fill
         process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=stderr,
                                    preexec_fn=_idle_priority)
-    _running[job] = _Running(process, where)
+    return _Running(process, where)
+
+
+def start_after_others(job: Job) -> None:
+    """Start ``job`` once every job already running has exited (they share one idle core: one at a time gets
+    each job its result soonest); at once if its result is asked for first."""
+    with _lock:
+        others = [running.process for running in _running.values()]
+
+    def wait_then_start() -> None:
+        for process in others:
+            process.wait()
+        start(job)
+
+    threading.Thread(target=wait_then_start, name="background-after-others", daemon=True).start()
+
+
+def finished(job: Job) -> bool:
+    """Whether ``job`` was started and has exited."""
+    running = _running.get(job)
+    return running is not None and running.process.poll() is not None
+
+
+def scratch_of(job: Job) -> Path:
+    """The job's own directory ("{scratch}"), readable while it runs (a path that does not exist before it starts)."""
+    running = _running.get(job)
+    return running.where / "scratch" if running is not None else ROOT / "no-such-job-scratch"
 
 
 def result(job: Job, timeout_s: float) -> Finished:
@@ -98,6 +131,8 @@ def start_for(modules) -> None:
 
 def stop_all() -> None:
     """At the session's end: what nobody waited for is killed, and every job's files removed."""
+    with _lock:
+        _stopped.set()
     for running in _running.values():
         if running.process.poll() is None:
             running.process.kill()

@@ -29,19 +29,54 @@ import av  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from tests import background  # noqa: E402
+from tests import background, background_pytest  # noqa: E402
 from tests.server_zygote import ForkedServer, start_forkserver  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``background`` go to child pytests on the idle core (tests/background_pytest.py)."""
+    kept = background_pytest.split(items)
+    if background_pytest.in_child():
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    items[:] = kept
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Once the selected tests are known: their modules' background jobs start (tests/background.py), and the
-    forkserver the test servers fork from begins importing (tests/server_zygote.py), both beside the first tests."""
+    """Once the selected tests are known: their modules' background jobs start (tests/background.py), then the
+    background pytests after them, and the forkserver the test servers fork from begins importing
+    (tests/server_zygote.py), all beside the first tests."""
     modules = {item.module for item in session.items if getattr(item, "module", None) is not None}
-    background.start_for(modules)
-    start_forkserver()
+    if not background_pytest.in_child():  # a child's tests need none of them (their module's others use them)
+        background.start_for(modules)
+    background_pytest.start()
+    if any(_uses_servers(item) for item in session.items):
+        start_forkserver()
+
+
+def _uses_servers(item: pytest.Item) -> bool:
+    """Whether a test forks `arstream serve` (start_server, shared_server, ForkedServer); else the forkserver's
+    imports would only take CPU from the tests that run (a server forked anyway starts it then)."""
+    module = getattr(item, "module", None)
+    return "shared_server" in getattr(item, "fixturenames", ()) or any(
+        hasattr(module, name) for name in ("start_server", "ForkedServer"))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    return background_pytest.run_protocol(item)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    background_pytest.record(report)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    background_pytest.summary(terminalreporter)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
+    background_pytest.finish()
     background.stop_all()
 
 

@@ -32,7 +32,10 @@ BLOCK_FRAMES = 3 * 12000 // HOP  # one AR block of 3 video latent frames = 3A au
 TINY_FIELD = (12, 12)  # derived and measured once; the tests below re-derive and re-measure it
 
 # diffusers builds Oobleck with the deprecated torch.nn.utils.weight_norm.
-pytestmark = pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*weight_norm.*:FutureWarning"),
+    pytest.mark.background,  # computes only: runs on the idle core (tests/background_pytest.py)
+]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 

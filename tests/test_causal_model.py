@@ -20,6 +20,8 @@ from engine.models.schedule import model_timesteps, shifted_sigmas
 from engine.models.text_encoder import TinyTextEncoder
 from tests.engine_helpers import build_small, small_dit_tiny_preset
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 LATENT_H, LATENT_W = 6, 8  # 48x64 pixels
 
 

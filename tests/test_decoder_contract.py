@@ -18,6 +18,8 @@ from decoders.taehv import TINY_TAEHV_CONFIG, TAEHVStreamingDecoder, random_taeh
 from decoders.video import WanStreamingDecoder
 from engine.models.presets import TINY_VAE_CONFIG
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 LATENT_H, LATENT_W = 8, 8  # 64x64 pixels
 
 

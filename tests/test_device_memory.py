@@ -22,6 +22,8 @@ from engine.device_memory import (
 from engine.memory import InsufficientMemory, check_text_encoder_fits_host
 from engine.startup import indexed_cuda_device
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 GIB = 2**30
 H200_BYTES = 150_000_000_000  # what CUDA reports for an H200, near enough
 

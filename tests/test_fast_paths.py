@@ -17,6 +17,8 @@ from engine.kv_cache import KVCacheManager
 from engine.models.pipeline import CausalWanPipeline
 from tests.engine_helpers import build_small
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 FLOAT32_TOLERANCE = 1e-5
 
 

@@ -19,6 +19,8 @@ from world import measure
 from world.grammar import COLOURS, MOTIONS, Scene
 from world.render import Shades
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 torch.set_num_threads(1)
 FRAMES_3S = 48
 MIN_SHARE = 0.8  # of frames, as tests/test_tiny_model.py

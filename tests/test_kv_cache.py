@@ -7,6 +7,8 @@ import torch
 
 from engine.kv_cache import BlockPool, BranchBlockTable, KVCacheManager, KVSpec
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 
 def spec(**overrides) -> KVSpec:
     values = dict(

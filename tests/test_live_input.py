@@ -16,6 +16,8 @@ from tests.input_helpers import centroid, mean_abs_step, round_trip, run_session
 from train import checks
 from world.grammar import Scene
 
+pytestmark = pytest.mark.background  # computes only, on a virtual clock: runs on the idle core (tests/background_pytest.py)
+
 torch.set_num_threads(1)
 LATENT_FRAMES = 12  # 45 frames of input and output (1 + 11 x 4), in blocks of the model's length
 

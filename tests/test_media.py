@@ -19,6 +19,8 @@ from app.media import (
     write_mp4,
 )
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 W, H, FPS, BLOCK = 128, 96, 16, 12
 SR = 48000
 SAMPLES_PER_FRAME = SR // FPS  # 3000

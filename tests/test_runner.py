@@ -14,6 +14,8 @@ from engine.plan import FinishedSession, OpenSession, PromptUpdate, SessionWork,
 from engine.runner import STEADY_WARMUP_BLOCKS, Runner, runner_for
 from tests.engine_helpers import assert_lively, build_small, small_runner
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 
 def open_session(runner: Runner, session_id: str, seed: int = 1, prompt: str = "a fox", negative: str = "") -> None:
     result = runner.execute(StepPlan(work=[SessionWork(session_id, open=OpenSession(seed, prompt, negative))]))

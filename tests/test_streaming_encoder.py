@@ -11,6 +11,8 @@ from decoders.video import WanStreamingDecoder
 from decoders.video_encode import WanStreamingEncoder, measure_encoder_bytes_per_pixel
 from engine.models.presets import TINY_VAE_CONFIG
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 torch.set_num_threads(1)
 CHUNKINGS = [(0, 1), (1, 3), (3, 10), (10, 10), (10, 17)]  # a lone first frame, partial groups, an empty call
 

@@ -22,6 +22,8 @@ from decoders.taehv import (
     taehv_decoder_from_model_dir,
 )
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 LATENT_H, LATENT_W = 8, 8  # 64x64 pixels
 
 

@@ -20,6 +20,8 @@ from decoders.taehv_encoder import (
 )
 from engine.config import EngineConfig
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 torch.set_num_threads(1)
 
 

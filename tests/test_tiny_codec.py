@@ -17,6 +17,8 @@ from world import measure
 from world.clips import make_clip
 from world.grammar import BACKGROUNDS, COLOURS, SHAPES, Scene
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 STEPS = 15  # of the project's codec step (codec_loss, clipping, AdamW, codec_lr's ramp)
 PEAK_LR = 2e-3
 MIN_SHARE = 0.95

@@ -49,6 +49,7 @@ def _stream(bundle, prompt, seed=0, chunks=None, **kw):
     return checks.stream(bundle, prompt, seed, checks.chunks_for(bundle, FRAMES_CHECKED) if chunks is None else chunks, **kw)
 
 
+@pytest.mark.background  # drives the model itself: runs on the idle core (tests/background_pytest.py)
 def test_tiny_preset_loads_the_shipped_weights_and_random_weights_still_differ(bundle):
     random = checks.build(random_weights=True)
     trained = dict(bundle.pipeline.transformer.named_parameters())
@@ -94,6 +95,7 @@ def test_prompts_the_other_checks_do_not_use_show_their_colours(sessions):
         assert scores["foreground_colour"] >= MIN_SHARE and scores["background_colour"] >= MIN_SHARE, (prompt, scores)
 
 
+@pytest.mark.background  # drives the model itself: runs on the idle core (tests/background_pytest.py)
 def test_a_soft_change_shows_the_new_colour_in_the_first_chunk_after_it(bundle):
     old = Scene("circle", "red", "drifting", "black").caption
     new = Scene("circle", "green", "drifting", "black").caption
@@ -102,6 +104,7 @@ def test_a_soft_change_shows_the_new_colour_in_the_first_chunk_after_it(bundle):
     assert scores["foreground_colour"] >= MIN_SHARE, scores
 
 
+@pytest.mark.background  # drives the model itself: runs on the idle core (tests/background_pytest.py)
 def test_a_recache_shows_the_new_background_in_the_first_chunk_after_it_without_a_cut(bundle):
     """Issue 30's "a new scene on request": a `recache` change of the background shows in the first chunk made
     after it (2026-12-04: 1.00 of its frames), and the object goes on where it was, in its colour (its centroid
@@ -121,6 +124,7 @@ def test_a_recache_shows_the_new_background_in_the_first_chunk_after_it_without_
     assert jump <= 3 * float(np.median(steps)) + 1.0, (jump, float(np.median(steps)))
 
 
+@pytest.mark.background  # drives the model itself: runs on the idle core (tests/background_pytest.py)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_audio_is_the_prompted_shapes_tone(bundle, shape):
     result = _stream(bundle, Scene(shape, "white", "bouncing", "blue").caption, chunks=checks.chunks_for(bundle, 33))

@@ -4,6 +4,7 @@ the continuation stage's history is the engine's opening context and a continuat
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 from engine.models.latents import BlockLatents
@@ -13,7 +14,11 @@ from train.data import LatentSet
 from train.dit import Sampler, _forward, block_flow, history_mask, teacher_forced_flow, text_kv
 from world.grammar import VOCABULARY
 
+# Runs on the idle core (tests/background_pytest.py); not the toy rounds, whose stages have budgets in seconds.
+computes_only = pytest.mark.background
 
+
+@computes_only
 def test_teacher_forced_forward_gives_each_block_what_the_engine_forward_gives_it_after_its_clean_history():
     _, bundle = build_small(sink_frames=3, window_frames=6)
     causal = bundle.pipeline.transformer
@@ -34,6 +39,7 @@ def test_teacher_forced_forward_gives_each_block_what_the_engine_forward_gives_i
     assert _forward is not type(causal).forward  # the undecorated forward: training gets gradients
 
 
+@computes_only
 def test_word_encoder_skips_unknown_words_pads_with_zeros_and_round_trips(tmp_path):
     encoder = WordTextEncoder(VOCABULARY, text_dim=8, text_len=32)
     torch.nn.init.normal_(encoder.positions)
@@ -48,6 +54,7 @@ def test_word_encoder_skips_unknown_words_pads_with_zeros_and_round_trips(tmp_pa
     torch.testing.assert_close(WordTextEncoder.load(tmp_path / "text.safetensors").encode(["a red circle"]), encoder.encode(["a red circle"]))
 
 
+@computes_only
 def test_sampler_learns_only_blocks_after_a_switch_and_only_the_last_block_of_an_evicted_sample():
     clips, length = 2, 15
     data = LatentSet(
@@ -70,6 +77,7 @@ def test_sampler_learns_only_blocks_after_a_switch_and_only_the_last_block_of_an
         assert weight[0].tolist() == [0, 0, 1]
 
 
+@computes_only
 def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_it():
     from engine.models.presets import TINY_CODEC_DECODER, TINY_CODEC_ENCODER
     from train.codec import TinyCodec, codec_loss, init_for_training, update_mismatch
@@ -97,6 +105,7 @@ def test_update_mismatch_compares_two_updates_from_the_same_state_and_restores_i
     assert all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+@computes_only
 def test_block_flow_after_a_short_context_is_the_engines_first_block_after_commit_context():
     """An image or clip start commits its latents in groups of 3 from frame 0 (4 frames: 3 + 1); the continuation
     stage's dense forward must give the first block what the engine's paged forward gives it."""
@@ -180,6 +189,7 @@ def test_a_round_trained_with_another_spatial_rotary_base_names_it_and_the_fade_
     assert bundle.pipeline.transformer.rope.spatial_theta == 20.0
 
 
+@computes_only
 def test_the_long_rollouts_dense_forward_is_the_engines_after_blocks_of_two_and_keeps_what_the_engine_keeps():
     """train.long_rollout rolls sessions out in the served block length (2): before the window's first eviction its
     dense forward (each frame seeing its own block and the ones before) gives a new block what the engine's paged
@@ -212,6 +222,7 @@ def test_the_long_rollouts_dense_forward_is_the_engines_after_blocks_of_two_and_
     assert kept_groups == [0, 0, 1, 4, 4, 5, 5, 6, 6]
 
 
+@computes_only
 def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
     """train.long_rollout.WorldTargets on the shipped codec: a session whose frames are a world clip's (encoded, in
     model space) reads back the clip's path, and the target made from it for the next block is what encoding the
@@ -249,6 +260,7 @@ def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
     assert targets.fit(Scene("circle", "red", "still", "blue"), (np.zeros(2), np.zeros(2), np.zeros(2))) is None  # too few frames
 
 
+@computes_only
 def test_the_gate_judges_each_picture_cell_and_recache_and_saves_the_cells_it_ran(capsys, tmp_path):
     """train.gate, the CPU gate of a round's candidate, on the shipped weights (no --weights): a picture on an
     ordinary blue under "bouncing" keeps its object (tests/test_image_to_video.py's bound) and one on pure blue
@@ -285,6 +297,7 @@ def _candidate(directory: Path, value: float, theta: str | None = "16.0") -> Pat
     return directory
 
 
+@computes_only
 def test_a_soup_mixes_two_candidates_weight_by_weight_or_only_the_named_tensors_and_refuses_two_rotary_bases(tmp_path, capsys):
     from safetensors import safe_open
     from safetensors.torch import load_file

@@ -18,6 +18,8 @@ from decoders.video import (
 )
 from engine.models.presets import TINY_VAE_CONFIG
 
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
 Z_DIM = 16
 LATENT_H, LATENT_W = 8, 8  # 64x64 pixels: small enough to keep the file fast
 

@@ -8,6 +8,8 @@ from world import measure, sound
 from world.clips import make_clip, random_clip, video_frames
 from world.grammar import EXAMPLE_PROMPTS, SHAPES, Scene, all_scenes, parse_caption
 
+pytestmark = pytest.mark.background  # computes only (tests/background_pytest.py)
+
 
 def _frames(clip):
     return ((clip.video.permute(1, 2, 3, 0).numpy() + 1) / 2).astype(np.float32)
