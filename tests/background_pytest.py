@@ -30,7 +30,7 @@ from tests import background
 MARK = "background"
 CHILDREN = 2  # share the idle core while the suite runs; take both cores once it is done
 RESULTS_ENV = "ARSTREAM_BACKGROUND_RESULTS"  # set in a child: the file its reports go to, one JSON line each
-NODEIDS_ENV = "ARSTREAM_BACKGROUND_NODEIDS"  # set in a child: the node ids it may run, one a line
+NODEIDS_ENV = "ARSTREAM_BACKGROUND_NODEIDS"  # set in a child: a file of the node ids it may run, one a line
 CLAIMS_ENV = "ARSTREAM_BACKGROUND_CLAIMS"  # the directory where a file's first taker leaves its mark
 POLL_S = 0.05
 
@@ -55,7 +55,7 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
     """In the suite: the marked items moved to the end, files in reverse order, and the children's jobs made; in a
     child: only the items it was given. Called last in collection (after -k and -m)."""
     if in_child():
-        wanted = set(os.environ[NODEIDS_ENV].splitlines())
+        wanted = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
         return [item for item in items if item.nodeid in wanted]
     marked = [item for item in items if _marked(item)]
     rest = [item for item in items if not _marked(item)]
@@ -63,6 +63,9 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
         return items
     files = list(dict.fromkeys(str(item.path) for item in marked))
     _State.claims = Path(tempfile.mkdtemp(prefix="arstream-claims-"))
+    # The node ids go in a file beside the claims: an environment value has a size bound.
+    nodeids = _State.claims.parent / (_State.claims.name + ".nodeids")
+    nodeids.write_text("\n".join(item.nodeid for item in marked))
     config = marked[0].config
     same_session = ["--rootdir", str(config.rootpath)]  # so a child's node ids are the suite's
     if config.inipath is not None:
@@ -70,8 +73,9 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
     for plugin in config.option.plugins or ():
         same_session += ["-p", plugin]
     argv = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *same_session, *files)
-    env = ((RESULTS_ENV, "{scratch}/results.jsonl"), (NODEIDS_ENV, "\n".join(item.nodeid for item in marked)),
+    env = ((RESULTS_ENV, "{scratch}/results.jsonl"), (NODEIDS_ENV, str(nodeids)),
            (CLAIMS_ENV, str(_State.claims)), background.root_on_path())
+    # Each child's number in its environment makes the jobs two (a Job is its command and environment).
     _State.jobs = [background.Job(argv=argv, env=(*env, ("ARSTREAM_BACKGROUND_CHILD", str(k)))) for k in range(CHILDREN)]
     order = {path: index for index, path in enumerate(reversed(files))}
     return rest + sorted(marked, key=lambda item: order[str(item.path)])  # sorted() keeps the order within a file
@@ -168,6 +172,7 @@ def finish() -> None:
                               f"{mine} of their files run here once this run's own tests were done")
     if _State.claims is not None:
         shutil.rmtree(_State.claims, ignore_errors=True)
+        (_State.claims.parent / (_State.claims.name + ".nodeids")).unlink(missing_ok=True)
 
 
 def summary(terminal) -> None:
