@@ -118,8 +118,8 @@ def _child_reports(nodeid: str) -> tuple[list[dict], background.Finished | None]
     while True:
         for job in _State.jobs:
             path = background.scratch_of(job) / "results.jsonl"
-            phases = [entry for entry in map(json.loads, path.read_text().splitlines()) if entry["nodeid"] == nodeid] \
-                if path.exists() else []
+            lines = path.read_text().split("\n")[:-1] if path.exists() else []  # after the last newline: unfinished
+            phases = [entry for entry in map(json.loads, lines) if entry["nodeid"] == nodeid]
             if any(entry["when"] == "teardown" for entry in phases):
                 return phases, None
         ended = [job for job in _State.jobs if background.finished(job)]
