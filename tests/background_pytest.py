@@ -38,9 +38,9 @@ POLL_S = 0.05
 class _State:
     jobs: list[background.Job] = []
     claims: Path | None = None
+    nodeids: Path | None = None
     owners: dict[str, bool] = {}  # file -> taken by this process
     relayed: int = 0
-    summary: list[str] = []
 
 
 def in_child() -> bool:
@@ -64,8 +64,8 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
     files = list(dict.fromkeys(str(item.path) for item in marked))
     _State.claims = Path(tempfile.mkdtemp(prefix="arstream-claims-"))
     # The node ids go in a file beside the claims: an environment value has a size bound.
-    nodeids = _State.claims.parent / (_State.claims.name + ".nodeids")
-    nodeids.write_text("\n".join(item.nodeid for item in marked))
+    _State.nodeids = _State.claims.with_suffix(".nodeids")
+    _State.nodeids.write_text("\n".join(item.nodeid for item in marked))
     config = marked[0].config
     same_session = ["--rootdir", str(config.rootpath)]  # so a child's node ids are the suite's
     if config.inipath is not None:
@@ -73,7 +73,7 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
     for plugin in config.option.plugins or ():
         same_session += ["-p", plugin]
     argv = (sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *same_session, *files)
-    env = ((RESULTS_ENV, "{scratch}/results.jsonl"), (NODEIDS_ENV, str(nodeids)),
+    env = ((RESULTS_ENV, "{scratch}/results.jsonl"), (NODEIDS_ENV, str(_State.nodeids)),
            (CLAIMS_ENV, str(_State.claims)), background.root_on_path())
     # Each child's number in its environment makes the jobs two (a Job is its command and environment).
     _State.jobs = [background.Job(argv=argv, env=(*env, ("ARSTREAM_BACKGROUND_CHILD", str(k)))) for k in range(CHILDREN)]
@@ -165,16 +165,15 @@ def record(report: pytest.TestReport) -> None:
 
 
 def finish() -> None:
-    """At the session's end, before the jobs' files go: what ran where; the claims directory removed."""
-    if _State.jobs:
-        mine = sum(1 for taken in _State.owners.values() if taken)
-        _State.summary.append(f"background pytests: {_State.relayed} tests run by {CHILDREN} children on idle cores, "
-                              f"{mine} of their files run here once this run's own tests were done")
+    """At the session's end: the claims directory and the node ids' file removed."""
     if _State.claims is not None:
         shutil.rmtree(_State.claims, ignore_errors=True)
-        (_State.claims.parent / (_State.claims.name + ".nodeids")).unlink(missing_ok=True)
+        _State.nodeids.unlink(missing_ok=True)
 
 
 def summary(terminal) -> None:
-    for line in _State.summary:
-        terminal.write_line(line)
+    """A line at the end of the run: what the children ran, and how many of their files this process took."""
+    if _State.jobs:
+        mine = sum(1 for taken in _State.owners.values() if taken)
+        terminal.write_line(f"background pytests: {_State.relayed} tests run by {CHILDREN} children on idle cores, "
+                            f"{mine} of their files run here once this run's own tests were done")

@@ -5,13 +5,11 @@ fails the suite with the child's message (a fixture's as an error), a skip skips
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
+from tests import background
 from tests.background_pytest import NODEIDS_ENV, RESULTS_ENV
-
-ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = '''
 import os
@@ -53,7 +51,8 @@ def test_errs_there(broken):
 def test_the_suite_reports_each_background_test_as_the_child_ran_it(tmp_path):
     (tmp_path / "test_probe.py").write_text(PROBE)
     env = {key: value for key, value in os.environ.items() if key not in (RESULTS_ENV, NODEIDS_ENV)}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    name, value = background.root_on_path()
+    env[name] = value
     # Output to a file, not a pipe: the session's forkserver (tests/server_zygote.py) holds a pipe open while it
     # finishes importing, after the session itself has exited.
     with open(tmp_path / "out.txt", "w") as log:
