@@ -4,10 +4,16 @@
 # xz-compressed. A call carries 64 MiB with the working tree; the wheels with aiortc's and cryptography take
 # 55 MB (deflate, per file), the packed tree 36 MB. common.sh's install_wheels unpacks it when carried:
 #
-#     bash bench/device/pack_site.sh        # then carry [".site.tar.xz"] instead of [".whl"]
+#     bash bench/device/pack_site.sh          # then carry [".site.tar.xz"] instead of [".whl"]
+#     bash bench/device/pack_site.sh --lean   # the same without WebRTC and PyAV (~8 MB): for training and
+#                                             # train.fade calls, which carry a candidate's weights beside it
 set -eu -o pipefail
+lean='^(aioice|aiortc|av|cffi|cryptography|dnspython|google_crc32c|ifaddr|pycparser|pyee|pylibsrtp|pyopenssl)-'
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-for wheel in .whl/*.whl; do unzip -q -o "$wheel" -d "$work/site"; done
+for wheel in .whl/*.whl; do
+  if [ "${1:-}" = --lean ] && [[ $(basename "$wheel") =~ $lean ]]; then continue; fi
+  unzip -q -o "$wheel" -d "$work/site"
+done
 tar -cJf .site.tar.xz -C "$work/site" .
 ls -la .site.tar.xz
