@@ -5,6 +5,9 @@
 # one for the hour, in parallel (the tiny model leaves the GPU mostly idle; reading frames back is the host's work).
 #
 #   run(command="WEIGHTS=.train-ckpt bash train/device_fade.sh", carry=[".site.tar.xz", ".train-ckpt"])
+#
+# The full site and a candidate's weights pass the 64 MiB a call carries: pack the site with
+# `bash bench/device/pack_site.sh --lean` (no WebRTC, no PyAV: train.fade needs neither) for such a call.
 set -u
 OUT=${OUT:-$PWD/out-fade}
 mkdir -p "$OUT"
