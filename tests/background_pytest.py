@@ -41,6 +41,8 @@ class _State:
     nodeids: Path | None = None
     owners: dict[str, bool] = {}  # file -> taken by this process
     relayed: int = 0
+    read_upto: dict[Path, int] = {}  # a child's report file -> the bytes already read
+    phases: dict[str, list[dict]] = {}  # node id -> the phases its child reported so far
 
 
 def in_child() -> bool:
@@ -112,19 +114,33 @@ def run_protocol(item: pytest.Item) -> bool | None:
     return True
 
 
+def _read_reports() -> None:
+    """What the children reported since the last read, each file from where that read stopped."""
+    for job in _State.jobs:
+        path = background.scratch_of(job) / "results.jsonl"
+        if not path.exists():
+            continue
+        with open(path, "rb") as handle:
+            handle.seek(_State.read_upto.get(path, 0))
+            data = handle.read()
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written is read once it is whole
+        _State.read_upto[path] = _State.read_upto.get(path, 0) + len(whole)
+        for line in whole.decode().splitlines():
+            entry = json.loads(line)
+            _State.phases.setdefault(entry["nodeid"], []).append(entry)
+
+
 def _child_reports(nodeid: str) -> tuple[list[dict], background.Finished | None]:
     """``nodeid``'s phases as a child reported them, once its teardown is in (or that child's output, if it ended
     without it)."""
     while True:
-        for job in _State.jobs:
-            path = background.scratch_of(job) / "results.jsonl"
-            lines = path.read_text().split("\n")[:-1] if path.exists() else []  # after the last newline: unfinished
-            phases = [entry for entry in map(json.loads, lines) if entry["nodeid"] == nodeid]
-            if any(entry["when"] == "teardown" for entry in phases):
-                return phases, None
-        ended = [job for job in _State.jobs if background.finished(job)]
-        if len(ended) == len(_State.jobs):
-            return [], background.result(ended[0], 0)
+        ended = all(background.finished(job) for job in _State.jobs)  # before the read: nothing is written after it
+        _read_reports()
+        phases = _State.phases.get(nodeid, [])
+        if any(entry["when"] == "teardown" for entry in phases):
+            return phases, None
+        if ended:
+            return [], background.result(_State.jobs[0], 0)
         time.sleep(POLL_S)
 
 
