@@ -264,7 +264,7 @@ def test_the_worlds_continuation_of_a_world_clip_is_the_clips_own_next_block():
 def test_the_gate_judges_each_picture_cell_and_recache_and_saves_the_cells_it_ran(capsys, tmp_path):
     """train.gate, the CPU gate of a round's candidate, on the shipped weights (no --weights): a picture on an
     ordinary blue under "bouncing" keeps its object (tests/test_image_to_video.py's bound) and one on pure blue
-    does not (31 and 20 of 36 frames, docs/TINY_MODEL.md), `recache` repaints the background; the exit status
+    does not (31 and 24 of 36 frames, docs/TINY_MODEL.md), `recache` repaints the background; the exit status
     says that one cell failed, and the sheet holds one row a cell: the picture, then five generated frames."""
     from PIL import Image
 
