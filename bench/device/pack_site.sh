@@ -5,7 +5,7 @@
 # 55 MB (deflate, per file), the packed tree 36 MB. common.sh's install_wheels unpacks it when carried:
 #
 #     bash bench/device/pack_site.sh          # then carry [".site.tar.xz"] instead of [".whl"]
-#     bash bench/device/pack_site.sh --lean   # the same without WebRTC and PyAV (~8 MB): for training and
+#     bash bench/device/pack_site.sh --lean   # the same without WebRTC and PyAV (~5 MB): for training and
 #                                             # train.fade calls, which carry a candidate's weights beside it
 set -eu -o pipefail
 lean='^(aioice|aiortc|av|cffi|cryptography|dnspython|google_crc32c|ifaddr|pycparser|pyee|pylibsrtp|pyopenssl)-'
