@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 30's device-length checks of the tiny model in one device call (carry .site.tar.xz, and .train-ckpt for a
 # candidate's DiT files): every motion word x 3 colour pairs for SECONDS_EACH (600) s, and the demo's example for
-# HOUR_S (3600) s, on cuda, the object's area and colour per 30-s window (train.fade). One process per motion and
-# one for the hour, in parallel (the tiny model leaves the GPU mostly idle; reading frames back is the host's work).
+# HOUR_S (3600) s, on cuda, the object's area and colour per 30-s window (train.fade); MOTIONS="orbiting still"
+# runs only those words. One process per motion and one for the hour, in parallel (the tiny model leaves the GPU
+# mostly idle; reading frames back is the host's work).
 #
 #   run(command="WEIGHTS=.train-ckpt bash train/device_fade.sh", carry=[".site.tar.xz", ".train-ckpt"])
 #
@@ -17,7 +18,7 @@ install_wheels
 nvidia-smi --query-gpu=name --format=csv,noheader
 overlay=()
 [ -n "${WEIGHTS:-}" ] && overlay=(--weights "$WEIGHTS")
-for motion in bouncing drifting orbiting still; do
+for motion in ${MOTIONS:-bouncing drifting orbiting still}; do
   sheet=()
   [ "$motion" = bouncing ] && sheet=(--sheet "$OUT/bouncing_${SECONDS_EACH:-600}s.png")
   python3 -m train.fade --device cuda --seconds "${SECONDS_EACH:-600}" --window-s 30 --seeds 0 "${overlay[@]}" "${sheet[@]}" \
