@@ -18,7 +18,9 @@ continuation stage (``cont_s``, train.dit.DiTTrainer.continuation) teaches the
 model to go on from an image's or clip's encoded frames; a round of it alone:
 ``--only dit --round 3 --init engine/models/weights/tiny --budget
 tf_s=0,fewstep_s=0,rollout_s=0,cont_s=180,dit_lr=2e-4``. ``--only
-audio``: the audio decoder alone.
+audio``: the audio decoder alone. The plan's latent set is sized for a GPU (1,024 clips of 39 latent frames,
+encoded 64 at a time); on a CPU name a smaller one (``data_clips=48,clip_latents=12,data_batch=8,frames=12``
+fits in 24 GB; the defaults there are ended by the OOM killer while the set is encoded).
 
 ``--init DIR`` loads module files from DIR first (e.g. the shipped weights, to
 reuse the audio decoder); files in the checkpoint directory win. Resumable:
