@@ -7,7 +7,8 @@
 #
 #   run(command="WEIGHTS=.train-ckpt bash train/device_fade.sh", carry=[".site.tar.xz", ".train-ckpt"])
 #
-# $OUT holds six files (a call brings back at most eight: the stderr files stay on the machine, their tails printed).
+# $OUT holds up to six files (a call brings back at most eight: the stderr files stay on the machine in a directory
+# of this run's own, so a run of fewer words prints no earlier run's tails).
 # The full site and a candidate's weights pass the 64 MiB a call carries: pack the site with
 # `bash bench/device/pack_site.sh --lean` (no WebRTC, no PyAV: train.fade needs neither) for such a call.
 set -u
@@ -18,16 +19,17 @@ install_wheels
 nvidia-smi --query-gpu=name --format=csv,noheader
 overlay=()
 [ -n "${WEIGHTS:-}" ] && overlay=(--weights "$WEIGHTS")
+err=$(mktemp -d)
 for motion in ${MOTIONS:-bouncing drifting orbiting still}; do
   sheet=()
   [ "$motion" = bouncing ] && sheet=(--sheet "$OUT/bouncing_${SECONDS_EACH:-600}s.png")
   python3 -m train.fade --device cuda --seconds "${SECONDS_EACH:-600}" --window-s 30 --seeds 0 "${overlay[@]}" "${sheet[@]}" \
     --prompts "a red circle $motion on a blue background|a green triangle $motion on a black background|a white square $motion on a red background" \
-    > "$OUT/fade_$motion.txt" 2> "/tmp/fade_$motion.stderr" &
+    > "$OUT/fade_$motion.txt" 2> "$err/fade_$motion.stderr" &
 done
 python3 -m train.fade --device cuda --seconds "${HOUR_S:-3600}" --window-s 30 --seeds 0 "${overlay[@]}" \
-  --prompts "a red circle bouncing on a blue background" > "$OUT/fade_hour.txt" 2> /tmp/fade_hour.stderr &
+  --prompts "a red circle bouncing on a blue background" > "$OUT/fade_hour.txt" 2> "$err/fade_hour.stderr" &
 wait
 echo "== done after $SECONDS s"
 for f in "$OUT"/fade_*.txt; do echo "== $f"; grep "^|" "$f"; done
-tail -n 3 /tmp/fade_*.stderr
+tail -n 3 "$err"/fade_*.stderr
