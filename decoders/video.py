@@ -308,6 +308,9 @@ class WanStreamingDecoder:
     constant for a known architecture is used, else it is measured on first use.
     ``fast_path``: compute the decoder's causal convs with ``conv2d``
     (:func:`causal_conv3d_as_conv2d`); default on when the VAE is on the CPU.
+    ``conv_kernel``: compute the decoder's 3x3(x3) convolutions with the Triton kernel of
+    ``decoders/shifted_rows_conv.py`` (CUDA; the VAE's decoder half then runs it for every caller);
+    ``conv_kernel_fp8``: its residual blocks' convolutions in e4m3.
     """
 
     def __init__(
@@ -317,6 +320,8 @@ class WanStreamingDecoder:
         bytes_per_pixel: float | None = None,
         fast_path: bool | None = None,
         compile_steady_state: bool = False,
+        conv_kernel: bool = False,
+        conv_kernel_fp8: bool = False,
     ) -> None:
         if not isinstance(vae, AutoencoderKLWan):
             raise TypeError(f"WanStreamingDecoder needs a diffusers AutoencoderKLWan, got {type(vae).__name__}")
@@ -325,9 +330,16 @@ class WanStreamingDecoder:
         self.device = parameter.device
         self.dtype = parameter.dtype
         self.num_causal_convs = int(vae._cached_conv_counts["decoder"])
-        self.fast_path = self.device.type == "cpu" if fast_path is None else bool(fast_path)
+        self.fast_path = self.device.type == "cpu" if fast_path is None and not conv_kernel else bool(fast_path)
+        if self.fast_path and conv_kernel:
+            raise ValueError("fast_path (conv2d on the CPU) and conv_kernel (Triton on CUDA) exclude each other")
         if self.fast_path:
             _install_fast_path(vae)
+        self.conv_kernel = bool(conv_kernel)
+        if self.conv_kernel:
+            from decoders import shifted_rows_conv
+
+            self.kernel_convs = shifted_rows_conv.install(vae.decoder, fp8=conv_kernel_fp8)
         if bytes_per_pixel is None:
             bytes_per_pixel = _KNOWN_BYTES_PER_PIXEL_FP32.get(_decoder_architecture(vae))
         self._bytes_per_pixel = bytes_per_pixel

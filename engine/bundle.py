@@ -171,7 +171,9 @@ def _video_decoder(
     compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
     kind = config.resolved_video_decoder
     if kind == "wan":
-        return WanStreamingDecoder(vae, compile_steady_state=compile_steady)
+        convs = config.resolved_decode_convs
+        return WanStreamingDecoder(vae, compile_steady_state=compile_steady, conv_kernel=convs.startswith("triton"),
+                                   conv_kernel_fp8=convs == "triton_fp8")
     if config.model_dir is not None and not config.random_weights:
         return taehv_decoder_from_model_dir(
             config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady

@@ -192,6 +192,12 @@ class EngineConfig(BaseModel):
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
     )
+    decode_convs: Literal["auto", "cudnn", "triton", "triton_fp8"] = Field(
+        default="auto",
+        description="the Wan VAE decoder's 3x3(x3) convolutions: cudnn (diffusers' conv3d), triton (one GEMM over "
+        "shifted rows, decoders/shifted_rows_conv.py; CUDA), triton_fp8 (the same, the residual blocks' "
+        "convolutions in e4m3; quality: docs/FP8.md); auto: cudnn",
+    )
     gpu_memory_gib: float | None = Field(
         default=None,
         gt=0,
@@ -322,6 +328,10 @@ class EngineConfig(BaseModel):
             refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
             if refusal:
                 raise ValueError(refusal)
+        if self.decode_convs.startswith("triton") and not self.device.startswith("cuda"):
+            raise ValueError(f"decode_convs={self.decode_convs} runs on CUDA; got device={self.device} (use auto or cudnn)")
+        if self.decode_convs.startswith("triton") and importlib.util.find_spec("triton") is None:
+            raise ValueError(f"decode_convs={self.decode_convs} needs Triton, which is not installed (use auto or cudnn)")
         for field in ("video_decoder", "video_encoder"):  # the Wan VAE asked for where there is none
             if getattr(self, field) == "wan" and self.model_dir is None and get_preset(self.preset).vae_config is None:
                 raise ValueError(
@@ -360,6 +370,13 @@ class EngineConfig(BaseModel):
         if self.blocks_in_flight is None:
             return 2 if self.device.startswith("cuda") else 1
         return self.blocks_in_flight
+
+    @property
+    def resolved_decode_convs(self) -> str:
+        """``decode_convs`` with ``auto`` resolved: cuDNN until the kernel's device measurement says otherwise."""
+        if self.decode_convs != "auto":
+            return self.decode_convs
+        return "cudnn"
 
     @property
     def resolved_video_decoder(self) -> str:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Issue 31: the Wan decoder's convolutions through the shifted-rows Triton kernel, on the device in ONE call:
+#
+#     run(command="bash bench/device/run_shifted_rows_conv.sh 560", carry=[".site.tar.xz"], timeout_s=600)
+#
+# 1. bench/shifted_rows_conv_gpu.py: each decoder convolution shape, cuDNN vs the kernel's sweep; one session's
+#    decode (eager and compiled) with diffusers' convolutions and with the kernel (ms a block, pixel difference).
+# 2. If the compiled decode got >= 5 % faster: fresh `arstream serve` processes, standard window, `--fp8 all`,
+#    1.3B random bf16 at 832x480, the first session after /readyz pacing off, `decode_convs` cudnn, triton,
+#    triton_fp8 (SERVICES), each while time is left.
+# 3. The GPU tests of tests/test_shifted_rows_conv.py, while time is left.
+# Files in $OUT: conv.json, shifted_rows_conv.std*, service_*.json, logs/, gpu_tests.txt.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-560}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+part shifted_rows_conv "${CONV_S:-330}" python3 bench/shifted_rows_conv_gpu.py --out "$OUT/conv.json"
+tail -n 12 "$OUT/shifted_rows_conv.stderr"
+python3 - "$OUT/conv.json" <<'PY' || true
+import json, sys
+r = json.load(open(sys.argv[1]))
+for s in r["shapes"]:
+    print(s.get("c_in"), s.get("c_out"), s.get("kernel"), s.get("frames"), s.get("height"), s.get("cudnn_ncdhw"),
+          s.get("cudnn_channels_last"), {k: s.get("best", {}).get(k) for k in ("block_m", "block_n", "block_k", "num_warps", "num_stages", "ms", "tflops", "max_abs_diff_rel")})
+print("latent frame conv ms", r.get("latent_frame_conv_ms"))
+for d in r.get("decode", []):
+    print(json.dumps({k: v for k, v in d.items()})[:600])
+PY
+GAIN=$(python3 -c "
+import json,sys
+try:
+    d=[x for x in json.load(open('$OUT/conv.json'))['decode'] if x.get('compiled')][0]; print(int(d['speedup']>=1.05))
+except Exception: print(0)")
+SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
+CASES=(--concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions)
+for convs in ${SERVICES:-cudnn triton triton_fp8}; do
+  if [ "$GAIN" = 1 ] && [ "$(left)" -gt 110 ]; then
+    ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_$convs" 95 "${CASES[@]}" -- "${SERVER[@]}"
+  else
+    echo "service $convs skipped (gain $GAIN, $(left)s left)"
+  fi
+done
+if [ "$(left)" -gt 45 ]; then gpu_tests "$(( $(left) - 10 ))" tests/test_shifted_rows_conv.py; fi
+echo "== done, $(left)s left"
