@@ -15,7 +15,8 @@ set -u -o pipefail
 . bench/device/common.sh
 start_run "${1:-560}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-part shifted_rows_conv "${CONV_S:-330}" python3 bench/shifted_rows_conv_gpu.py --out "$OUT/conv.json"
+part shifted_rows_conv "${CONV_S:-300}" python3 bench/shifted_rows_conv_gpu.py --out "$OUT/conv.json" --reps 10 \
+  --blocks 4 --warmup 2
 tail -n 12 "$OUT/shifted_rows_conv.stderr"
 python3 - "$OUT/conv.json" <<'PY' || true
 import json, sys
@@ -27,14 +28,17 @@ print("latent frame conv ms", r.get("latent_frame_conv_ms"))
 for d in r.get("decode", []):
     print(json.dumps({k: v for k, v in d.items()})[:600])
 PY
-GAIN=$(python3 -c "
+read -r GAIN ORDER < <(python3 -c "
 import json,sys
 try:
-    d=[x for x in json.load(open('$OUT/conv.json'))['decode'] if x.get('compiled')][0]; print(int(d['speedup']>=1.05))
-except Exception: print(0)")
+    d=[x for x in json.load(open('$OUT/conv.json'))['decode'] if x.get('compiled')][0]
+    fp8_first = d['kernel_fp8']['speedup'] > d['kernel']['speedup']
+    print(int(max(d['kernel']['speedup'], d['kernel_fp8']['speedup']) >= 1.05),
+          'cudnn triton_fp8 triton' if fp8_first else 'cudnn triton triton_fp8')
+except Exception: print(0, 'cudnn')")
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 CASES=(--concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions)
-for convs in ${SERVICES:-cudnn triton triton_fp8}; do
+for convs in ${SERVICES:-$ORDER}; do
   if [ "$GAIN" = 1 ] && [ "$(left)" -gt 110 ]; then
     ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_$convs" 95 "${CASES[@]}" -- "${SERVER[@]}"
   else
