@@ -63,10 +63,18 @@ class ConvKernelConfig:
             raise ValueError(f"block_n must be <= {WEIGHT_COLUMNS_ALIGN}, got {self.block_n}")
 
 
-# Per (C_in, C_out, taps): the configuration measured fastest on an H100 (docs/BENCHMARKS.md, "The Wan decode's
-# convolutions as one GEMM"); others get DEFAULT_CONFIG.
+# Per (C_in, C_out, taps[, "fp8"]): the configuration measured fastest at the Wan decoder's 832x480 shapes on an
+# H100, 2026-12-07 (docs/BENCHMARKS.md, "The Wan decode's convolutions as one GEMM"); others get DEFAULT_CONFIG.
 DEFAULT_CONFIG = ConvKernelConfig()
-MEASURED_CONFIGS: dict[tuple, ConvKernelConfig] = {}
+_WIDE_N = ConvKernelConfig(128, 256, 64, 8, 3)
+_TALL_M = ConvKernelConfig(256, 128, 64, 8, 3)
+MEASURED_CONFIGS: dict[tuple, ConvKernelConfig] = {
+    (96, 96, 27): ConvKernelConfig(256, 128, 32, 8, 3),
+    (192, 192, 27): _WIDE_N, (192, 192, 27, "fp8"): _TALL_M,
+    (192, 384, 27): _TALL_M, (192, 384, 27, "fp8"): _TALL_M,
+    (384, 384, 27): _WIDE_N, (384, 384, 27, "fp8"): ConvKernelConfig(128, 64, 128, 4, 3),
+    (192, 96, 9): _TALL_M, (384, 192, 9): _WIDE_N,
+}
 
 
 def config_for(c_in: int, c_out: int, taps: int, *fp8: str) -> ConvKernelConfig:
@@ -310,20 +318,21 @@ def shifted_rows_conv(
 # ---------------------------------------------------------------------------
 # The decoder's convolutions
 
-# Set on each module by install(): its packed weight, its launch configuration, and (e4m3 only) the scale that maps
-# its input's bound to 448.
-_WEIGHT, _CONFIG, _INPUT_SCALE = "_shifted_rows_weight", "_shifted_rows_config", "_shifted_rows_input_scale"
+# Set on each module by install(), as plain attributes (what torch.compile traces without a break): the packed
+# weight's tensors, and the launch's constants (kernel size, C_out, configuration, e4m3 input scale or None).
+_WEIGHT, _WEIGHT_SCALE, _LAUNCH = "_shifted_rows_weight", "_shifted_rows_weight_scale", "_shifted_rows_launch"
 
 
 def _run(module: torch.nn.Module, padded: torch.Tensor) -> torch.Tensor:
-    weight: PackedWeight = module.__dict__[_WEIGHT]
-    if weight.data.device != padded.device or (not weight.fp8 and weight.data.dtype != padded.dtype):
-        raise RuntimeError("the convolution moved or changed dtype after install(): install it again")
-    input_scale = module.__dict__.get(_INPUT_SCALE)
+    weight, weight_scale = getattr(module, _WEIGHT), getattr(module, _WEIGHT_SCALE)
+    kernel_size, c_out, launch, input_scale = getattr(module, _LAUNCH)
+    if weight.device != padded.device:
+        raise RuntimeError("the convolution moved after install(): install it again")
+    out_dtype = padded.dtype
     if input_scale is not None:
-        return shifted_rows_conv(quantize_input(padded, input_scale).contiguous(), weight, module.bias,
-                                 module.__dict__[_CONFIG], input_scale=input_scale, out_dtype=padded.dtype)
-    return shifted_rows_conv(padded.contiguous(), weight, module.bias, module.__dict__[_CONFIG])
+        padded = quantize_input(padded, input_scale)
+    return _shifted_rows_conv_op(padded.contiguous(), weight, weight_scale, module.bias, kernel_size, c_out, launch,
+                                 1.0 if input_scale is None else input_scale, out_dtype)
 
 
 def causal_conv3d(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
@@ -422,12 +431,13 @@ def install(
         key = (module.in_channels, module.out_channels, taps) + (("fp8",) if in_fp8 else ())
         config = (configs or {}).get(key) or config_for(*key)
         weight = module.weight.detach()
-        module.__dict__[_WEIGHT] = pack_weight_fp8(weight) if in_fp8 else pack_weight(weight)
-        module.__dict__[_CONFIG] = config
-        if in_fp8:
-            module.__dict__[_INPUT_SCALE] = input_scales[module]
-        else:
-            module.__dict__.pop(_INPUT_SCALE, None)
+        _check_runnable(weight.device)
+        packed = pack_weight_fp8(weight) if in_fp8 else pack_weight(weight)
+        setattr(module, _WEIGHT, packed.data)
+        setattr(module, _WEIGHT_SCALE, packed.scale)
+        launch = [config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages]
+        setattr(module, _LAUNCH, (list(packed.kernel_size), packed.c_out, launch,
+                                  input_scales[module] if in_fp8 else None))
         forward = causal_conv3d if isinstance(module, WanCausalConv3d) else same_conv2d
         module.forward = types.MethodType(forward, module)
         installed += 1
