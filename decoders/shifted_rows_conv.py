@@ -1,9 +1,11 @@
 """The Wan decoder's 3x3(x3) convolutions as one GEMM over shifted rows: a Triton kernel for CUDA.
 
 Why: at 832x480 the Wan VAE's decode is ~40.6 TFLOP a 12-frame block, nearly all of it in 3x3x3 causal
-convolutions of 96, 192 and 384 channels. cuDNN runs the 96-channel ones at ~122 TFLOP/s and the 192-channel
-ones at ~207 (docs/BENCHMARKS.md, "The Wan decode per stage"), against ~600 for the DiT's GEMMs on the same
-card: the decode (157-175 ms a block) is a third of the standard window's block.
+convolutions of 96, 192 and 384 channels, and diffusers hands cuDNN NCDHW tensors, on which it runs them at
+240-525 TFLOP/s. Measured on an H100 (docs/BENCHMARKS.md, 2026-12-07): in bf16 this kernel ties cuDNN's
+channels-last kernels (310-660 TFLOP/s, which the engine's compiled decode already gets from Inductor), so it
+stays an option; with e4m3 operands (:func:`install` ``fp8=True``) it is 1.2-1.4x faster than them at 192 and
+384 channels, at a cost in quality that docs/FP8.md gives.
 
 How: pad the input with zeros in H and W (the causal frames in T are already in front of it: the cache, or
 zero frames), lay it out channels-last and number its positions ``(t, y, x)`` as rows of a ``[rows, C_in]``

@@ -373,7 +373,8 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_decode_convs(self) -> str:
-        """``decode_convs`` with ``auto`` resolved: cuDNN until the kernel's device measurement says otherwise."""
+        """``decode_convs`` with ``auto`` resolved: cuDNN (the kernel in bf16 only ties cuDNN's channels-last
+        convolutions on an H100; docs/DECODERS.md)."""
         if self.decode_convs != "auto":
             return self.decode_convs
         return "cudnn"
