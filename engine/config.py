@@ -328,6 +328,9 @@ class EngineConfig(BaseModel):
             refusal = fp8_attention_refusal(self.fp8, self.device, capability, os.environ.get("TRITON_INTERPRET") == "1")
             if refusal:
                 raise ValueError(refusal)
+        if self.decode_convs.startswith("triton") and self.resolved_video_decoder != "wan":
+            raise ValueError(f"decode_convs={self.decode_convs} is the Wan VAE decoder's option; this config decodes "
+                             f"with {self.resolved_video_decoder}")
         if self.decode_convs.startswith("triton") and not self.device.startswith("cuda"):
             raise ValueError(f"decode_convs={self.decode_convs} runs on CUDA; got device={self.device} (use auto or cudnn)")
         if self.decode_convs.startswith("triton") and importlib.util.find_spec("triton") is None:

@@ -226,8 +226,11 @@ def test_engine_option_refuses_the_kernel_off_cuda_and_auto_resolves():
     from engine.config import EngineConfig
 
     with pytest.raises(ValueError, match="decode_convs=triton runs on CUDA"):
-        EngineConfig(preset="tiny", decode_convs="triton")
+        EngineConfig(preset="wan2.1-1.3b", random_weights=True, decode_convs="triton")
+    with pytest.raises(ValueError, match="Wan VAE decoder's option; this config decodes with taehv"):
+        EngineConfig(preset="tiny", decode_convs="triton_fp8")
     assert EngineConfig(preset="tiny").resolved_decode_convs == "cudnn"
+    assert EngineConfig(preset="wan2.1-1.3b", random_weights=True, decode_convs="cudnn").resolved_decode_convs == "cudnn"
 
 
 def test_kernel_equals_reference(interpreted):
