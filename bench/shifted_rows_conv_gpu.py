@@ -183,7 +183,7 @@ def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compil
     names = ("reference", "kernel", "kernel_fp8") + (("reference_eager",) if compiled else ())
     for name in names:
         model = copy.deepcopy(vae)
-        if name != "reference":
+        if name.startswith("kernel"):
             result[name + "_convs_installed"] = src.install(model.decoder, configs, fp8=name == "kernel_fp8")
         decoder = WanStreamingDecoder(model, fast_path=False,
                                       compile_steady_state=compiled and name != "reference_eager")
@@ -223,8 +223,8 @@ def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compil
             psnr_db=round(10 * math.log10(255**2 / mse), 2) if mse > 0 else None,
             speedup=round(result["reference"]["ms_per_block_median"] / result[name]["ms_per_block_median"], 3))
     if compiled:  # the rounding floor: diffusers' convolutions eager vs compiled
-        result["reference_eager_vs_compiled"] = {k: result.pop("reference_eager")[k] for k in (
-            "uint8_max_diff", "uint8_mean_diff", "psnr_db")}
+        eager = result.pop("reference_eager")
+        result["reference_eager_vs_compiled"] = {k: eager[k] for k in ("uint8_max_diff", "uint8_mean_diff", "psnr_db")}
     result["speedup"] = result["kernel"]["speedup"]
     result["reference_pixel_std"] = round(pixels["reference"].float().std().item(), 2)
     log(f"decode compiled={compiled}: {result['reference']['ms_per_block_median']} -> "
