@@ -4,7 +4,8 @@
 #     run(command="bash bench/device/run_shifted_rows_conv.sh 560", carry=[".site.tar.xz"], timeout_s=600)
 #
 # 1. bench/shifted_rows_conv_gpu.py: each decoder convolution shape, cuDNN vs the kernel's sweep; one session's
-#    decode (eager and compiled) with diffusers' convolutions and with the kernel (ms a block, pixel difference).
+#    compiled decode with diffusers' convolutions, with the kernel and with it in e4m3 (ms a block, pixel
+#    difference, graph breaks; the eager reference beside the compiled one as the rounding floor).
 # 2. If the compiled decode got >= 5 % faster: fresh `arstream serve` processes, standard window, `--fp8 all`,
 #    1.3B random bf16 at 832x480, the first session after /readyz pacing off, `decode_convs` cudnn, triton,
 #    triton_fp8 (SERVICES), each while time is left.
