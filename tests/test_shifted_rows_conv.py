@@ -46,6 +46,7 @@ def _interpreter_checks() -> dict:
     from tests.triton_interpreted import patch_interpreter
 
     patch_interpreter()
+    torch.set_num_threads(1)  # the job's one idle core (tests/triton_interpreted.py)
     from decoders.video import WanStreamingDecoder
 
     assert type(src._shifted_rows_conv_kernel).__name__ == "InterpretedFunction", "TRITON_INTERPRET=1 not seen"

@@ -19,8 +19,12 @@ ROOT = Path(__file__).resolve().parent.parent
 def interpreter_job(module_file: str) -> Job:
     """The module's ``--interpreter-checks`` as a background job (tests/background.py): list it in the module's
     ``BACKGROUND_JOBS`` and the session starts it early, on the core the other tests leave idle."""
+    # One BLAS thread: the job has one idle core; more threads only take it from the background pytest children.
     return Job((sys.executable, str(Path(module_file).resolve()), "--interpreter-checks"),
-               env=(("TRITON_INTERPRET", "1"), root_on_path()))
+               env=(("TRITON_INTERPRET", "1"), root_on_path(), *((name, "1") for name in BLAS_THREADS)))
+
+
+BLAS_THREADS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def interpreter_checks(module_file: str, timeout_s: float = 240) -> dict:
