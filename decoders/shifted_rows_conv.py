@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResidualBlock
 
 try:
     import triton
@@ -366,8 +367,6 @@ def eligible(module: torch.nn.Module) -> bool:
     """Whether the kernel computes this convolution: a diffusers ``WanCausalConv3d`` or an ``nn.Conv2d`` with
     stride 1, no dilation or groups, zero padding that keeps the size (the 2-D ones), a window wider than 1x1
     (1x1 and 3x1x1 convolutions are plain GEMMs already) and channels the tensor cores' tiles take."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
     if not isinstance(module, (WanCausalConv3d, torch.nn.Conv2d)):
         return False
     plain = module.groups == 1 and module.padding_mode == "zeros" and all(s == 1 for s in module.stride) \
@@ -399,8 +398,6 @@ def fp8_input_scales(decoder: torch.nn.Module) -> dict[torch.nn.Module, float]:
     each residual block's two 3x3x3 convolutions (their input is ``SiLU(RMS norm)``), so quantizing needs no
     pass over the activations to find their range. The others (conv_in on latents, the upsamplers' on block
     outputs) stay in bf16."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
-
     scales = {}
     for block in decoder.modules():
         if isinstance(block, WanResidualBlock):
@@ -421,8 +418,6 @@ def install(
     and dtype (install again after moving it). ``configs`` overrides :data:`MEASURED_CONFIGS` (the bench);
     ``fp8``: the residual blocks' convolutions in e4m3 (:func:`fp8_input_scales`). Every caller of these
     modules then runs the kernel: the engine's decoder owns its VAE's decoder half."""
-    from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
-
     input_scales = fp8_input_scales(decoder) if fp8 else {}
     installed = 0
     for module in decoder.modules():
