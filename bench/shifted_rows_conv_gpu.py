@@ -170,8 +170,46 @@ def make_vae(device, dtype, smoke: bool):
     return vae.to(device, dtype).eval()
 
 
-def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compiled: bool) -> dict:  # noqa: C901
-    """Steady ms a 3-latent-frame block, with diffusers' convolutions and with the kernel; the pixels' difference."""
+DECODE_KINDS = (  # (kind, substrings of a kernel's name), first match wins: where a decode block's device time goes
+    ("convolution", ("conv", "fprop", "implicit", "xmma", "cudnn", "sm90", "nvjet", "gemm", "shifted_rows")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "pad")),
+    ("compiled_reduction", ("triton_red", "triton_per")),
+    ("compiled_pointwise", ("triton_poi",)),
+)
+
+
+def profile_blocks(decode_block, device, blocks: int = 2, top: int = 14) -> dict:
+    """The CUDA kernels of ``blocks`` steady decode blocks by kind and by name (ms a block, calls a block)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as trace:
+        for _ in range(blocks):
+            decode_block()
+        torch.cuda.synchronize(device)
+    by_kind: dict[str, float] = {}
+    by_name: dict[str, list[float]] = {}
+    for event in trace.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        lowered = event.name.lower()
+        kind = next((k for k, needles in DECODE_KINDS if any(n in lowered for n in needles)), "other")
+        us = event.time_range.elapsed_us()
+        by_kind[kind] = by_kind.get(kind, 0.0) + us
+        entry = by_name.setdefault(event.name[:110], [0.0, 0])
+        entry[0] += us
+        entry[1] += 1
+    per_block = 1000.0 * blocks
+    return {"ms_per_block_by_kind": {k: round(v / per_block, 2) for k, v in sorted(by_kind.items())},
+            "ms_per_block_total": round(sum(by_kind.values()) / per_block, 2),
+            "largest": [(name, round(us / per_block, 2), calls // blocks) for name, (us, calls) in
+                        sorted(by_name.items(), key=lambda item: -item[1][0])[:top]]}
+
+
+def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compiled: bool,  # noqa: C901
+               profiled: tuple[str, ...] = ()) -> dict:
+    """Steady ms a 3-latent-frame block, with diffusers' convolutions and with the kernel; the pixels' difference.
+
+    Each path named in ``profiled`` also gets a kernel profile of two more blocks (their frames are not compared)."""
     from decoders.video import WanStreamingDecoder, _decode_one_frame
 
     generator = torch.Generator(device=device).manual_seed(1)
@@ -200,6 +238,9 @@ def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compil
                 torch.cuda.synchronize()
             times.append((time.perf_counter() - started) * 1e3)
         pixels[name] = torch.cat([decoder.to_uint8_tensor(f) for f in frames]).cpu()
+        if name in profiled and device.type == "cuda":
+            spare = latents[:, :, 1:4]
+            result[name + "_profile"] = profile_blocks(lambda: decoder.decode_chunk(spare, state), device)
         if compiled and name.startswith("kernel"):
             # Where torch.compile breaks the graph (a break splits the decoder into many small graphs).
             with torch.inference_mode():
@@ -296,6 +337,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-decode", action="store_true")
     parser.add_argument("--eager-decode", action="store_true", help="time the eager decode too (compiled only else)")
+    parser.add_argument("--profile", default="reference,kernel_fp8",
+                        help="compiled decode paths to profile by kernel (comma-separated; '' for none)")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -347,8 +390,9 @@ def main() -> None:
         record["decode"] = []
         for compiled in ((False,) if args.smoke else (False, True) if args.eager_decode else (True,)):
             try:
-                record["decode"].append(decode_run(vae, best_configs, device, latent_hw, args.blocks, args.warmup,
-                                                   compiled))
+                record["decode"].append(decode_run(
+                    vae, best_configs, device, latent_hw, args.blocks, args.warmup, compiled,
+                    profiled=tuple(filter(None, args.profile.split(","))) if compiled else ()))
             except Exception as error:  # noqa: BLE001
                 record["decode"].append({"compiled": compiled, "error": describe(error)})
     line = json.dumps(record)
