@@ -336,6 +336,7 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--skip-decode", action="store_true")
+    parser.add_argument("--skip-shapes", action="store_true", help="no per-shape sweep: the decode with MEASURED_CONFIGS")
     parser.add_argument("--eager-decode", action="store_true", help="time the eager decode too (compiled only else)")
     parser.add_argument("--profile", default="reference,kernel_fp8",
                         help="compiled decode paths to profile by kernel (comma-separated; '' for none)")
@@ -363,7 +364,7 @@ def main() -> None:
     log(f"start {record}")
     record["shapes"] = []
     best_configs = {}
-    for shape in shapes:
+    for shape in () if args.skip_shapes else shapes:
         try:
             row = shape_run(shape, sweep, fp8_sweep, device, dtype, args.reps)
         except Exception as error:  # noqa: BLE001 - the other shapes still run

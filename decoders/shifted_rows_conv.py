@@ -67,12 +67,13 @@ class ConvKernelConfig:
 
 
 # Per (C_in, C_out, taps[, "fp8"]): the configuration measured fastest at the Wan decoder's 832x480 shapes on an
-# H100, 2026-12-07 (docs/BENCHMARKS.md, "The Wan decode's convolutions as one GEMM"); others get DEFAULT_CONFIG.
+# H100, 2026-12-07 (docs/BENCHMARKS.md, "The Wan decode's convolutions as one GEMM"; 96 channels in e4m3 from the
+# thirty-first session's sweep); others get DEFAULT_CONFIG.
 DEFAULT_CONFIG = ConvKernelConfig()
 _WIDE_N = ConvKernelConfig(128, 256, 64, 8, 3)
 _TALL_M = ConvKernelConfig(256, 128, 64, 8, 3)
 MEASURED_CONFIGS: dict[tuple, ConvKernelConfig] = {
-    (96, 96, 27): ConvKernelConfig(256, 128, 32, 8, 3),
+    (96, 96, 27): ConvKernelConfig(256, 128, 32, 8, 3), (96, 96, 27, "fp8"): ConvKernelConfig(256, 128, 32, 8, 3),
     (192, 192, 27): _WIDE_N, (192, 192, 27, "fp8"): _TALL_M,
     (192, 384, 27): _TALL_M, (192, 384, 27, "fp8"): _TALL_M,
     (384, 384, 27): _WIDE_N, (384, 384, 27, "fp8"): ConvKernelConfig(128, 64, 128, 4, 3),

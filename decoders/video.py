@@ -47,8 +47,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers.models.autoencoders.autoencoder_kl_wan import (
+    CACHE_T,
     AutoencoderKLWan,
     WanCausalConv3d,
+    WanResample,
     WanUpsample,
     unpatchify,
 )
@@ -245,6 +247,42 @@ def _fast_path_on() -> Iterator[None]:
 STEADY_STATE_FRAMES = 2
 
 
+def _resample_forward(resample: WanResample, x: torch.Tensor, feat_cache=None, feat_idx=[0]) -> torch.Tensor:  # noqa: B006
+    """diffusers' temporal upsample, with its cache already a tensor (every steady frame) taken without a test.
+
+    diffusers asks ``feat_cache[idx] == "Rep"`` of a tensor; torch.compile before 2.13 cannot trace a tensor
+    compared with a string, so it split the steady decode into 14 graphs at the two temporal upsamples
+    (and the recompiles that followed sent parts of it back to eager). Any other call (the opening frames'
+    ``None`` and ``"Rep"`` slots, no cache, the spatial modes) goes to diffusers' own forward.
+    """
+    if resample.mode != "upsample3d" or feat_cache is None or not isinstance(feat_cache[feat_idx[0]], torch.Tensor):
+        return type(resample).forward(resample, x, feat_cache, feat_idx)
+    b, c, t, h, w = x.shape
+    idx = feat_idx[0]
+    cache_x = x[:, :, -CACHE_T:].clone()
+    if cache_x.shape[2] < 2:  # one new frame: keep the last one of the previous chunk beside it
+        cache_x = torch.cat([feat_cache[idx][:, :, -1:].to(cache_x.device), cache_x], dim=2)
+    x = resample.time_conv(x, feat_cache[idx])
+    feat_cache[idx] = cache_x
+    feat_idx[0] += 1
+    x = x.reshape(b, 2, c, t, h, w)
+    x = torch.stack((x[:, 0], x[:, 1]), 3).reshape(b, c, t * 2, h, w)  # the two outputs interleaved in time
+    x = x.permute(0, 2, 1, 3, 4).reshape(b * t * 2, c, h, w)
+    x = resample.resample(x)
+    return x.view(b, t * 2, x.size(1), x.size(2), x.size(3)).permute(0, 2, 1, 3, 4)
+
+
+def _install_steady_resample(decoder: torch.nn.Module) -> int:
+    """Give the decoder's temporal upsamples :func:`_resample_forward` (instance-level, idempotent); how many."""
+    installed = 0
+    for module in decoder.modules():
+        if isinstance(module, WanResample) and module.mode == "upsample3d":
+            if "forward" not in module.__dict__:
+                module.forward = types.MethodType(_resample_forward, module)
+            installed += 1
+    return installed
+
+
 def _decode_one_frame(decoder, frame: torch.Tensor, cache: list[torch.Tensor | None]):
     """The decoder on one latent frame as a pure function: the new cache is returned, the old one is not touched."""
     feat_cache = list(cache)
@@ -263,6 +301,7 @@ class SteadyStateDecode:
     """
 
     def __init__(self, decoder: torch.nn.Module) -> None:
+        _install_steady_resample(decoder)  # one graph, not 14 (see _resample_forward)
         self._compiled = torch.compile(functools.partial(_decode_one_frame, decoder), dynamic=False)
         self.failed = False
         self.calls = 0

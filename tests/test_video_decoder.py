@@ -4,15 +4,18 @@ does (the contract every decoder keeps is tests/test_decoder_contract.py)."""
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
 from diffusers import AutoencoderKLWan
-from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanCausalConv3d, WanResample
 
 from decoders.video import (
     TINY_VAE_STATE_BYTES_PER_PIXEL_FP32,
     WanStreamingDecoder,
+    _decode_one_frame,
+    _install_steady_resample,
     causal_conv3d_as_conv2d,
     measure_bytes_per_pixel,
 )
@@ -137,6 +140,42 @@ def test_fast_path_leaves_other_users_of_the_vae_on_diffusers_path(seven_frames)
     before = vae.decode(seven_frames).sample
     WanStreamingDecoder(vae, fast_path=True)  # installs its forwards on the shared module
     assert torch.equal(vae.decode(seven_frames).sample, before)
+
+
+def test_steady_resample_forward_equals_diffusers_bit_for_bit(vae, eager, seven_frames):
+    """The temporal upsample taken without diffusers' ``== "Rep"`` test computes what diffusers' forward does."""
+    patched = copy.deepcopy(vae)
+    assert _install_steady_resample(patched.decoder) == 2  # the tiny VAE's two temporal upsamples
+    for split in ([1, 3, 3], [1, 1, 1, 2, 2]):
+        assert torch.equal(decode_in_chunks(WanStreamingDecoder(patched, fast_path=False), seven_frames, split),
+                           decode_in_chunks(eager, seven_frames, split))
+
+
+def test_steady_frames_never_compare_a_cached_tensor_with_a_string(vae, seven_frames, monkeypatch):
+    """Once every cache slot is a tensor, diffusers' resample forward (whose tensor-vs-"Rep" test split the
+    compiled decode into 14 graphs on torch 2.11) is not reached, and the compiled function is one graph."""
+    patched = copy.deepcopy(vae)
+    _install_steady_resample(patched.decoder)
+    decoder = WanStreamingDecoder(patched, fast_path=False)
+    state = decoder.new_state("steady")
+    decoder.decode_chunk(seven_frames[:, :, :2], state)  # the opening frames fill every slot
+    assert not any(isinstance(slot, str) for slot in state.feat_map)  # SteadyStateDecode's test
+
+    diffusers_forward = WanResample.forward
+
+    def watched_forward(self, *args, **kwargs):
+        if self.mode == "upsample3d":
+            raise AssertionError("diffusers' temporal upsample reached on a steady frame")
+        return diffusers_forward(self, *args, **kwargs)
+
+    monkeypatch.setattr(WanResample, "forward", watched_forward)
+    frame = patched.post_quant_conv(seven_frames[:, :, 2:3])
+    with torch.no_grad():
+        out, cache = _decode_one_frame(patched.decoder, frame, list(state.feat_map))
+        assert out.shape[2] == 4 and len(cache) == len(state.feat_map)
+        explained = torch._dynamo.explain(functools.partial(_decode_one_frame, patched.decoder))(
+            frame, list(state.feat_map))
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
 
 
 def test_deep_copied_vae_runs_its_own_weights_on_the_fast_path(vae, fast, seven_frames):

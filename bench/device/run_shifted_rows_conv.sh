@@ -6,9 +6,9 @@
 # 1. bench/shifted_rows_conv_gpu.py: each decoder convolution shape, cuDNN vs the kernel's sweep; one session's
 #    compiled decode with diffusers' convolutions, with the kernel and with it in e4m3 (ms a block, pixel
 #    difference, graph breaks; the eager reference beside the compiled one as the rounding floor).
-# 2. If the compiled decode got >= 5 % faster: fresh `arstream serve` processes, standard window, `--fp8 all`,
+# 2. If the compiled decode got >= 5 % faster (or SERVICES names them): fresh `arstream serve` processes, standard window, `--fp8 all`,
 #    1.3B random bf16 at 832x480, the first session after /readyz pacing off, `decode_convs` cudnn, triton,
-#    triton_fp8 (SERVICES), each while time is left.
+#    triton_fp8 (SERVICES), each while time is left. CONV_ARGS=--skip-shapes: the decode alone (MEASURED_CONFIGS).
 # 3. The GPU tests of tests/test_shifted_rows_conv.py, while time is left.
 # Files in $OUT: conv.json, shifted_rows_conv.std*, service_*.json, logs/, gpu_tests.txt.
 set -u -o pipefail
@@ -16,7 +16,7 @@ set -u -o pipefail
 . bench/device/common.sh
 start_run "${1:-560}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-part shifted_rows_conv "${CONV_S:-300}" python3 bench/shifted_rows_conv_gpu.py --out "$OUT/conv.json" --reps 10 \
+part shifted_rows_conv "${CONV_S:-300}" python3 bench/shifted_rows_conv_gpu.py ${CONV_ARGS:-} --out "$OUT/conv.json" --reps 10 \
   --blocks 4 --warmup 2
 tail -n 12 "$OUT/shifted_rows_conv.stderr"
 python3 - "$OUT/conv.json" <<'PY' || true
@@ -40,7 +40,7 @@ except Exception: print(0, 'cudnn')")
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 CASES=(--concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions)
 for convs in ${SERVICES:-$ORDER}; do
-  if [ "$GAIN" = 1 ] && [ "$(left)" -gt 110 ]; then
+  if { [ "$GAIN" = 1 ] || [ -n "${SERVICES:-}" ]; } && [ "$(left)" -gt 110 ]; then
     ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_$convs" 95 "${CASES[@]}" -- "${SERVER[@]}"
   else
     echo "service $convs skipped (gain $GAIN, $(left)s left)"
