@@ -394,18 +394,34 @@ def silu_rms_norm_bound(norm: torch.nn.Module) -> float:
     return max(bound, 0.2785)
 
 
+def _fp8_convs(decoder: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
+    """(conv, the RMS norm before it) for each residual block's convolution that can run in e4m3."""
+    return [(conv, norm) for block in decoder.modules() if isinstance(block, WanResidualBlock)
+            for conv, norm in ((block.conv1, block.norm1), (block.conv2, block.norm2))
+            if eligible(conv) and conv.in_channels % 32 == 0]  # an fp8 dot's reduction step is 32
+
+
+def packed_weight_bytes(decoder: torch.nn.Module, *, fp8: bool = False, element_size: int | None = None) -> int:
+    """Device bytes :func:`install` adds to ``decoder`` (its own weights stay for the opening frames' eager
+    calls), from the modules' shapes alone, so a decoder on the meta device gives the memory plan its figure.
+    ``element_size``: bytes of the dtype the decoder will run in (default: its weights' own)."""
+    in_fp8 = {conv for conv, _ in _fp8_convs(decoder)} if fp8 else set()
+    total = 0
+    for module in decoder.modules():
+        if eligible(module):
+            columns = -(-module.out_channels // WEIGHT_COLUMNS_ALIGN) * WEIGHT_COLUMNS_ALIGN
+            elements = module.weight[0, 0].numel() * module.in_channels * columns
+            element = element_size or module.weight.element_size()
+            total += elements + 4 * columns if module in in_fp8 else elements * element
+    return total
+
+
 def fp8_input_scales(decoder: torch.nn.Module) -> dict[torch.nn.Module, float]:
     """The convolutions whose inputs have a bound known from the weights alone, with the e4m3 scale it gives:
     each residual block's two 3x3x3 convolutions (their input is ``SiLU(RMS norm)``), so quantizing needs no
     pass over the activations to find their range. The others (conv_in on latents, the upsamplers' on block
     outputs) stay in bf16."""
-    scales = {}
-    for block in decoder.modules():
-        if isinstance(block, WanResidualBlock):
-            for conv, norm in ((block.conv1, block.norm1), (block.conv2, block.norm2)):
-                if eligible(conv) and conv.in_channels % 32 == 0:  # an fp8 dot's reduction step is 32
-                    scales[conv] = silu_rms_norm_bound(norm) / FP8_MAX
-    return scales
+    return {conv: silu_rms_norm_bound(norm) / FP8_MAX for conv, norm in _fp8_convs(decoder)}
 
 
 def install(

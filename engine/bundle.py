@@ -172,8 +172,12 @@ def _video_decoder(
     kind = config.resolved_video_decoder
     if kind == "wan":
         convs = config.resolved_decode_convs
-        return WanStreamingDecoder(vae, compile_steady_state=compile_steady, conv_kernel=convs.startswith("triton"),
-                                   conv_kernel_fp8=convs == "triton_fp8")
+        decoder = WanStreamingDecoder(vae, compile_steady_state=compile_steady, conv_kernel=convs.startswith("triton"),
+                                      conv_kernel_fp8=convs == "triton_fp8")
+        log.info("wan video decoder", extra={"decode_convs": convs, "asked": config.decode_convs,
+                                             "kernel_convs": getattr(decoder, "kernel_convs", 0),
+                                             "compiled_steady_state": compile_steady})
+        return decoder
     if config.model_dir is not None and not config.random_weights:
         return taehv_decoder_from_model_dir(
             config.model_dir, config.device, config.torch_dtype, compile_frames=compile_steady

@@ -36,6 +36,21 @@ FP8_MIN_CAPABILITY = (8, 9)
 UMT5_XXL_WIDTH = 4096  # Wan's text encoder's d_model, the DiT's text_dim  # torch._scaled_mm's e4m3 GEMMs: Ada (8.9), Hopper (9.0) and newer
 
 
+DECODE_KERNEL_CAPABILITY = (9, 0)  # Hopper: where the shifted-rows kernel was measured faster through the service
+
+
+def auto_decode_convs(video_decoder: str, device: str, compile_decoder: bool, capability: tuple[int, int] | None,
+                      triton_available: bool) -> str:
+    """What ``decode_convs = auto`` runs: the shifted-rows kernel in bf16 where it was measured faster than
+    cuDNN through the service and as close to diffusers as diffusers' own compiled decode (a Hopper GPU, the
+    Wan VAE's compiled steady state: docs/DECODERS.md), cuDNN elsewhere. Never e4m3: that trades quality and is
+    asked for. Pure, so the rule is checked without a GPU."""
+    hopper = capability is not None and tuple(capability[:2]) == DECODE_KERNEL_CAPABILITY
+    if video_decoder == "wan" and device.startswith("cuda") and compile_decoder and triton_available and hopper:
+        return "triton"
+    return "cudnn"
+
+
 def fp8_attention_refusal(value: str, device: str, capability: tuple[int, int] | None, interpreter: bool) -> str | None:
     """Why ``fp8 = value`` cannot run its attention kernel on ``device`` (``None``: it can, or it has none).
 
@@ -196,7 +211,8 @@ class EngineConfig(BaseModel):
         default="auto",
         description="the Wan VAE decoder's 3x3(x3) convolutions: cudnn (diffusers' conv3d), triton (one GEMM over "
         "shifted rows, decoders/shifted_rows_conv.py; CUDA), triton_fp8 (the same, the residual blocks' "
-        "convolutions in e4m3; quality: docs/FP8.md); auto: cudnn",
+        "convolutions in e4m3; quality: docs/FP8.md); auto: triton on a Hopper GPU with the compiled decode, else "
+        "cudnn",
     )
     gpu_memory_gib: float | None = Field(
         default=None,
@@ -376,11 +392,14 @@ class EngineConfig(BaseModel):
 
     @property
     def resolved_decode_convs(self) -> str:
-        """``decode_convs`` with ``auto`` resolved: cuDNN (the kernel in bf16 only ties cuDNN's channels-last
-        convolutions on an H100; docs/DECODERS.md)."""
+        """``decode_convs`` with ``auto`` resolved (:func:`auto_decode_convs`; asks CUDA for the card's
+        compute capability)."""
         if self.decode_convs != "auto":
             return self.decode_convs
-        return "cudnn"
+        cuda = self.device.startswith("cuda") and torch.cuda.is_available()
+        return auto_decode_convs(self.resolved_video_decoder, self.device, self.compile_decoder,
+                                 torch.cuda.get_device_capability(self.device) if cuda else None,
+                                 importlib.util.find_spec("triton") is not None)
 
     @property
     def resolved_video_decoder(self) -> str:

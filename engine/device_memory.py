@@ -21,6 +21,7 @@ the capacity, and a cap that then holds no session is refused there with the sam
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,7 +150,31 @@ def refusal(config: EngineConfig, estimate: DeviceMemoryEstimate, activation_pea
 
 
 def _weights_bytes(config: EngineConfig, element: int) -> int:
-    """DiT and video decoder (the text encoder apart), in the engine's dtype."""
+    """DiT and video decoder (the text encoder apart), in the engine's dtype; with the shifted-rows kernel, its
+    packed copy of the Wan decoder's convolution weights too."""
+    return _model_weights_bytes(config, element) + _packed_conv_bytes(config)
+
+
+def _packed_conv_bytes(config: EngineConfig) -> int:
+    convs = config.resolved_decode_convs
+    if config.resolved_video_decoder != "wan" or not convs.startswith("triton"):
+        return 0
+    from diffusers import AutoencoderKLWan
+
+    from decoders.shifted_rows_conv import packed_weight_bytes
+
+    vae_config = get_preset(config.preset).vae_config
+    if config.model_dir is not None:
+        try:
+            vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
+        except (OSError, ValueError):
+            return 0  # the loader names the missing or broken file
+    with torch.device("meta"):
+        vae = AutoencoderKLWan.from_config(vae_config)
+    return packed_weight_bytes(vae.decoder, fp8=convs == "triton_fp8", element_size=config.torch_dtype.itemsize)
+
+
+def _model_weights_bytes(config: EngineConfig, element: int) -> int:
     if config.model_dir is not None:
         root = Path(config.model_dir)
         elements = sum(_safetensors_elements(f) for f in sorted((root / "vae").glob("*.safetensors")))

@@ -42,6 +42,16 @@ DECODER_STATE_BYTES_MIB = 1801.1  # the Wan VAE's streaming state at 832x480 bf1
 LATENT_FRAME_BYTES = 16 * 60 * 104 * 4  # float32
 
 
+def test_the_decode_kernel_adds_its_packed_weights():
+    """decode_convs=triton* keeps a packed copy of the Wan decoder's 32 convolution weights (output columns padded
+    to 256) beside diffusers' own: 184.4 MiB in bf16; in e4m3 the residual blocks' 25 take one byte a weight."""
+    base = estimate_device_memory(cuda_1_3b(decode_convs="cudnn")).weights
+    assert estimate_device_memory(cuda_1_3b()).weights == base  # auto without a Hopper GPU: cuDNN
+    assert estimate_device_memory(cuda_1_3b(decode_convs="triton")).weights - base == 193_314_816
+    assert estimate_device_memory(cuda_1_3b(decode_convs="triton_fp8")).weights - base == 99_135_488
+    assert estimate_device_memory(cuda_1_3b(decode_convs="triton", video_decoder="taehv")).weights < base
+
+
 def test_the_standard_1_3b_parts_add_up_from_the_geometry():
     estimate = estimate_device_memory(cuda_1_3b(gather_history_once=True))
     assert FRAME_BYTES == 287_539_200

@@ -241,6 +241,41 @@ def test_engine_option_refuses_the_kernel_off_cuda_and_auto_resolves():
     assert EngineConfig(preset="wan2.1-1.3b", random_weights=True, decode_convs="cudnn").resolved_decode_convs == "cudnn"
 
 
+def test_auto_runs_the_kernel_in_bf16_on_a_hopper_gpu_with_the_compiled_decode_only():
+    from engine.config import auto_decode_convs
+
+    hopper = ("wan", "cuda", True, (9, 0), True)
+    assert auto_decode_convs(*hopper) == "triton"
+    assert auto_decode_convs("wan", "cuda:1", True, (9, 0), True) == "triton"
+    for changed in ({0: "taehv"}, {1: "cpu"}, {2: False}, {3: (8, 0)}, {3: (8, 9)}, {3: (10, 0)}, {3: None},
+                    {4: False}):
+        arguments = list(hopper)
+        for index, value in changed.items():
+            arguments[index] = value
+        assert auto_decode_convs(*arguments) == "cudnn", changed
+
+
+def test_packed_weight_bytes_is_what_the_packers_allocate():
+    """The memory plan's figure, from shapes alone, equals the bytes the packers make for every eligible
+    convolution (bf16; and e4m3 with its scales where install puts it)."""
+    decoder = small_vae().decoder.to(torch.bfloat16)
+    in_fp8 = set(src.fp8_input_scales(decoder))
+    bf16 = fp8 = 0
+    for module in decoder.modules():
+        if src.eligible(module):
+            packed = src.pack_weight(module.weight.detach())
+            bf16 += packed.data.nbytes
+            if module in in_fp8:
+                packed = src.pack_weight_fp8(module.weight.detach())
+                fp8 += packed.data.nbytes + packed.scale.nbytes
+            else:
+                fp8 += packed.data.nbytes
+    assert in_fp8 and bf16 > fp8 > 0
+    assert src.packed_weight_bytes(decoder) == bf16
+    assert src.packed_weight_bytes(decoder, fp8=True) == fp8
+    assert src.packed_weight_bytes(decoder.to(torch.float32), element_size=2) == bf16
+
+
 def test_kernel_equals_reference(interpreted):
     for name in ("3x3x3", "3x3x3_one_frame_out", "1x3x3", "3x1x1"):
         case = interpreted[name]

@@ -8,7 +8,7 @@
 #    difference, graph breaks; the eager reference beside the compiled one as the rounding floor).
 # 2. If the compiled decode got >= 5 % faster (or SERVICES names them): fresh `arstream serve` processes, standard window, `--fp8 all`,
 #    1.3B random bf16 at 832x480, the first session after /readyz pacing off, `decode_convs` cudnn, triton,
-#    triton_fp8 (SERVICES), each while time is left. CONV_ARGS=--skip-shapes: the decode alone (MEASURED_CONFIGS).
+#    triton_fp8 (SERVICES: DECODE_CONVS or DECODE_CONVS:FP8 each, FP8 default all), each while time is left. CONV_ARGS=--skip-shapes: the decode alone (MEASURED_CONFIGS).
 # 3. The GPU tests of tests/test_shifted_rows_conv.py, while time is left.
 # Files in $OUT: conv.json, shifted_rows_conv.std*, service_*.json, logs/, gpu_tests.txt.
 set -u -o pipefail
@@ -39,11 +39,13 @@ try:
 except Exception: print(0, 'cudnn')")
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 CASES=(--concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions)
-for convs in ${SERVICES:-$ORDER}; do
+for entry in ${SERVICES:-$ORDER}; do  # DECODE_CONVS or DECODE_CONVS:FP8 (default all)
+  convs=${entry%%:*}; fp8=all; [ "$entry" != "$convs" ] && fp8=${entry#*:}
   if { [ "$GAIN" = 1 ] || [ -n "${SERVICES:-}" ]; } && [ "$(left)" -gt 110 ]; then
-    ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_$convs" 95 "${CASES[@]}" -- "${SERVER[@]}"
+    ARSTREAM_ENGINE__FP8=$fp8 ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_${convs}_fp8_$fp8" 95 \
+      "${CASES[@]}" -- "${SERVER[@]}"
   else
-    echo "service $convs skipped (gain $GAIN, $(left)s left)"
+    echo "service $entry skipped (gain $GAIN, $(left)s left)"
   fi
 done
 if [ "$(left)" -gt 45 ]; then gpu_tests "$(( $(left) - 10 ))" tests/test_shifted_rows_conv.py; fi
