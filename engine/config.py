@@ -39,14 +39,15 @@ UMT5_XXL_WIDTH = 4096  # Wan's text encoder's d_model, the DiT's text_dim  # tor
 DECODE_KERNEL_CAPABILITY = (9, 0)  # Hopper: where the shifted-rows kernel was measured faster through the service
 
 
-def auto_decode_convs(video_decoder: str, device: str, compile_decoder: bool, capability: tuple[int, int] | None,
-                      triton_available: bool) -> str:
-    """What ``decode_convs = auto`` runs: the shifted-rows kernel in bf16 where it was measured faster than
-    cuDNN through the service and as close to diffusers as diffusers' own compiled decode (a Hopper GPU, the
+def auto_decode_convs(video_decoder: str, device: str, dtype: str, compile_decoder: bool,
+                      capability: tuple[int, int] | None, triton_available: bool) -> str:
+    """What ``decode_convs = auto`` runs: the shifted-rows kernel where it was measured faster than cuDNN
+    through the service and as close to diffusers as diffusers' own compiled decode (bf16 on a Hopper GPU, the
     Wan VAE's compiled steady state: docs/DECODERS.md), cuDNN elsewhere. Never e4m3: that trades quality and is
     asked for. Pure, so the rule is checked without a GPU."""
     hopper = capability is not None and tuple(capability[:2]) == DECODE_KERNEL_CAPABILITY
-    if video_decoder == "wan" and device.startswith("cuda") and compile_decoder and triton_available and hopper:
+    measured = video_decoder == "wan" and dtype == "bfloat16" and compile_decoder and hopper
+    if measured and device.startswith("cuda") and triton_available:
         return "triton"
     return "cudnn"
 
@@ -211,8 +212,8 @@ class EngineConfig(BaseModel):
         default="auto",
         description="the Wan VAE decoder's 3x3(x3) convolutions: cudnn (diffusers' conv3d), triton (one GEMM over "
         "shifted rows, decoders/shifted_rows_conv.py; CUDA), triton_fp8 (the same, the residual blocks' "
-        "convolutions in e4m3; quality: docs/FP8.md); auto: triton on a Hopper GPU with the compiled decode, else "
-        "cudnn",
+        "convolutions in e4m3; quality: docs/FP8.md); auto: triton in bf16 on a Hopper GPU with the compiled "
+        "decode, else cudnn",
     )
     gpu_memory_gib: float | None = Field(
         default=None,
@@ -397,7 +398,7 @@ class EngineConfig(BaseModel):
         if self.decode_convs != "auto":
             return self.decode_convs
         cuda = self.device.startswith("cuda") and torch.cuda.is_available()
-        return auto_decode_convs(self.resolved_video_decoder, self.device, self.compile_decoder,
+        return auto_decode_convs(self.resolved_video_decoder, self.device, self.dtype, self.compile_decoder,
                                  torch.cuda.get_device_capability(self.device) if cuda else None,
                                  importlib.util.find_spec("triton") is not None)
 

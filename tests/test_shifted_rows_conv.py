@@ -241,14 +241,14 @@ def test_engine_option_refuses_the_kernel_off_cuda_and_auto_resolves():
     assert EngineConfig(preset="wan2.1-1.3b", random_weights=True, decode_convs="cudnn").resolved_decode_convs == "cudnn"
 
 
-def test_auto_runs_the_kernel_in_bf16_on_a_hopper_gpu_with_the_compiled_decode_only():
+def test_auto_runs_the_kernel_for_a_bf16_wan_decode_on_a_hopper_gpu_with_the_compiled_decode_only():
     from engine.config import auto_decode_convs
 
-    hopper = ("wan", "cuda", True, (9, 0), True)
+    hopper = ("wan", "cuda", "bfloat16", True, (9, 0), True)
     assert auto_decode_convs(*hopper) == "triton"
-    assert auto_decode_convs("wan", "cuda:1", True, (9, 0), True) == "triton"
-    for changed in ({0: "taehv"}, {1: "cpu"}, {2: False}, {3: (8, 0)}, {3: (8, 9)}, {3: (10, 0)}, {3: None},
-                    {4: False}):
+    assert auto_decode_convs("wan", "cuda:1", "bfloat16", True, (9, 0), True) == "triton"
+    for changed in ({0: "taehv"}, {1: "cpu"}, {2: "float32"}, {2: "float16"}, {3: False}, {4: (8, 0)}, {4: (8, 9)},
+                    {4: (10, 0)}, {4: None}, {5: False}):
         arguments = list(hopper)
         for index, value in changed.items():
             arguments[index] = value
