@@ -394,6 +394,24 @@ def silu_rms_norm_bound(norm: torch.nn.Module) -> float:
     return max(bound, 0.2785)
 
 
+def self_check(device: torch.device | str, dtype: torch.dtype = torch.bfloat16) -> str | None:
+    """Why the kernel cannot serve on ``device`` (``None``: it can): one small causal 3x3x3 convolution through
+    it, against ``F.conv3d`` in float32. For the engine's default, which takes the kernel only where it was
+    measured and falls back to cuDNN, with this reason logged, when a Triton build or a card does not run it."""
+    try:
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(32, 32, 3, 3, 3, generator=generator) * 0.05
+        x = torch.randn(1, 32, 3, 6, 10, generator=generator)
+        padded = F.pad(x[0].permute(1, 2, 3, 0), (0, 0, 1, 1, 1, 1, 2, 0)).to(device, dtype).contiguous()
+        got = shifted_rows_conv(padded, pack_weight(weight.to(device, dtype)), None,
+                                ConvKernelConfig(32, 32, 32, 4, 2)).float().cpu()
+        want = F.conv3d(F.pad(x, (1, 1, 1, 1, 2, 0)), weight)[0].permute(1, 2, 3, 0)
+        error = ((got - want).abs().max() / want.abs().max()).item()
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason to keep cuDNN
+        return f"{type(exc).__name__}: {str(exc)[:300]}"
+    return None if error <= 0.02 else f"off by {error:.3g} of F.conv3d's largest output (allowed 0.02)"
+
+
 def _fp8_convs(decoder: torch.nn.Module) -> list[tuple[torch.nn.Module, torch.nn.Module]]:
     """(conv, the RMS norm before it) for each residual block's convolution that can run in e4m3."""
     return [(conv, norm) for block in decoder.modules() if isinstance(block, WanResidualBlock)

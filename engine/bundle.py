@@ -160,6 +160,22 @@ def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> F
 VideoDecoder = WanStreamingDecoder | TAEHVStreamingDecoder  # the same streaming interface
 
 
+def checked_decode_convs(asked: str, resolved: str, device: str, dtype: torch.dtype) -> str:
+    """``resolved``, except that a kernel ``auto`` chose and that fails its self-check here (a Triton build or a
+    card it does not run on) falls back to cuDNN, with the reason logged; a kernel asked for by name is kept,
+    and fails loudly at the warm-up if it cannot run."""
+    if asked != "auto" or not resolved.startswith("triton"):
+        return resolved
+    from decoders.shifted_rows_conv import self_check
+
+    reason = self_check(device, dtype)
+    if reason is None:
+        return resolved
+    log.warning("decode_convs auto: the shifted-rows kernel failed its self-check; decoding with cuDNN",
+                extra={"reason": reason})
+    return "cudnn"
+
+
 def _video_decoder(
     config: EngineConfig, preset: ModelPreset, vae: AutoencoderKLWan | None, trained: TrainedWeights | None
 ) -> VideoDecoder:
@@ -171,7 +187,8 @@ def _video_decoder(
     compile_steady = config.compile_decoder and torch.device(config.device).type == "cuda"
     kind = config.resolved_video_decoder
     if kind == "wan":
-        convs = config.resolved_decode_convs
+        convs = checked_decode_convs(config.decode_convs, config.resolved_decode_convs, config.device,
+                                     config.torch_dtype)
         decoder = WanStreamingDecoder(vae, compile_steady_state=compile_steady, conv_kernel=convs.startswith("triton"),
                                       conv_kernel_fp8=convs == "triton_fp8")
         log.info("wan video decoder", extra={"decode_convs": convs, "asked": config.decode_convs,

@@ -84,6 +84,8 @@ def _interpreter_checks() -> dict:
                 "dtype": str(got8.dtype), "max_diff_dequantized": (got8 - dequantized).abs().max().item(),
                 "rel_fro_vs_float32": ((got8 - want).norm() / want.norm()).item(), "scale": want.abs().max().item()}
 
+    results["self_check"] = src.self_check("cpu", torch.float32)
+
     conv = WanCausalConv3d(16, 24, 3, padding=1)
     reference = copy.deepcopy(conv)
     installed = src.install(torch.nn.Sequential(conv), {(16, 24, 27): small})
@@ -255,6 +257,18 @@ def test_auto_runs_the_kernel_for_a_bf16_wan_decode_on_a_hopper_gpu_with_the_com
         assert auto_decode_convs(*arguments) == "cudnn", changed
 
 
+def test_auto_falls_back_to_cudnn_where_the_kernel_fails_its_self_check():
+    """This process runs compiled Triton on a CPU, where the kernel cannot run: the self-check says why, and a
+    kernel ``auto`` chose gives way to cuDNN, while one asked for by name is kept (it fails at the warm-up)."""
+    from engine.bundle import checked_decode_convs
+
+    reason = src.self_check("cpu", torch.float32)
+    assert reason is not None and "CUDA" in reason
+    assert checked_decode_convs("auto", "triton", "cpu", torch.float32) == "cudnn"
+    assert checked_decode_convs("triton", "triton", "cpu", torch.float32) == "triton"
+    assert checked_decode_convs("auto", "cudnn", "cpu", torch.float32) == "cudnn"
+
+
 def test_packed_weight_bytes_is_what_the_packers_allocate():
     """The memory plan's figure, from shapes alone, equals the bytes the packers make for every eligible
     convolution (bf16; and e4m3 with its scales where install puts it)."""
@@ -274,6 +288,10 @@ def test_packed_weight_bytes_is_what_the_packers_allocate():
     assert src.packed_weight_bytes(decoder) == bf16
     assert src.packed_weight_bytes(decoder, fp8=True) == fp8
     assert src.packed_weight_bytes(decoder.to(torch.float32), element_size=2) == bf16
+
+
+def test_self_check_passes_where_the_kernel_runs(interpreted):
+    assert interpreted["self_check"] is None
 
 
 def test_kernel_equals_reference(interpreted):
@@ -353,6 +371,12 @@ def _decode_pixels(vae, latents, *, compiled: bool, kernel: bool):
     if compiled:
         assert decoder.steady_state.calls >= 6 and not decoder.steady_state.failed
     return torch.cat(chunks)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_self_check_passes_so_auto_keeps_the_kernel():
+    assert src.self_check("cuda", torch.bfloat16) is None
 
 
 @pytest.mark.gpu
