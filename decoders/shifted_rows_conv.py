@@ -83,10 +83,14 @@ MEASURED_CONFIGS: dict[tuple, ConvKernelConfig] = {
 
 def config_for(c_in: int, c_out: int, taps: int, *fp8: str) -> ConvKernelConfig:
     """The launch configuration for one convolution's shape, ``(C_in, C_out, taps)`` or with ``"fp8"`` after
-    them (largest ``block_k`` dividing ``C_in`` kept)."""
-    config = MEASURED_CONFIGS.get((c_in, c_out, taps, *fp8), DEFAULT_CONFIG)
+    them: a measured one as it is; else :data:`DEFAULT_CONFIG` with its ``block_k`` halved until it divides
+    ``C_in`` (so no reduction chunk is part padding)."""
+    config = MEASURED_CONFIGS.get((c_in, c_out, taps, *fp8))
+    if config is not None:
+        return config
+    config = DEFAULT_CONFIG
     block_k = config.block_k
-    while c_in % block_k and block_k > 16:
+    while c_in % block_k and block_k > (32 if fp8 else 16):
         block_k //= 2
     return config if block_k == config.block_k else ConvKernelConfig(
         config.block_m, config.block_n, block_k, config.num_warps, config.num_stages)
@@ -205,6 +209,7 @@ if triton is not None:
         rows, c_in, c_out, w_stride_k, w_stride_n, plane, line, height, width, k_chunks, steps, a_scale,
         KT: tl.constexpr, KH: tl.constexpr, KW: tl.constexpr, HAS_BIAS: tl.constexpr, SCALED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
+        K_TAIL: tl.constexpr,
     ):
         n_tiles = tl.cdiv(c_out, BLOCK_N)
         pid = tl.program_id(0)
@@ -215,16 +220,26 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         # Rows past M (the last tile's tail) read row M-1 again instead of needing a mask: they are not stored.
         load_rows = tl.minimum(offs_m, rows - 1)
+        # The KW taps of one (dt, dy) read KW consecutive input rows, which lie back to back in memory: row
+        # m's operand for the pair is one contiguous run of KW * C_in values, so the reduction runs over it
+        # in BLOCK_K chunks (not one C_in-wide chunk per tap: wider chunks at 96 channels).
+        group_k = KW * c_in
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for step in range(steps):  # steps = taps * k_chunks, k_chunks = c_in // BLOCK_K (host-computed)
-            tap = step // k_chunks
-            k0 = (step - tap * k_chunks) * BLOCK_K
-            dt = tap // (KH * KW)
-            dy = (tap // KW) % KH
-            dx = tap % KW
-            shift = dt * plane + dy * line + dx
-            a = tl.load(x_ptr + (load_rows + shift)[:, None] * c_in + (k0 + offs_k)[None, :])
-            b = tl.load(w_ptr + (tap * c_in + k0 + offs_k)[:, None] * w_stride_k + offs_n[None, :] * w_stride_n)
+        for step in range(steps):  # steps = KT * KH * k_chunks, k_chunks = cdiv(KW * C_in, BLOCK_K) (host)
+            group = step // k_chunks
+            k = (step - group * k_chunks) * BLOCK_K + offs_k
+            dt = group // KH
+            dy = group % KH
+            shift = dt * plane + dy * line
+            a_ptrs = x_ptr + (load_rows + shift)[:, None] * c_in + k[None, :]
+            b_ptrs = w_ptr + (group * group_k + k)[:, None] * w_stride_k + offs_n[None, :] * w_stride_n
+            if K_TAIL:  # KW * C_in not a multiple of BLOCK_K: the last chunk's columns past the run are zeros
+                inside = k < group_k
+                a = tl.load(a_ptrs, mask=inside[None, :], other=0.0)
+                b = tl.load(b_ptrs, mask=inside[:, None], other=0.0)
+            else:
+                a = tl.load(a_ptrs)
+                b = tl.load(b_ptrs)
             if IEEE:
                 acc = tl.dot(a, b, acc, input_precision="ieee")
             else:
@@ -266,13 +281,14 @@ def _shifted_rows_conv_op(
     stride_k, stride_n = (1, weight.shape[1]) if scaled else (weight.shape[1], 1)
     out = torch.empty(t_out, height, width, c_out, device=padded.device, dtype=out_dtype)
     grid = (triton.cdiv(rows, block_m) * triton.cdiv(c_out, block_n),)
+    k_chunks = triton.cdiv(kw * c_in, block_k)
     _shifted_rows_conv_kernel[grid](
         padded, weight, bias if bias is not None else out, weight_scale if scaled else out, out,
         rows, c_in, c_out, stride_k, stride_n, plane, line, height, width,
-        c_in // block_k, kt * kh * kw * (c_in // block_k), input_scale,
+        k_chunks, kt * kh * k_chunks, input_scale,
         KT=kt, KH=kh, KW=kw, HAS_BIAS=bias is not None, SCALED=scaled,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, IEEE=padded.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages,
+        K_TAIL=(kw * c_in) % block_k != 0, num_warps=num_warps, num_stages=num_stages,
     )
     return out
 
@@ -310,8 +326,8 @@ def shifted_rows_conv(
     if padded.numel() >= _INT32_LIMIT or t_out * height * width * weight.c_out >= _INT32_LIMIT:
         raise ValueError("the shifted-rows convolution indexes with 32 bits: input or output too large")
     config = config or config_for(c_in, weight.c_out, kt * kh * kw)
-    if c_in % config.block_k:
-        raise ValueError(f"C_in {c_in} is not a multiple of block_k {config.block_k}")
+    if weight.fp8 and config.block_k < 32:
+        raise ValueError(f"an e4m3 product reduces 32 values a step: block_k must be >= 32, got {config.block_k}")
     if out_dtype is None:
         out_dtype = torch.bfloat16 if weight.fp8 else padded.dtype
     launch = [config.block_m, config.block_n, config.block_k, config.num_warps, config.num_stages]

@@ -60,6 +60,8 @@ def _interpreter_checks() -> dict:
         "3x3x3_one_frame_out": (3, 5, 6, 16, 40, (3, 3, 3), src.ConvKernelConfig(32, 32, 16, 4, 2)),
         "1x3x3": (3, 6, 8, 32, 16, (1, 3, 3), src.ConvKernelConfig(32, 16, 32, 4, 2)),
         "3x1x1": (4, 3, 5, 16, 48, (3, 1, 1), small),
+        # KW * C_in = 96 in chunks of 64: the last chunk is half past the run (the masked tail).
+        "3x3x3_k_tail": (3, 5, 7, 32, 24, (3, 3, 3), src.ConvKernelConfig(16, 16, 64, 4, 2)),
     }.items():
         padded = torch.randn(t, hp, wp, c_in, generator=generator)
         weight = torch.randn(c_out, c_in, *kernel, generator=generator)
@@ -76,7 +78,8 @@ def _interpreter_checks() -> dict:
             fp8_weight = src.pack_weight_fp8(weight)
             input_scale = padded.abs().max().item() / src.FP8_MAX
             quantized = src.quantize_input(padded, input_scale)
-            got8 = src.shifted_rows_conv(quantized, fp8_weight, bias, src.ConvKernelConfig(16, 16, 32, 4, 2),
+            fp8_config = src.ConvKernelConfig(16, 16, max(32, config.block_k), 4, 2)  # K_TAIL in the tail case
+            got8 = src.shifted_rows_conv(quantized, fp8_weight, bias, fp8_config,
                                          input_scale=input_scale, out_dtype=torch.float32)
             dequantized = src.shifted_rows_conv_reference(quantized.float() * input_scale,
                                                           fp8_weight.dequantized(), bias)
@@ -295,15 +298,16 @@ def test_self_check_passes_where_the_kernel_runs(interpreted):
 
 
 def test_kernel_equals_reference(interpreted):
-    for name in ("3x3x3", "3x3x3_one_frame_out", "1x3x3", "3x1x1"):
+    for name in ("3x3x3", "3x3x3_one_frame_out", "1x3x3", "3x1x1", "3x3x3_k_tail"):
         case = interpreted[name]
         assert case["shape"] == case["want_shape"], name
         assert case["max_diff"] < 1e-4 * max(1.0, case["scale"]), (name, case)
         assert case["bias_diff"] < 1e-4 * max(1.0, case["scale"]), (name, case)
 
 
-def test_fp8_kernel_computes_its_dequantized_operands_and_stays_near_float32(interpreted):
-    case = interpreted["3x3x3_fp8"]
+@pytest.mark.parametrize("name", ["3x3x3_fp8", "3x3x3_k_tail_fp8"])
+def test_fp8_kernel_computes_its_dequantized_operands_and_stays_near_float32(interpreted, name):
+    case = interpreted[name]
     assert case["dtype"] == "torch.float32"
     assert case["max_diff_dequantized"] < 1e-4 * max(1.0, case["scale"]), case
     # Two e4m3 roundings (~2.6 % RMS each, relative) on every product, averaged over 864 of them: ~3.7 %.
