@@ -1,20 +1,23 @@
 """The Wan decoder's 3x3(x3) convolutions as one GEMM over shifted rows: a Triton kernel for CUDA.
 
 Why: at 832x480 the Wan VAE's decode is ~40.6 TFLOP a 12-frame block, nearly all of it in 3x3x3 causal
-convolutions of 96, 192 and 384 channels, and diffusers hands cuDNN NCDHW tensors, on which it runs them at
-240-525 TFLOP/s. Measured on an H100 (docs/BENCHMARKS.md, 2026-12-07): in bf16 this kernel ties cuDNN's
-channels-last kernels (310-660 TFLOP/s, which the engine's compiled decode already gets from Inductor), so it
-stays an option; with e4m3 operands (:func:`install` ``fp8=True``) it is 1.2-1.4x faster than them at 192 and
-384 channels, at a cost in quality that docs/FP8.md gives.
+convolutions of 96, 192 and 384 channels, and diffusers hands cuDNN NCDHW tensors, which it transposes to
+channels-last and back around every call. Measured on an H100 (docs/BENCHMARKS.md, 2026-12-07): in bf16 this
+kernel runs the 96-channel convolutions 1.26x faster than cuDNN's channels-last kernel and ties it at 192, and
+the compiled decode with it needs none of the transposes: the engine's default on Hopper GPUs
+(``decode_convs = auto``). With e4m3 operands (:func:`install` ``fp8=True``) it is 1.5-1.9x faster than cuDNN,
+at a cost in quality that docs/FP8.md gives.
 
 How: pad the input with zeros in H and W (the causal frames in T are already in front of it: the cache, or
 zero frames), lay it out channels-last and number its positions ``(t, y, x)`` as rows of a ``[rows, C_in]``
 matrix. With ``P = Hp * Wp`` rows a frame and ``Wp`` a line (``Hp, Wp`` the padded sizes), the output at
 row ``m`` (the same numbering) reads, for kernel tap ``(dt, dy, dx)``, input row ``m + dt*P + dy*Wp + dx``:
 each tap is a plain GEMM over a *contiguous* block of rows, and the convolution is the ``kt*kh*kw`` of them
-summed into one accumulator. Outputs are computed on the padded grid and the rows that fall in the padding
+summed into one accumulator. The ``kw`` taps of one ``(dt, dy)`` read ``kw`` consecutive rows, back to back in
+memory, so the kernel reduces over each such run of ``kw * C_in`` values in chunks of its own width. Outputs are computed on the padded grid and the rows that fall in the padding
 (0.7 % at 480x832) are dropped at the store, which writes the result channels-last and compact. The last
-output row's largest tap reads exactly the last input row, so no load needs a bounds mask.
+output row's largest tap reads exactly the last input row, so no load needs a bounds mask (only the last chunk
+of a run that the chunk width does not divide masks its columns past the run).
 
 * :func:`shifted_rows_conv_reference`: the same sum in torch (runs anywhere; the tests hold it to
   ``F.conv3d``), the kernel's reference.
@@ -67,16 +70,18 @@ class ConvKernelConfig:
 
 
 # Per (C_in, C_out, taps[, "fp8"]): the configuration measured fastest at the Wan decoder's 832x480 shapes on an
-# H100, 2026-12-07 (docs/BENCHMARKS.md, "The Wan decode's convolutions as one GEMM"; 96 channels in e4m3 from the
-# thirty-first session's sweep); others get DEFAULT_CONFIG.
+# H100 (docs/BENCHMARKS.md, "The Wan decode's convolutions as one GEMM" and the thirty-first session's sweep with
+# the reduction over each (dt, dy)'s run: the 3x3x3 rows); others get DEFAULT_CONFIG.
 DEFAULT_CONFIG = ConvKernelConfig()
 _WIDE_N = ConvKernelConfig(128, 256, 64, 8, 3)
 _TALL_M = ConvKernelConfig(256, 128, 64, 8, 3)
+_WIDE_K = ConvKernelConfig(128, 128, 128, 8, 3)
+_TALL_WIDE_K = ConvKernelConfig(256, 128, 128, 8, 3)
 MEASURED_CONFIGS: dict[tuple, ConvKernelConfig] = {
-    (96, 96, 27): ConvKernelConfig(256, 128, 32, 8, 3), (96, 96, 27, "fp8"): ConvKernelConfig(256, 128, 32, 8, 3),
-    (192, 192, 27): _WIDE_N, (192, 192, 27, "fp8"): _TALL_M,
+    (96, 96, 27): _TALL_M, (96, 96, 27, "fp8"): _WIDE_K,
+    (192, 192, 27): _WIDE_N, (192, 192, 27, "fp8"): _TALL_WIDE_K,
     (192, 384, 27): _TALL_M, (192, 384, 27, "fp8"): _TALL_M,
-    (384, 384, 27): _WIDE_N, (384, 384, 27, "fp8"): ConvKernelConfig(128, 64, 128, 4, 3),
+    (384, 384, 27): _WIDE_K, (384, 384, 27, "fp8"): _TALL_WIDE_K,
     (192, 96, 9): _TALL_M, (384, 192, 9): _WIDE_N,
 }
 
