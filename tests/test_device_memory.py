@@ -44,7 +44,7 @@ LATENT_FRAME_BYTES = 16 * 60 * 104 * 4  # float32
 
 def test_the_decode_kernel_adds_its_packed_weights():
     """decode_convs=triton* keeps a packed copy of the Wan decoder's 32 convolution weights (output columns padded
-    to 256) beside diffusers' own: 184.4 MiB in bf16; in e4m3 the residual blocks' 25 take one byte a weight."""
+    to 256) beside diffusers' own: 184.4 MiB in bf16; in e4m3 the residual blocks' 28 take one byte a weight."""
     base = estimate_device_memory(cuda_1_3b(decode_convs="cudnn")).weights
     assert estimate_device_memory(cuda_1_3b()).weights == base  # auto without a Hopper GPU: cuDNN
     assert estimate_device_memory(cuda_1_3b(decode_convs="triton")).weights - base == 193_314_816
