@@ -21,7 +21,6 @@ the capacity, and a cap that then holds no session is refused there with the sam
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from engine.memory import (
     estimate_decoder_session_bytes,
     estimate_kv_session_bytes,
     estimate_text_encoder_bytes,
+    meta_wan_vae,
 )
 from engine.models.presets import get_preset
 
@@ -159,18 +159,11 @@ def _packed_conv_bytes(config: EngineConfig) -> int:
     convs = config.resolved_decode_convs
     if config.resolved_video_decoder != "wan" or not convs.startswith("triton"):
         return 0
-    from diffusers import AutoencoderKLWan
-
     from decoders.shifted_rows_conv import packed_weight_bytes
 
-    vae_config = get_preset(config.preset).vae_config
-    if config.model_dir is not None:
-        try:
-            vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
-        except (OSError, ValueError):
-            return 0  # the loader names the missing or broken file
-    with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(vae_config)
+    vae = meta_wan_vae(config)
+    if vae is None:
+        return 0
     return packed_weight_bytes(vae.decoder, fp8=convs == "triton_fp8", element_size=config.torch_dtype.itemsize)
 
 

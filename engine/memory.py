@@ -126,26 +126,35 @@ def check_text_encoder_fits_host(config: EngineConfig, available: int | None = N
         )
 
 
+def meta_wan_vae(config: EngineConfig):
+    """The config's Wan VAE on the meta device (shapes only, nothing allocated), from its preset or its model
+    directory's ``vae/config.json``; None when that file cannot be read (the loader names it)."""
+    from diffusers import AutoencoderKLWan
+
+    vae_config = get_preset(config.preset).vae_config
+    if config.model_dir is not None:
+        try:
+            vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
+        except (OSError, ValueError):
+            return None
+    with torch.device("meta"):
+        return AutoencoderKLWan.from_config(vae_config)
+
+
 def estimate_decoder_session_bytes(config: EngineConfig) -> int:
     """One session's streaming Wan-VAE decoder state and, with video input on, its Wan-VAE encoder state (a Wan
     model's pictures are encoded by its VAE whichever decoder streams them), from the VAE's config on the meta
     device (0 for neither, or when the model directory's VAE config cannot be read: the loader names it)."""
-    from diffusers import AutoencoderKLWan
-
     from decoders.video import WanStreamingDecoder
 
     wan_decoder = config.resolved_video_decoder == "wan"
     wan_encoder = config.resolved_video_encoder == "wan"
     if not wan_decoder and not wan_encoder:
         return 0  # TAEHV's state is small next to the KV; the engine sizes its slots from the exact figure
-    vae_config = get_preset(config.preset).vae_config
-    if config.model_dir is not None:
-        try:
-            vae_config = json.loads((Path(config.model_dir) / "vae" / "config.json").read_text())
-        except (OSError, ValueError):
-            return 0
+    vae = meta_wan_vae(config)
+    if vae is None:
+        return 0
     with torch.device("meta"):
-        vae = AutoencoderKLWan.from_config(vae_config)
         decoder = WanStreamingDecoder(vae, fast_path=False)
     # A VAE without a recorded figure is measured by a decode that, on the meta device, only propagates shapes.
     size = (config.resolved_height, config.resolved_width, config.torch_dtype)
