@@ -148,6 +148,10 @@ class PackedWeight:
         return rows[:, : self.c_out].reshape(kt, kh, kw, c_in, self.c_out).permute(4, 3, 0, 1, 2).contiguous()
 
 
+def _padded_columns(c_out: int) -> int:
+    return -(-c_out // WEIGHT_COLUMNS_ALIGN) * WEIGHT_COLUMNS_ALIGN
+
+
 def _as_3d(weight: torch.Tensor) -> torch.Tensor:
     return weight.unsqueeze(2) if weight.ndim == 4 else weight  # a 2-D conv's weight: kt = 1
 
@@ -157,7 +161,7 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight:
     weight = _as_3d(weight)
     c_out, c_in, kt, kh, kw = weight.shape
     packed = weight.permute(2, 3, 4, 1, 0).reshape(kt * kh * kw * c_in, c_out)
-    columns = -(-c_out // WEIGHT_COLUMNS_ALIGN) * WEIGHT_COLUMNS_ALIGN
+    columns = _padded_columns(c_out)
     return PackedWeight(F.pad(packed, (0, columns - c_out)).contiguous(), None, c_out, (kt, kh, kw))
 
 
@@ -167,7 +171,7 @@ def pack_weight_fp8(weight: torch.Tensor) -> PackedWeight:
     c_out, c_in, kt, kh, kw = weight.shape
     rows = weight.permute(0, 2, 3, 4, 1).reshape(c_out, kt * kh * kw * c_in).float()
     scale = (rows.abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-    columns = -(-c_out // WEIGHT_COLUMNS_ALIGN) * WEIGHT_COLUMNS_ALIGN
+    columns = _padded_columns(c_out)
     data = F.pad((rows / scale[:, None]).clamp(-FP8_MAX, FP8_MAX), (0, 0, 0, columns - c_out))
     return PackedWeight(data.to(FP8_DTYPE).contiguous(), F.pad(scale, (0, columns - c_out), value=1.0),
                         c_out, (kt, kh, kw))
@@ -450,7 +454,7 @@ def packed_weight_bytes(decoder: torch.nn.Module, *, fp8: bool = False, element_
     total = 0
     for module in decoder.modules():
         if eligible(module):
-            columns = -(-module.out_channels // WEIGHT_COLUMNS_ALIGN) * WEIGHT_COLUMNS_ALIGN
+            columns = _padded_columns(module.out_channels)
             elements = module.weight[0, 0].numel() * module.in_channels * columns
             element = element_size or module.weight.element_size()
             total += elements + 4 * columns if module in in_fp8 else elements * element

@@ -375,6 +375,7 @@ class WanStreamingDecoder:
         if self.fast_path:
             _install_fast_path(vae)
         self.conv_kernel = bool(conv_kernel)
+        self.kernel_convs = 0  # how many of the decoder's convolutions the kernel computes
         if self.conv_kernel:
             from decoders import shifted_rows_conv
 

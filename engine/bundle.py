@@ -192,7 +192,7 @@ def _video_decoder(
         decoder = WanStreamingDecoder(vae, compile_steady_state=compile_steady, conv_kernel=convs.startswith("triton"),
                                       conv_kernel_fp8=convs == "triton_fp8")
         log.info("wan video decoder", extra={"decode_convs": convs, "asked": config.decode_convs,
-                                             "kernel_convs": getattr(decoder, "kernel_convs", 0),
+                                             "kernel_convs": decoder.kernel_convs,
                                              "compiled_steady_state": compile_steady})
         return decoder
     if config.model_dir is not None and not config.random_weights:
