@@ -17,7 +17,6 @@ import gc
 import json
 import statistics
 import time
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -25,20 +24,13 @@ from torch.profiler import ProfilerActivity, profile
 from engine.bundle import build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from kernel_sums import cuda_kernel_sums
 
 KINDS = (  # (kind, substrings of a kernel's name), first match wins
     ("attention", ("flash", "fmha", "attn", "attention")),
     ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "scaled_mm", "f8f8", "sm90")),
     ("compiled", ("triton",)),
 )
-
-
-def kind_of(name: str) -> str:
-    lowered = name.lower()
-    for kind, needles in KINDS:
-        if any(needle in lowered for needle in needles):
-            return kind
-    return "other"
 
 
 def run(args, mode: str) -> dict:
@@ -72,13 +64,8 @@ def run(args, mode: str) -> dict:
             block()
         if cuda:
             torch.cuda.synchronize()
-    by_kind: dict[str, float] = defaultdict(float)
-    by_name: dict[str, float] = defaultdict(float)
-    for event in trace.events():
-        if cuda and event.device_type == torch.autograd.DeviceType.CUDA:
-            us = event.time_range.elapsed_us()
-            by_kind[kind_of(event.name)] += us
-            by_name[event.name[:90]] += us
+    by_kind, named = cuda_kernel_sums(trace, KINDS, 90)
+    by_name = {name: us for name, (us, _) in named.items()}
     result = {
         "mode": mode,
         "block_ms_median": round(statistics.median(times), 1),

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from decoders import shifted_rows_conv as src
+from kernel_sums import cuda_kernel_sums  # bench/, the script's own folder
 
 C = src.ConvKernelConfig
 # The reduction runs over each (dt, dy)'s KW * C_in contiguous values (decoders/shifted_rows_conv.py), so a
@@ -187,18 +188,7 @@ def profile_blocks(decode_block, device, blocks: int = 2, top: int = 14) -> dict
         for _ in range(blocks):
             decode_block()
         torch.cuda.synchronize(device)
-    by_kind: dict[str, float] = {}
-    by_name: dict[str, list[float]] = {}
-    for event in trace.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        lowered = event.name.lower()
-        kind = next((k for k, needles in DECODE_KINDS if any(n in lowered for n in needles)), "other")
-        us = event.time_range.elapsed_us()
-        by_kind[kind] = by_kind.get(kind, 0.0) + us
-        entry = by_name.setdefault(event.name[:110], [0.0, 0])
-        entry[0] += us
-        entry[1] += 1
+    by_kind, by_name = cuda_kernel_sums(trace, DECODE_KINDS, 110)
     per_block = 1000.0 * blocks
     return {"ms_per_block_by_kind": {k: round(v / per_block, 2) for k, v in sorted(by_kind.items())},
             "ms_per_block_total": round(sum(by_kind.values()) / per_block, 2),
