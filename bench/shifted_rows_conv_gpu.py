@@ -173,10 +173,11 @@ def make_vae(device, dtype, smoke: bool):
 
 
 DECODE_KINDS = (  # (kind, substrings of a kernel's name), first match wins: where a decode block's device time goes
-    ("convolution", ("conv", "fprop", "implicit", "xmma", "cudnn", "sm90", "nvjet", "gemm", "shifted_rows")),
-    ("copy", ("memcpy", "memset", "copy", "cat", "pad")),
+    # Inductor's kernels first: their names list the ops they fused ("..._convolution_...", "..._cat_...").
     ("compiled_reduction", ("triton_red", "triton_per")),
     ("compiled_pointwise", ("triton_poi",)),
+    ("convolution", ("conv", "fprop", "implicit", "xmma", "cudnn", "sm90", "nvjet", "gemm", "shifted_rows")),
+    ("copy", ("memcpy", "memset", "copy", "cat", "pad")),
 )
 
 
