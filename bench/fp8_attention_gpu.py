@@ -54,12 +54,14 @@ SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2), C(64, 32, 4, 2, tma=True), C(64
 # consumer warpgroups of num_warps) and not, beside the pointer kernel's two defaults (--sweep tma).
 TMA_SWEEP = (
     C(64, 128, 4, 3), C(128, 64, 4, 4),
-    C(128, 128, 4, 2, tma=True, warp_specialize=True), C(128, 128, 4, 3, tma=True, warp_specialize=True),
-    C(128, 64, 4, 3, tma=True, warp_specialize=True), C(128, 64, 4, 4, tma=True, warp_specialize=True),
-    C(64, 128, 4, 2, tma=True, warp_specialize=True), C(64, 128, 4, 3, tma=True, warp_specialize=True),
     C(128, 128, 8, 2, tma=True), C(128, 128, 8, 3, tma=True), C(64, 128, 4, 3, tma=True), C(128, 64, 4, 4, tma=True),
+    C(128, 128, 8, 2, tma=True, device_descriptors=True),
+    C(128, 128, 4, 2, tma=True, warp_specialize=True, device_descriptors=True),
+    C(128, 128, 4, 3, tma=True, warp_specialize=True, device_descriptors=True),
+    C(128, 64, 4, 3, tma=True, warp_specialize=True, device_descriptors=True),
+    C(128, 128, 4, 2, tma=True, warp_specialize=True),
 )
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "tma", "warp_specialize")
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "tma", "warp_specialize", "device_descriptors")
 GOOD_ENOUGH = 0.1  # a config whose error vs float32 exceeds this is broken, not fast
 
 
@@ -150,14 +152,17 @@ def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_trans
 
 def cross_compile_tma(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, arch: int = 90):
     """The one-loop tensor-descriptor kernel for sm_``arch``, as launched on the engine's buffers."""
-    descriptors = {"desc_q": [1, config.block_m, head_dim], "desc_k": [1, config.block_n, head_dim],
-                   "desc_v": [1, head_dim, config.block_n]}
-    pointers = {name: f"tensordesc<fp8e4nv[{', '.join(map(str, block))}]>" for name, block in descriptors.items()}
+    descriptors = {"Q": [1, config.block_m, head_dim], "K": [1, config.block_n, head_dim],
+                   "V": [1, head_dim, config.block_n]}
+    pointers = {name: "*fp8e4nv" if config.device_descriptors else f"tensordesc<fp8e4nv[{', '.join(map(str, block))}]>"
+                for name, block in descriptors.items()}
     pointers.update({"Out": "*bf16", "QScale": "*fp32", "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32",
                      "VScaleC": "*fp32"})
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                 "P_SHIFT": config.p_shift, "WARP_SPECIALIZE": config.warp_specialize}
-    return _compile(fa._attn_fwd_tma, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale", *descriptors),
+                 "P_SHIFT": config.p_shift, "WARP_SPECIALIZE": config.warp_specialize,
+                 "DEVICE_DESCRIPTORS": config.device_descriptors}
+    unaligned = ("H", "SQ", "SK", "SH", "sm_scale", *(() if config.device_descriptors else descriptors))
+    return _compile(fa._attn_fwd_tma, pointers, constants, unaligned,
                     config.num_warps, config.num_stages, arch)
 
 
@@ -508,7 +513,8 @@ def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget
 def config_key(config) -> str:
     """``64x128x4x3`` (block_m x block_n x warps x stages), ``-tma`` / ``-tma-ws`` for the one-loop kernel."""
     name = f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
-    return name + ("-tma" if config.tma else "") + ("-ws" if config.warp_specialize else "")
+    return name + ("-tma" if config.tma else "") + ("-ws" if config.warp_specialize else "") + (
+        "-dev" if config.device_descriptors else "")
 
 
 def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values: tuple[int, ...]) -> list[dict]:
@@ -618,6 +624,9 @@ def main() -> None:
     parser.add_argument("--sweep", choices=("default", "tma"), default="default",
                         help="the configs of --engine-sweep: the pointer kernel's sweep, or the tma kernel's beside "
                         "the pointer kernel's defaults")
+    parser.add_argument("--only", default=None, help="with --engine-sweep: only these comma-separated configs of the "
+                        "sweep, by name (config_key: 64x128x4x3, 128x128x4x2-tma-ws-dev, ...)")
+    parser.add_argument("--list-configs", action="store_true", help="print the --sweep's config names, one a line")
     parser.add_argument("--quantize-sweep", default=None, help="only the quantizer into the engine's mirror (q, the "
                         "current K and V, the history) at these comma-separated key counts")
     args = parser.parse_args()
@@ -637,6 +646,15 @@ def main() -> None:
         shape, sweep, device = WAN_480P, TMA_SWEEP if args.sweep == "tma" else SWEEP, torch.device("cuda")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "capability": list(torch.cuda.get_device_capability())}
+    if args.only:
+        names = args.only.split(",")
+        unknown = set(names) - {config_key(config) for config in sweep}
+        if unknown:
+            parser.error(f"--only: not in the sweep: {sorted(unknown)}")
+        sweep = tuple(config for config in sweep if config_key(config) in names)
+    if args.list_configs:
+        print("\n".join(config_key(config) for config in sweep))
+        return
     log(f"start {env}")
     if args.quantize_sweep:
         for record in quantize_sweep(shape, env, device, tuple(int(x) for x in args.quantize_sweep.split(","))):

@@ -77,6 +77,7 @@ class Fp8AttentionConfig:
     precise_pv: bool = False
     tma: bool = False
     warp_specialize: bool = False
+    device_descriptors: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -95,6 +96,8 @@ class Fp8AttentionConfig:
             raise ValueError("warp_specialize needs tma (the producer warps issue the tensor-descriptor copies)")
         if self.warp_specialize and self.num_warps != 4:
             raise ValueError(f"warp_specialize takes num_warps 4 (warps per consumer group), got {self.num_warps}")
+        if self.device_descriptors and not self.tma:
+            raise ValueError("device_descriptors is a knob of the tma kernel")
         if self.tma and self.precise_pv:
             raise ValueError("precise_pv is a knob of the pointer kernel only")
 
@@ -289,17 +292,20 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["SQ", "SK", "SH"])  # one compile for every history length
     def _attn_fwd_tma(
-        desc_q, desc_k, desc_v, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC,
+        Q, K, V, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC,
+        stride_qb, stride_qs, stride_kb, stride_ks, stride_vh, stride_vd,
         stride_ob, stride_os, stride_oh,
         H, SQ, SK, SH, sm_scale,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        P_SHIFT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+        P_SHIFT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DEVICE_DESCRIPTORS: tl.constexpr,
     ):
         """:func:`_attn_fwd`'s result with one loop over the key blocks in key order, tiles copied by descriptors.
 
-        ``desc_q`` / ``desc_k``: ``[B, S, H * D]`` (a row holds every head), tiles ``[1, BLOCK, D]`` at column
-        ``h * D``; ``desc_v``: the transposed v as ``[B * H, D, SK]``, tiles ``[1, D, BLOCK_N]``. Rows past a
-        descriptor's shape read as zeros, so no load is masked. Each key column gets its segment's scalars as
+        ``Q`` / ``K``: host descriptors of ``[B, S, H * D]`` (a row holds every head), tiles ``[1, BLOCK, D]`` at
+        column ``h * D``; ``V``: the transposed v as ``[B * H, D, SK]``, tiles ``[1, D, BLOCK_N]``. With
+        ``DEVICE_DESCRIPTORS`` they are pointers instead and each program makes its own 2-D descriptors of its
+        batch's q and k rows and its head's v (the strides are read only then). Rows past a descriptor's shape
+        read as zeros, so no load is masked. Each key column gets its segment's scalars as
         vectors (``s_col``: the score scale, ``lv_col``: log2 of the v factor, ``-inf`` past ``SK``), so the
         block that straddles the history / current boundary and the last partial block need no separate pass:
         ``x = qk * s_col + lv_col`` is one FMA, as the pointer kernel's ``qk * qk_scale - m`` is; the row
@@ -311,7 +317,17 @@ if triton is not None:
         off_b = off_bh // H
         off_h = off_bh % H
         column = off_h * HEAD_DIM
-        q = desc_q.load([off_b, start_m * BLOCK_M, column]).reshape(BLOCK_M, HEAD_DIM)
+        if DEVICE_DESCRIPTORS:
+            desc_q = tl.make_tensor_descriptor(Q + off_b.to(tl.int64) * stride_qb, shape=[SQ, H * HEAD_DIM],
+                                               strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
+            desc_k = tl.make_tensor_descriptor(K + off_b.to(tl.int64) * stride_kb, shape=[SK, H * HEAD_DIM],
+                                               strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
+            desc_v = tl.make_tensor_descriptor(V + off_bh.to(tl.int64) * stride_vh, shape=[HEAD_DIM, SK],
+                                               strides=[stride_vd, 1], block_shape=[HEAD_DIM, BLOCK_N])
+            q = desc_q.load([start_m * BLOCK_M, column])
+        else:
+            desc_q, desc_k, desc_v = Q, K, V
+            q = desc_q.load([off_b, start_m * BLOCK_M, column]).reshape(BLOCK_M, HEAD_DIM)
 
         q_scale = tl.load(QScale + off_bh)
         qk_scale_h = q_scale * tl.load(KScaleH + off_bh) * sm_scale * 1.4426950408889634
@@ -342,7 +358,10 @@ if triton is not None:
             s_col = tl.where(history, qk_scale_h, qk_scale_c)
             lv_col = tl.where(keys < SK, tl.where(history, log2_v_factor_h, log2_v_factor_c), float("-inf"))
             inverse_col = tl.where(history, inverse_factor_h, inverse_factor_c)
-            k = desc_k.load([off_b, start_n, column]).reshape(BLOCK_N, HEAD_DIM)
+            if DEVICE_DESCRIPTORS:
+                k = desc_k.load([start_n, column])
+            else:
+                k = desc_k.load([off_b, start_n, column]).reshape(BLOCK_N, HEAD_DIM)
             qk = tl.dot(q, k.T)  # k's tile is D-contiguous: K-major for the fp8 wgmma
             x = qk * s_col[None, :] + lv_col[None, :]
             m_ij = tl.maximum(m_i, tl.max(x, 1))
@@ -350,7 +369,10 @@ if triton is not None:
             alpha = tl.math.exp2(m_i - m_ij)
             l_i = l_i * alpha + tl.sum(p * inverse_col[None, :], 1)
             acc = acc * alpha[:, None]
-            v = desc_v.load([off_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
+            if DEVICE_DESCRIPTORS:
+                v = desc_v.load([0, start_n])
+            else:
+                v = desc_v.load([off_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
             acc = tl.dot(p.to(tl.float8e4nv), v.T, acc)  # v's tile is key-contiguous: K-major
             m_i = m_ij
         out = acc * (v_scale_max / l_i)[:, None]
@@ -478,12 +500,19 @@ def _tma_descriptors(q_fp8, k_fp8, v_fp8, config):
 def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config):
     _, num_queries, heads, head_dim = q_fp8.shape
     if config.tma:
+        descriptors = _tma_descriptors(q_fp8, k_fp8, v_fp8, config)
+        if config.device_descriptors:
+            descriptors = (q_fp8, k_fp8, v_fp8)
+            device = q_fp8.device  # the scratch the kernel writes its descriptors to, asked for per launch
+            triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
         return _attn_fwd_tma[grid](
-            *_tma_descriptors(q_fp8, k_fp8, v_fp8, config), out, *(scale.contiguous() for scale in scales),
+            *descriptors, out, *(scale.contiguous() for scale in scales),
+            q_fp8.stride(0), q_fp8.stride(1), k_fp8.stride(0), k_fp8.stride(1), v_fp8.stride(2), v_fp8.stride(3),
             out.stride(0), out.stride(1), out.stride(2),
             heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim),
             HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, P_SHIFT=config.p_shift,
-            WARP_SPECIALIZE=config.warp_specialize, num_warps=config.num_warps, num_stages=config.num_stages,
+            WARP_SPECIALIZE=config.warp_specialize, DEVICE_DESCRIPTORS=config.device_descriptors,
+            num_warps=config.num_warps, num_stages=config.num_stages,
         )
     return _attn_fwd[grid](
         q_fp8, k_fp8, v_fp8, out, *(scale.contiguous() for scale in scales),
