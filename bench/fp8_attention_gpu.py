@@ -49,19 +49,8 @@ SWEEP = (
     C(128, 64, 4, 3), C(128, 64, 4, 4), C(64, 128, 4, 3), C(64, 64, 4, 3), C(64, 64, 4, 4),
     C(128, 128, 8, 4), C(64, 128, 4, 2),
 )
-SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2), C(64, 32, 4, 2, tma=True), C(64, 32, 4, 2, tma=True, warp_specialize=True))
-# The one-loop kernel with tensor-descriptor copies, warp-specialised (12 warps: a producer warpgroup and two
-# consumer warpgroups of num_warps) and not, beside the pointer kernel's two defaults (--sweep tma).
-TMA_SWEEP = (
-    C(64, 128, 4, 3), C(128, 64, 4, 4),
-    C(128, 128, 8, 2, tma=True), C(128, 128, 8, 3, tma=True), C(64, 128, 4, 3, tma=True), C(128, 64, 4, 4, tma=True),
-    C(128, 128, 8, 2, tma=True, device_descriptors=True),
-    C(128, 128, 4, 2, tma=True, warp_specialize=True, device_descriptors=True),
-    C(128, 128, 4, 3, tma=True, warp_specialize=True, device_descriptors=True),
-    C(128, 64, 4, 3, tma=True, warp_specialize=True, device_descriptors=True),
-    C(128, 128, 4, 2, tma=True, warp_specialize=True),
-)
-CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages", "tma", "warp_specialize", "device_descriptors")
+SMOKE_SWEEP = (C(64, 32, 4, 2), C(32, 64, 4, 2))
+CONFIG_KEYS = ("block_m", "block_n", "num_warps", "num_stages")
 GOOD_ENOUGH = 0.1  # a config whose error vs float32 exceeds this is broken, not fast
 
 
@@ -108,9 +97,7 @@ def kernel_facts(compiled) -> dict:
     facts = {}
     try:
         ptx = compiled.asm.get("ptx", "")
-        facts.update(wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx, shared_bytes=compiled.metadata.shared,
-                     tma="cp.async.bulk.tensor" in ptx, warp_specialized="setmaxnreg" in ptx,
-                     warps=compiled.metadata.num_warps)
+        facts.update(wgmma="wgmma" in ptx, mma_sync="mma.sync" in ptx, shared_bytes=compiled.metadata.shared)
         for name in ("n_regs", "n_spills"):  # filled in when the kernel is loaded on a device
             facts[name] = getattr(compiled, name, None)
     except Exception as error:  # noqa: BLE001 - facts are extras; never lose the timing for them
@@ -137,8 +124,6 @@ def cubin_usage(compiled) -> dict:
 
 def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_transposed: bool = True, arch: int = 90):
     """Compile the kernel for sm_``arch`` without a GPU, specialised as a launch on the bench's tensors would be."""
-    if config.tma:
-        return cross_compile_tma(config, head_dim=head_dim, arch=arch)
     fn = fa._attn_fwd
     pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "QScale": "*fp32",
                 "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32", "VScaleC": "*fp32"}
@@ -148,22 +133,6 @@ def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_trans
     # H = 12; SQ, SK, SH are not specialised; the rest divide by 16
     return _compile(fn, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale"), config.num_warps,
                     config.num_stages, arch)
-
-
-def cross_compile_tma(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, arch: int = 90):
-    """The one-loop tensor-descriptor kernel for sm_``arch``, as launched on the engine's buffers."""
-    descriptors = {"Q": [1, config.block_m, head_dim], "K": [1, config.block_n, head_dim],
-                   "V": [1, head_dim, config.block_n]}
-    pointers = {name: "*fp8e4nv" if config.device_descriptors else f"tensordesc<fp8e4nv[{', '.join(map(str, block))}]>"
-                for name, block in descriptors.items()}
-    pointers.update({"Out": "*bf16", "QScale": "*fp32", "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32",
-                     "VScaleC": "*fp32"})
-    constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                 "P_SHIFT": config.p_shift, "WARP_SPECIALIZE": config.warp_specialize,
-                 "DEVICE_DESCRIPTORS": config.device_descriptors}
-    unaligned = ("H", "SQ", "SK", "SH", "sm_scale", *(() if config.device_descriptors else descriptors))
-    return _compile(fa._attn_fwd_tma, pointers, constants, unaligned,
-                    config.num_warps, config.num_stages, arch)
 
 
 def _compile(fn, pointers: dict, constants: dict, unaligned: tuple[str, ...], num_warps: int, num_stages: int,
@@ -201,7 +170,7 @@ def compile_only() -> None:
     """One JSON line per compiled kernel: ``kernel`` "attention" (the sweep at head_dim 128, two variants: precise
     PV, natural v; the other head dims' default configs) or "quantize" (both passes, per
     destination layout)."""
-    variants = [(config, True, 128) for config in SWEEP + tuple(c for c in TMA_SWEEP if c.tma)]
+    variants = [(config, True, 128) for config in SWEEP]
     variants += [(replace(SWEEP[0], precise_pv=True), True, 128), (SWEEP[0], False, 128)]
     variants += [(fa.default_config(head_dim), True, head_dim) for head_dim in (32, 64)]  # tiny preset: 32
     for config, v_transposed, head_dim in variants:
@@ -511,10 +480,7 @@ def run_sk(sk: int, shape: Shape, sweep, env: dict, device: torch.device, budget
 
 
 def config_key(config) -> str:
-    """``64x128x4x3`` (block_m x block_n x warps x stages), ``-tma`` / ``-tma-ws`` for the one-loop kernel."""
-    name = f"{config.block_m}x{config.block_n}x{config.num_warps}x{config.num_stages}"
-    return name + ("-tma" if config.tma else "") + ("-ws" if config.warp_specialize else "") + (
-        "-dev" if config.device_descriptors else "")
+    return "x".join(str(getattr(config, key)) for key in CONFIG_KEYS)
 
 
 def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values: tuple[int, ...]) -> list[dict]:
@@ -621,12 +587,6 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET=1")
     parser.add_argument("--engine-sweep", default=None, help="only the engine's two-segment kernel, every config, "
                         "at these comma-separated key counts (e.g. 18720,28080,32760)")
-    parser.add_argument("--sweep", choices=("default", "tma"), default="default",
-                        help="the configs of --engine-sweep: the pointer kernel's sweep, or the tma kernel's beside "
-                        "the pointer kernel's defaults")
-    parser.add_argument("--only", default=None, help="with --engine-sweep: only these comma-separated configs of the "
-                        "sweep, by name (config_key: 64x128x4x3, 128x128x4x2-tma-ws-dev, ...)")
-    parser.add_argument("--list-configs", action="store_true", help="print the --sweep's config names, one a line")
     parser.add_argument("--quantize-sweep", default=None, help="only the quantizer into the engine's mirror (q, the "
                         "current K and V, the history) at these comma-separated key counts")
     args = parser.parse_args()
@@ -643,18 +603,9 @@ def main() -> None:
         shape, sweep, device = SMOKE, SMOKE_SWEEP, torch.device("cpu")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": "cpu (Triton interpreter)"}
     else:
-        shape, sweep, device = WAN_480P, TMA_SWEEP if args.sweep == "tma" else SWEEP, torch.device("cuda")
+        shape, sweep, device = WAN_480P, SWEEP, torch.device("cuda")
         env = {"torch": torch.__version__, "triton": triton.__version__, "device": torch.cuda.get_device_name(),
                "capability": list(torch.cuda.get_device_capability())}
-    if args.only:
-        names = args.only.split(",")
-        unknown = set(names) - {config_key(config) for config in sweep}
-        if unknown:
-            parser.error(f"--only: not in the sweep: {sorted(unknown)}")
-        sweep = tuple(config for config in sweep if config_key(config) in names)
-    if args.list_configs:
-        print("\n".join(config_key(config) for config in sweep))
-        return
     log(f"start {env}")
     if args.quantize_sweep:
         for record in quantize_sweep(shape, env, device, tuple(int(x) for x in args.quantize_sweep.split(","))):
@@ -667,7 +618,7 @@ def main() -> None:
         for record in engine_sweep(shape, sweep, env, device, sk_values):
             emit(json.dumps(record), args.out)
             summary["ms"][record["sk"]] = {"cudnn": record.get("cudnn_ms"), **{
-                config_key(C(**{key: r[key] for key in CONFIG_KEYS})): r.get("ms")
+                config_key(C(*(r[key] for key in CONFIG_KEYS))): r.get("ms")
                 for r in record["configs"]}}
         emit(json.dumps(summary), args.out)
         return

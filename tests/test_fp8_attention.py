@@ -541,12 +541,7 @@ def test_the_sweep_compiles_for_sm90_with_wgmma():
     assert {row["head_dim"] for row in attention} == {32, 64, 128}
     assert all(row["wgmma"] and not row["mma_sync"] for row in attention), rows
     key = lambda r: (r["head_dim"], r["block_m"], r["block_n"], r["num_warps"], r["num_stages"])  # noqa: E731
-    by_config = {key(r): r for r in attention if r["v_layout"] == "transposed" and not r["precise_pv"] and not r["tma"]}
-    # The one-loop kernel: every copy by TMA; warp-specialised where asked (setmaxnreg: the producer warpgroup
-    # gives its registers to the consumers), 12 warps, and no spills.
-    tma = [row for row in attention if row["tma"]]
-    assert tma and all(row["tma"] and row["warp_specialized"] == row["warp_specialize"] for row in tma), tma
-    assert all(row["warps"] == 12 and row["stack_bytes"] <= 16 for row in tma if row["warp_specialize"]), tma
+    by_config = {key(r): r for r in attention if r["v_layout"] == "transposed" and not r["precise_pv"]}
     # The defaults were picked by GPU timing (docs/FP8.md). Register use cross-compiled: the single-scale kernel
     # had 0 stack at 128x64 / 4 warps and 728 bytes at 64x128 / 4 warps (still the fastest at 32,760 keys); the
     # two-segment kernel must not spill more than that (it has 8 and 552).

@@ -263,12 +263,10 @@ def test_cuda_fp8_attention_engine_replays_graphs_and_stays_close_to_bf16():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="FP8 attention needs a Hopper GPU")
-@pytest.mark.parametrize("config", [None, fa.Fp8AttentionConfig(128, 128, 4, 2, tma=True, warp_specialize=True)],
-                         ids=["default", "tma_ws"])
-def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry(config):
+def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry():
     """12 heads of 128, 3 frames of 1,560 queries, 2 history frames: quantizer bits = quantize_per_head's,
     the kernel within P's rounding of float32 attention of the dequantized segments, and the same under a
-    CUDA graph; the engine's default config and the warp-specialised tensor-descriptor kernel."""
+    CUDA graph."""
     from bench.fp8_attention_gpu import float32_attention
 
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -290,7 +288,7 @@ def test_cuda_two_segment_kernel_and_quantizer_at_the_1_3b_head_geometry(config)
             fa.quantize_per_head_into(kv[1, lo:hi].unsqueeze(0), mirror_v[:, lo:hi], v_scale)
         fa.quantize_per_head_into(q, q8, scales[0])
         return fa.fp8_attention_segments(q8, scales[0], mirror_k, (scales[1], scales[2]), mirror_v,
-                                         (scales[3], scales[4]), sh, config=config)
+                                         (scales[3], scales[4]), sh)
 
     out = forward().clone()
     history = (torch.arange(sh + sq, device="cuda") < sh)[None, :, None, None]

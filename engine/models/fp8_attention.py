@@ -60,13 +60,6 @@ class Fp8AttentionConfig:
     ``precise_pv``: ``max_num_imprecise_acc=block_n`` on the PV dot: on sm_90 Triton otherwise lets the fp8
     ``wgmma`` accumulate the whole key loop in the tensor core's reduced-precision accumulator; with it each
     block's product is added to the float32 accumulator separately (more registers, some FADDs).
-    ``tma``: the one-loop kernel (:func:`_attn_fwd_tma`): q, k and v tiles by tensor descriptors (Hopper's TMA
-    copies), every key block in key order, each column with its own segment's scales and the mask folded into
-    them. It needs v transposed (key-contiguous) and q, k with their heads packed (``stride(2) == head_dim``).
-    ``warp_specialize``: with ``tma``, Triton's Hopper warp specialisation of that loop: one producer warpgroup
-    issues the copies, two consumer warpgroups of ``num_warps`` warps each run the products and the softmax
-    (``num_warps`` must be 4: 12 warps in all). Triton 3.6 specialises only a kernel with a single loop (a
-    second loop anywhere in it fails to compile), which is why this kernel has one.
     """
 
     block_m: int
@@ -75,9 +68,6 @@ class Fp8AttentionConfig:
     num_stages: int
     p_shift: int = 8
     precise_pv: bool = False
-    tma: bool = False
-    warp_specialize: bool = False
-    device_descriptors: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -92,14 +82,6 @@ class Fp8AttentionConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.p_shift <= 8:
             raise ValueError(f"p_shift must be in 0..8 (2**p_shift <= 448), got {self.p_shift}")
-        if self.warp_specialize and not self.tma:
-            raise ValueError("warp_specialize needs tma (the producer warps issue the tensor-descriptor copies)")
-        if self.warp_specialize and self.num_warps != 4:
-            raise ValueError(f"warp_specialize takes num_warps 4 (warps per consumer group), got {self.num_warps}")
-        if self.device_descriptors and not self.tma:
-            raise ValueError("device_descriptors is a knob of the tma kernel")
-        if self.tma and self.precise_pv:
-            raise ValueError("precise_pv is a knob of the pointer kernel only")
 
 
 # head_dim 128 (Wan 1.3B): the engine's two-segment kernel was swept over configs per key count
@@ -290,99 +272,6 @@ if triton is not None:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
-    @triton.jit(do_not_specialize=["SQ", "SK", "SH"])  # one compile for every history length
-    def _attn_fwd_tma(
-        Q, K, V, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC,
-        stride_qb, stride_qs, stride_kb, stride_ks, stride_vh, stride_vd,
-        stride_ob, stride_os, stride_oh,
-        H, SQ, SK, SH, sm_scale,
-        HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        P_SHIFT: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, DEVICE_DESCRIPTORS: tl.constexpr,
-    ):
-        """:func:`_attn_fwd`'s result with one loop over the key blocks in key order, tiles copied by descriptors.
-
-        ``Q`` / ``K``: host descriptors of ``[B, S, H * D]`` (a row holds every head), tiles ``[1, BLOCK, D]`` at
-        column ``h * D``; ``V``: the transposed v as ``[B * H, D, SK]``, tiles ``[1, D, BLOCK_N]``. With
-        ``DEVICE_DESCRIPTORS`` they are pointers instead and each program makes its own 2-D descriptors of its
-        batch's q and k rows and its head's v (the strides are read only then). Rows past a descriptor's shape
-        read as zeros, so no load is masked. Each key column gets its segment's scalars as
-        vectors (``s_col``: the score scale, ``lv_col``: log2 of the v factor, ``-inf`` past ``SK``), so the
-        block that straddles the history / current boundary and the last partial block need no separate pass:
-        ``x = qk * s_col + lv_col`` is one FMA, as the pointer kernel's ``qk * qk_scale - m`` is; the row
-        sum takes each column's v factor back out (one multiply). The running max is over ``x``, the v factor
-        included, so the largest P of a row is ``2**P_SHIFT`` in either segment.
-        """
-        start_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
-        off_b = off_bh // H
-        off_h = off_bh % H
-        column = off_h * HEAD_DIM
-        if DEVICE_DESCRIPTORS:
-            desc_q = tl.make_tensor_descriptor(Q + off_b.to(tl.int64) * stride_qb, shape=[SQ, H * HEAD_DIM],
-                                               strides=[stride_qs, 1], block_shape=[BLOCK_M, HEAD_DIM])
-            desc_k = tl.make_tensor_descriptor(K + off_b.to(tl.int64) * stride_kb, shape=[SK, H * HEAD_DIM],
-                                               strides=[stride_ks, 1], block_shape=[BLOCK_N, HEAD_DIM])
-            desc_v = tl.make_tensor_descriptor(V + off_bh.to(tl.int64) * stride_vh, shape=[HEAD_DIM, SK],
-                                               strides=[stride_vd, 1], block_shape=[HEAD_DIM, BLOCK_N])
-            q = desc_q.load([start_m * BLOCK_M, column])
-        else:
-            desc_q, desc_k, desc_v = Q, K, V
-            q = desc_q.load([off_b, start_m * BLOCK_M, column]).reshape(BLOCK_M, HEAD_DIM)
-
-        q_scale = tl.load(QScale + off_bh)
-        qk_scale_h = q_scale * tl.load(KScaleH + off_bh) * sm_scale * 1.4426950408889634
-        qk_scale_c = q_scale * tl.load(KScaleC + off_bh) * sm_scale * 1.4426950408889634
-        v_scale_h = tl.load(VScaleH + off_bh)
-        v_scale_c = tl.load(VScaleC + off_bh)
-        v_scale_max = tl.where(SH > 0, tl.where(SH < SK, tl.maximum(v_scale_h, v_scale_c), v_scale_h), v_scale_c)
-        log2_v_factor_h = _log2_v_factor(v_scale_h, v_scale_max)
-        log2_v_factor_c = _log2_v_factor(v_scale_c, v_scale_max)
-        # A segment without keys may hold any scale, NaN included; the columns past SK take the current
-        # segment's (times -inf): give an empty segment the other one's scalars so no NaN reaches a column.
-        has_current = SH < SK
-        qk_scale_c = tl.where(has_current, qk_scale_c, qk_scale_h)
-        log2_v_factor_c = tl.where(has_current, log2_v_factor_c, log2_v_factor_h)
-        qk_scale_h = tl.where(SH > 0, qk_scale_h, qk_scale_c)
-        log2_v_factor_h = tl.where(SH > 0, log2_v_factor_h, log2_v_factor_c)
-        inverse_factor_h = tl.math.exp2(-log2_v_factor_h)
-        inverse_factor_c = tl.math.exp2(-log2_v_factor_c)
-
-        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-        offs_n = tl.arange(0, BLOCK_N)
-        # Every block holds a key below SK, so no row meets an all-masked block first (exp2(-inf + inf)).
-        for start_n in tl.range(0, SK, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-            keys = start_n + offs_n
-            history = keys < SH
-            s_col = tl.where(history, qk_scale_h, qk_scale_c)
-            lv_col = tl.where(keys < SK, tl.where(history, log2_v_factor_h, log2_v_factor_c), float("-inf"))
-            inverse_col = tl.where(history, inverse_factor_h, inverse_factor_c)
-            if DEVICE_DESCRIPTORS:
-                k = desc_k.load([start_n, column])
-            else:
-                k = desc_k.load([off_b, start_n, column]).reshape(BLOCK_N, HEAD_DIM)
-            qk = tl.dot(q, k.T)  # k's tile is D-contiguous: K-major for the fp8 wgmma
-            x = qk * s_col[None, :] + lv_col[None, :]
-            m_ij = tl.maximum(m_i, tl.max(x, 1))
-            p = tl.math.exp2(x - (m_ij - P_SHIFT)[:, None])
-            alpha = tl.math.exp2(m_i - m_ij)
-            l_i = l_i * alpha + tl.sum(p * inverse_col[None, :], 1)
-            acc = acc * alpha[:, None]
-            if DEVICE_DESCRIPTORS:
-                v = desc_v.load([0, start_n])
-            else:
-                v = desc_v.load([off_bh, 0, start_n]).reshape(HEAD_DIM, BLOCK_N)
-            acc = tl.dot(p.to(tl.float8e4nv), v.T, acc)  # v's tile is key-contiguous: K-major
-            m_i = m_ij
-        out = acc * (v_scale_max / l_i)[:, None]
-        offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_d = tl.arange(0, HEAD_DIM)
-        o_ptrs = (Out + off_b.to(tl.int64) * stride_ob + off_h.to(tl.int64) * stride_oh
-                  + offs_m[:, None] * stride_os + offs_d[None, :])
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m < SQ)[:, None])
-
-
 def _interpreted() -> bool:
     return triton is not None and type(_attn_fwd).__name__ == "InterpretedFunction"
 
@@ -470,50 +359,8 @@ def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history
     return out, kernel
 
 
-def _tma_descriptors(q_fp8, k_fp8, v_fp8, config):
-    """The three tensor descriptors of :func:`_attn_fwd_tma`, or ``ValueError`` naming the layout it cannot take.
-
-    A descriptor needs its base and every stride but the last 16-byte aligned (e4m3: multiples of 16 elements).
-    """
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    batch, num_queries, heads, head_dim = q_fp8.shape
-    num_keys = k_fp8.shape[1]
-    for name, x in (("q", q_fp8), ("k", k_fp8)):
-        if x.stride(2) != head_dim or x.stride(1) % 16 or x.stride(0) % 16 or x.data_ptr() % 16:
-            raise ValueError(f"the tma kernel needs {name}'s heads packed (stride(2) == head_dim), its other strides "
-                             f"multiples of 16 and a 16-byte aligned start; got strides {x.stride()}")
-    if v_fp8.stride(1) != 1 or v_fp8.stride(0) != heads * v_fp8.stride(2) or v_fp8.stride(3) % 16 \
-            or v_fp8.stride(2) % 16 or v_fp8.data_ptr() % 16:
-        raise ValueError("the tma kernel needs v as quantize_per_head(v, transpose=True) lays it out ([B, H, D, S_pad] "
-                         f"storage, rows of a multiple of 16 keys, 16-byte aligned); got strides {v_fp8.stride()}")
-    return (
-        TensorDescriptor(q_fp8, [batch, num_queries, heads * head_dim], [q_fp8.stride(0), q_fp8.stride(1), 1],
-                         [1, config.block_m, head_dim]),
-        TensorDescriptor(k_fp8, [batch, num_keys, heads * head_dim], [k_fp8.stride(0), k_fp8.stride(1), 1],
-                         [1, config.block_n, head_dim]),
-        TensorDescriptor(v_fp8, [batch * heads, head_dim, num_keys], [v_fp8.stride(2), v_fp8.stride(3), 1],
-                         [1, head_dim, config.block_n]),
-    )
-
-
 def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config):
     _, num_queries, heads, head_dim = q_fp8.shape
-    if config.tma:
-        descriptors = _tma_descriptors(q_fp8, k_fp8, v_fp8, config)
-        if config.device_descriptors:
-            descriptors = (q_fp8, k_fp8, v_fp8)
-            device = q_fp8.device  # the scratch the kernel writes its descriptors to, asked for per launch
-            triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device=device))
-        return _attn_fwd_tma[grid](
-            *descriptors, out, *(scale.contiguous() for scale in scales),
-            q_fp8.stride(0), q_fp8.stride(1), k_fp8.stride(0), k_fp8.stride(1), v_fp8.stride(2), v_fp8.stride(3),
-            out.stride(0), out.stride(1), out.stride(2),
-            heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim),
-            HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, P_SHIFT=config.p_shift,
-            WARP_SPECIALIZE=config.warp_specialize, DEVICE_DESCRIPTORS=config.device_descriptors,
-            num_warps=config.num_warps, num_stages=config.num_stages,
-        )
     return _attn_fwd[grid](
         q_fp8, k_fp8, v_fp8, out, *(scale.contiguous() for scale in scales),
         q_fp8.stride(0), q_fp8.stride(1), q_fp8.stride(2),
