@@ -10,7 +10,15 @@ from pydantic import ValidationError
 
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models.fp8_linear import BLOCK_LINEARS, FP8_MAX, FP8Linear, quantize_linears, quantize_rows
+from engine.models.fp8_linear import (
+    BLOCK_LINEARS,
+    FP8_MAX,
+    FP8Linear,
+    gelu_quantize_rows,
+    project_shared,
+    quantize_linears,
+    quantize_rows,
+)
 from tests.engine_helpers import build_small
 
 BF16_UNIT_ROUNDOFF = 2.0**-8  # round-to-nearest with bf16's 8-bit significand
@@ -82,6 +90,56 @@ def test_fp8_linear_keeps_its_weight_through_casts_and_refuses_what_it_cannot_ru
         FP8Linear.from_linear(torch.nn.Conv1d(16, 16, 1))
     with pytest.raises(ValueError, match="expects 32 input features"):
         layer(torch.zeros(2, 16))
+
+
+def test_shared_projection_quantizes_the_input_once_and_equals_each_layer(monkeypatch):
+    """q, k and v read the same input: one quantization for the three, the same products as each layer alone."""
+    layers = [FP8Linear.from_linear(_linear(64, out, seed=seed)) for seed, out in enumerate((64, 32, 48))]
+    x = _activations(2, 7, 64)
+    alone = [layer(x) for layer in layers]
+    calls = []
+    quantize = FP8Linear.quantize_input
+    monkeypatch.setattr(FP8Linear, "quantize_input", lambda self, *a, **k: calls.append(self) or quantize(self, *a, **k))
+    shared = project_shared(x, *layers)
+    assert len(calls) == 1
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(shared, alone))
+    # A bf16 layer among them (or widths that differ): each layer quantizes its own input, as before.
+    dense = _linear(64, 16, seed=9)
+    calls.clear()
+    mixed = project_shared(x, layers[0], dense)
+    assert len(calls) == 1 and torch.equal(mixed[0], alone[0]) and torch.equal(mixed[1], dense(x))
+    with pytest.raises(ValueError, match="do not match"):
+        layers[0].forward_quantized(x[:1], *layers[0].quantize_input(x))
+
+
+def test_gelu_inside_the_quantizer_is_the_product_of_the_gelu():
+    """The FFN's second product with its GELU inside the input's quantizer: eagerly (the CPU), the very same
+    rows, scales and products as the GELU module then the layer; compiled on CUDA, see the GPU test."""
+    layer = FP8Linear.from_linear(_linear(96, 32))
+    x = 3 * _activations(4, 5, 96)
+    gelu = torch.nn.functional.gelu(x, approximate="tanh")
+    quantized, scale = gelu_quantize_rows(x.reshape(-1, 96))
+    expected_quantized, expected_scale = quantize_rows(gelu.reshape(-1, 96))
+    assert torch.equal(quantized.float(), expected_quantized.float()) and torch.equal(scale, expected_scale)
+    assert torch.equal(layer.forward_gelu(x), layer(gelu))
+
+
+def test_the_engine_feed_forward_takes_the_fused_gelu_and_computes_the_module():
+    """An FP8 block's FFN through the engine's ``_feed_forward``: the GELU inside the second product's quantizer,
+    equal to diffusers' module (its GELU, dropout, then the layer) on the same weights."""
+    from engine.models.causal_wan import _feed_forward
+    from engine.models.kernels import EAGER_KERNELS
+
+    _, bundle = build_small(dtype="bfloat16", fp8="linear", sink_frames=1, window_frames=1)
+    block = bundle.pipeline.transformer.transformer.blocks[0]
+    width = block.ffn.net[0].proj.in_features
+    x = _activations(1, 12, width)
+    calls = []
+    fused = block.ffn.net[2].forward_gelu
+    block.ffn.net[2].forward_gelu = lambda y: calls.append(y) or fused(y)
+    out = _feed_forward(block.ffn, x, EAGER_KERNELS)
+    assert len(calls) == 1
+    assert torch.equal(out, block.ffn(x))
 
 
 def _run_blocks(fp8: str, blocks: int = 2):
@@ -184,6 +242,14 @@ def test_cuda_fp8_linear_matches_the_dequantized_product():
     q, scale = _quantizer(256)(rows)
     eager_q, eager_scale = quantize_rows(rows)
     assert not _quantizer(256)._failed
+    # The GELU inside the quantizer (compiled): Inductor's tanh and its float32 intermediate (eager rounds the
+    # GELU to bf16 first) move a value by at most one e4m3 step, a scale by bf16's rounding of the row's amax.
+    gelu_q, gelu_scale = _quantizer(256, "gelu_rows")(rows)
+    eager_gelu_q, eager_gelu_scale = gelu_quantize_rows(rows)
+    assert not _quantizer(256, "gelu_rows")._failed
+    assert torch.allclose(gelu_scale, eager_gelu_scale, rtol=2.0**-8, atol=0)
+    assert ((gelu_q.float() * gelu_scale - eager_gelu_q.float() * eager_gelu_scale).abs()
+            <= 2.0**-3 * (eager_gelu_q.float() * eager_gelu_scale).abs() + 2.0**-9 * eager_gelu_scale).all()
     # The fused kernel may divide by its reciprocal: at most one e4m3 step apart, where a value sits on a tie.
     assert torch.allclose(scale, eager_scale, rtol=1e-6, atol=0)
     assert ((q.float() - eager_q.float()).abs() <= 2.0**-3 * eager_q.float().abs() + 2.0**-9).all()

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from engine.models.context_kv import CURRENT, FP8ContextKV
 from engine.models.fp8_attention import FP8_DTYPE, quantize_per_head_into
+from engine.models.fp8_linear import project_shared
 from engine.models.kernels import EAGER_KERNELS, Kernels
 
 
@@ -136,9 +137,10 @@ class PagedSelfAttentionProcessor:
                 "FP8 attention runs on the gathered-history path only (context_kv with its FP8 mirror); "
                 "this forward gathers its history per forward"
             )
-        query = _heads(attn, kernels.rms_norm(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps))
-        key = _heads(attn, kernels.rms_norm(attn.to_k(hidden_states), attn.norm_k.weight, attn.norm_k.eps))
-        value = _heads(attn, attn.to_v(hidden_states))
+        query, key, value = project_shared(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        query = _heads(attn, kernels.rms_norm(query, attn.norm_q.weight, attn.norm_q.eps))
+        key = _heads(attn, kernels.rms_norm(key, attn.norm_k.weight, attn.norm_k.eps))
+        value = _heads(attn, value)
         if context.stage is not None:
             # Unrotated, as stored: positions are assigned when the block is read back.
             context.stage[layer, 0, :num_queries].copy_(key[0])
@@ -165,9 +167,10 @@ class PagedSelfAttentionProcessor:
         if context.cos.shape[0] != end:
             raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {end}")
         cos, sin = context.cos[start:], context.sin[start:]
-        query = kernels.rms_norm_rotate(attn.to_q(hidden_states), attn.norm_q.weight, attn.norm_q.eps, attn.heads, cos, sin)
-        key = _heads(attn, kernels.rms_norm(attn.to_k(hidden_states), attn.norm_k.weight, attn.norm_k.eps))
-        value = _heads(attn, attn.to_v(hidden_states))
+        query, key, value = project_shared(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        query = kernels.rms_norm_rotate(query, attn.norm_q.weight, attn.norm_q.eps, attn.heads, cos, sin)
+        key = _heads(attn, kernels.rms_norm(key, attn.norm_k.weight, attn.norm_k.eps))
+        value = _heads(attn, value)
         if context.stage is not None:
             context.stage[layer, 0, : end - start].copy_(key[0])  # unrotated, as stored
             context.stage[layer, 1, : end - start].copy_(value[0])

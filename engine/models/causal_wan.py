@@ -21,6 +21,7 @@ from engine.models.attention import (
     PagedSelfAttentionProcessor,
     project_cross_kv,
 )
+from engine.models.fp8_linear import FP8Linear
 from engine.models.kernels import Kernels
 from engine.models.latents import BlockLatents
 from engine.models.rope import ROPE_THETA, FrameRotaryEmbedding
@@ -200,15 +201,19 @@ def _run_block(block, hidden, modulation, context, cross_kv, kernels: Kernels):
 
 def _feed_forward(ffn, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:
     """diffusers' ``FeedForward`` (``GELU(tanh)`` projection, dropout, linear), its first half through
-    ``kernels.gelu_linear``; any other layout (an FP8 projection, another activation) runs the module."""
+    ``kernels.gelu_linear``; with both products FP8, the GELU inside the second one's input quantizer
+    (:meth:`FP8Linear.forward_gelu`); any other layout (another activation, training) runs the module."""
     act = ffn.net[0]
-    if (
+    if not (
         len(ffn.net) == 3
         and isinstance(act, GELU)
         and act.approximate == "tanh"
-        and type(act.proj) is torch.nn.Linear
         and isinstance(ffn.net[1], torch.nn.Dropout)
         and not ffn.training
     ):
+        return ffn(x)
+    if type(act.proj) is torch.nn.Linear:
         return ffn.net[2](kernels.gelu_linear(x, act.proj.weight, act.proj.bias))
+    if type(act.proj) is FP8Linear and type(ffn.net[2]) is FP8Linear:
+        return ffn.net[2].forward_gelu(act.proj(x))
     return ffn(x)

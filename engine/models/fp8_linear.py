@@ -53,15 +53,22 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantized, scale
 
 
-# One compiled kernel per row width for the process (eager off CUDA): each keeps its width a constant, so its
-# reduction is specialised; only the token count varies between calls (kernels.DeviceKernel).
-_QUANTIZERS: dict[int, DeviceKernel] = {}
+def gelu_quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_rows` of ``GELU(x)`` (tanh form, as Wan's FFN): compiled, one kernel reads ``x`` and writes
+    the e4m3 rows, where the separate GELU wrote the activation out in bf16 and the quantizer read it back."""
+    return quantize_rows(torch.nn.functional.gelu(x, approximate="tanh"))
 
 
-def _quantizer(width: int) -> DeviceKernel:
-    kernel = _QUANTIZERS.get(width)
+# One compiled kernel per (function, row width) for the process (eager off CUDA): each keeps its width a constant,
+# so its reduction is specialised; only the token count varies between calls (kernels.DeviceKernel).
+_QUANTIZERS: dict[tuple[str, int], DeviceKernel] = {}
+_ROW_FUNCTIONS = {"rows": quantize_rows, "gelu_rows": gelu_quantize_rows}
+
+
+def _quantizer(width: int, kind: str = "rows") -> DeviceKernel:
+    kernel = _QUANTIZERS.get((kind, width))
     if kernel is None:
-        kernel = _QUANTIZERS.setdefault(width, DeviceKernel(quantize_rows))
+        kernel = _QUANTIZERS.setdefault((kind, width), DeviceKernel(_ROW_FUNCTIONS[kind]))
     return kernel
 
 
@@ -126,11 +133,26 @@ class FP8Linear(nn.Module):
         return self.weight_fp8.float() * self.weight_scale.t()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_quantized(x, *self.quantize_input(x))
+
+    def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
+        """``self(GELU(x))`` (tanh form) with the GELU inside the input's quantizer: no bf16 GELU output."""
+        return self.forward_quantized(x, *self.quantize_input(x, gelu=True))
+
+    def quantize_input(self, x: torch.Tensor, *, gelu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x [..., in_features]`` -> (e4m3 rows ``[M, in_features]``, float32 row scales ``[M, 1]``): what
+        :meth:`forward_quantized` takes. Layers that read the same input (q, k and v) can share one result."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"FP8Linear expects {self.in_features} input features, got shape {tuple(x.shape)}")
         # _scaled_mm is 2-D and wants a row-major mat1: flatten batch/sequence dims (a no-op copy when contiguous).
         rows = x.reshape(-1, self.in_features).contiguous()
-        quantized, scale = _quantizer(self.in_features)(rows)
+        return _quantizer(self.in_features, "gelu_rows" if gelu else "rows")(rows)
+
+    def forward_quantized(self, x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        """The product on :meth:`quantize_input`'s result for ``x`` (read for its shape and dtype only)."""
+        if x.shape[-1] != self.in_features or quantized.shape != (x.numel() // self.in_features, self.in_features):
+            raise ValueError(f"FP8Linear({self.in_features}): quantized rows {tuple(quantized.shape)} do not match "
+                             f"the input {tuple(x.shape)}")
         out = torch._scaled_mm(
             quantized,
             self.weight_fp8.t(),
@@ -187,3 +209,14 @@ def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, 
             # ModuleList children are named "0", "1", ...: setattr replaces them as it does attributes.
             setattr(parent, name, fp8)
     return result
+
+
+def project_shared(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+    """``tuple(linear(x) for linear in linears)``, with ``x`` quantized once where every layer is an
+    :class:`FP8Linear` of the same width (the self-attention's q, k and v): the same rows and scales each layer
+    would compute for itself, so the same products."""
+    if len(linears) > 1 and all(type(linear) is FP8Linear for linear in linears) \
+            and len({linear.in_features for linear in linears}) == 1:
+        quantized, scale = linears[0].quantize_input(x)
+        return tuple(linear.forward_quantized(x, quantized, scale) for linear in linears)
+    return tuple(linear(x) for linear in linears)
