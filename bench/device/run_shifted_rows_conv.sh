@@ -41,12 +41,13 @@ SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 CASES=(--concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions)
 for entry in ${SERVICES:-$ORDER}; do  # DECODE_CONVS or DECODE_CONVS:FP8 (default all)
   convs=${entry%%:*}; fp8=all; [ "$entry" != "$convs" ] && fp8=${entry#*:}
-  if { [ "$GAIN" = 1 ] || [ -n "${SERVICES:-}" ]; } && [ "$(left)" -gt 110 ]; then
-    ARSTREAM_ENGINE__FP8=$fp8 ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_${convs}_fp8_$fp8" 95 \
+  if { [ "$GAIN" = 1 ] || [ -n "${SERVICES:-}" ]; } && [ "$(left)" -gt $(( ${SERVICE_S:-95} + 15 )) ]; then
+    ARSTREAM_ENGINE__FP8=$fp8 ARSTREAM_ENGINE__DECODE_CONVS=$convs service "standard_${convs}_fp8_$fp8" "${SERVICE_S:-95}" \
       "${CASES[@]}" -- "${SERVER[@]}"
   else
     echo "service $entry skipped (gain $GAIN, $(left)s left)"
   fi
 done
-if [ "$(left)" -gt 45 ]; then gpu_tests "$(( $(left) - 10 ))" tests/test_shifted_rows_conv.py; fi
+# shellcheck disable=SC2086
+if [ "$(left)" -gt 45 ]; then gpu_tests "$(( $(left) - 10 ))" ${GPU_TESTS:-tests/test_shifted_rows_conv.py}; fi
 echo "== done, $(left)s left"
