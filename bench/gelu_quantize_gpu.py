@@ -2,41 +2,27 @@
 reference: ``F.gelu`` then ``quantize_rows``), compiled (what ``--fp8 linear`` runs: Inductor's two-pass row
 reduction, ``_quantizer(8960, "gelu_rows")``) and the one-pass Triton kernel (engine/models/gelu_quantize.py).
 
-Per variant: ms a call (CUDA events, median of ``--reps`` after a warm-up; the 84 MB input is larger than L2),
+Per variant: ms a call (Triton's ``do_bench``, median, L2 flushed between calls),
 the GB/s of one bf16 read and one e4m3 write, and, against eager, the largest relative scale difference, the
 fraction of equal e4m3 values and whether every value is within one e4m3 step. Also the same at the 1,536-wide
 inputs (compiled ``quantize_rows``, the other quantizers of a block) for scale. Prints one JSON line.
 
-    python3 bench/gelu_quantize_gpu.py [--rows 4680] [--reps 50]
+    python3 bench/gelu_quantize_gpu.py [--rows 4680] [--reps 100]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 
+from bench.fp8_attention_gpu import time_ms  # noqa: E402 - Triton's do_bench, L2 flushed between calls
 from engine.models import gelu_quantize as gq  # noqa: E402
 from engine.models.fp8_linear import _quantizer, gelu_quantize_rows, quantize_rows  # noqa: E402
-
-
-def time_ms(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def against(result, reference) -> dict:
@@ -53,7 +39,7 @@ def against(result, reference) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=4680)
-    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--reps", type=int, default=100, help="do_bench's rep: milliseconds of timed calls")
     args = parser.parse_args()
     generator = torch.Generator(device="cuda").manual_seed(0)
     record = {"bench": "gelu_quantize", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -71,14 +57,14 @@ def main() -> None:
     for name, fn in variants.items():
         try:
             entry = against(fn(), reference)
-            entry["ms"] = time_ms(fn, args.reps)
+            entry["ms"] = time_ms(fn, rows.device, rep=args.reps)
             entry["gb_per_s"] = moved / (entry["ms"] * 1e-3) / 1e9
         except Exception as error:  # noqa: BLE001 - a variant's failure is a result
             entry = {"error": f"{type(error).__name__}: {error}"[:500]}
         record[name] = entry
     narrow = torch.randn(args.rows, 1536, device="cuda", generator=generator).bfloat16()
     record["compiled_rows_1536"] = {**against(_quantizer(1536)(narrow), quantize_rows(narrow)),
-                                    "ms": time_ms(lambda: _quantizer(1536)(narrow), args.reps)}
+                                    "ms": time_ms(lambda: _quantizer(1536)(narrow), narrow.device, rep=args.reps)}
     if "ms" in record["compiled"] and "ms" in record["triton_one_pass"]:
         record["one_pass_speedup"] = record["compiled"]["ms"] / record["triton_one_pass"]["ms"]
     print(json.dumps(record))
