@@ -3,8 +3,9 @@
 ``--fp8 linear`` quantizes ``GELU(h)`` per row (``h``: the FFN's first product, ``[tokens, 8960]`` at 1.3B)
 before the second product (:meth:`engine.models.fp8_linear.FP8Linear.forward_gelu`). The compiled form of that
 (:func:`engine.models.fp8_linear.gelu_quantize_rows` through Inductor) is a two-pass row reduction: it reads the
-row for its amax, then again to cast, and computes the tanh on both passes; on an H100 it runs ~0.8 TB/s, bound
-by that arithmetic (docs/BENCHMARKS.md, thirty-second session). Here one program holds its row on chip: one
+row for its amax, then again to cast, and computes the tanh on both passes; on an H100 it moves ~0.8 TB/s,
+a quarter of the card's bandwidth (docs/BENCHMARKS.md, thirty-second session; the recomputed tanh is the
+likely cost, not measured). Here one program holds its row on chip: one
 read, the GELU once, the amax, one write of e4m3 rows and their scales.
 
 The arithmetic follows the eager path's: the GELU (tanh form, written as ``x * sigmoid(2u)``,
@@ -30,8 +31,6 @@ except ImportError:  # CPU-only installs: the engine then never calls this modul
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0
 AMAX_FLOOR = 1e-12  # engine/models/fp8_linear.py's: a zero row keeps a finite scale
-SQRT_2_OVER_PI = 0.7978845608028654
-TWO_LOG2E = 2.8853900817779268  # 2 / ln 2: exp(-2u) = exp2(-2u log2 e)
 MAX_WIDTH = 16384  # one row on chip: 16,384 float32 over 16 warps is 32 registers a thread
 
 
@@ -44,10 +43,11 @@ if triton is not None:
         keep = cols < WIDTH
         x = tl.load(X + row * stride_x + cols, mask=keep, other=0.0)
         h = x.to(tl.float32)
-        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)
-        # GELU(h) = h * sigmoid(2u), rounded to the input dtype as F.gelu's output is; 0 in the masked lanes.
+        u = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) * (h + 0.044715 h^3)
+        # GELU(h) = h * sigmoid(2u), exp(-2u) = exp2(-2u / ln 2); rounded to the input dtype as F.gelu's output
+        # is; 0 in the masked lanes.
         gelu = (h / (1.0 + tl.math.exp2(-2.8853900817779268 * u))).to(x.dtype).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(gelu), 0), 1e-12)
+        amax = tl.maximum(tl.max(tl.abs(gelu), 0), 1e-12)  # AMAX_FLOOR
         tl.store(Scale + row, tl.math.div_rn(amax, 448.0))
         inverse = tl.math.div_rn(448.0, amax)
         quantized = tl.clamp(gelu * inverse, -448.0, 448.0).to(tl.float8e4nv)
