@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import torch
 
+from engine.models.fp8_linear import AMAX_FLOOR, FP8_DTYPE, FP8_MAX  # noqa: F401 - the eager path's, for callers
+
 try:
     import triton
     import triton.language as tl
 except ImportError:  # CPU-only installs: the engine then never calls this module
     triton = None
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
-AMAX_FLOOR = 1e-12  # engine/models/fp8_linear.py's: a zero row keeps a finite scale
 MAX_WIDTH = 16384  # one row on chip: 16,384 float32 over 16 warps is 32 registers a thread
 
 
