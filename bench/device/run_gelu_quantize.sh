@@ -10,7 +10,7 @@ set -u -o pipefail
 . bench/device/common.sh
 start_run "${1:-200}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-part gelu_quantize 90 python3 bench/gelu_quantize_gpu.py
+part gelu_quantize "${GELU_S:-90}" python3 bench/gelu_quantize_gpu.py
 tail -n 1 "$OUT/gelu_quantize.stdout"; tail -n 3 "$OUT/gelu_quantize.stderr"
 if [ "$(left)" -gt 40 ]; then gpu_tests "$(( $(left) - 10 ))" tests/test_gelu_quantize.py tests/test_fp8_linear.py; fi
 echo "== done, $(left)s left"
