@@ -250,6 +250,12 @@ def test_cuda_fp8_linear_matches_the_dequantized_product():
     assert torch.allclose(gelu_scale, eager_gelu_scale, rtol=2.0**-8, atol=0)
     assert ((gelu_q.float() * gelu_scale - eager_gelu_q.float() * eager_gelu_scale).abs()
             <= 2.0**-3 * (eager_gelu_q.float() * eager_gelu_scale).abs() + 2.0**-9 * eager_gelu_scale).all()
+    # What the layer's GELU input takes on CUDA: the one-pass kernel (tests/test_gelu_quantize.py bounds it).
+    from engine.models import gelu_quantize
+
+    wired_q, wired_scale = layer.quantize_input(x, gelu=True)
+    one_pass_q, one_pass_scale = gelu_quantize.gelu_quantize_rows(rows)
+    assert torch.equal(wired_q.float(), one_pass_q.float()) and torch.equal(wired_scale, one_pass_scale)
     # The fused kernel may divide by its reciprocal: at most one e4m3 step apart, where a value sits on a tie.
     assert torch.allclose(scale, eager_scale, rtol=1e-6, atol=0)
     assert ((q.float() - eager_q.float()).abs() <= 2.0**-3 * eager_q.float().abs() + 2.0**-9).all()

@@ -74,7 +74,8 @@ def _quantizer(width: int, kind: str = "rows") -> DeviceKernel:
 
 def _gelu_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gelu_quantize_rows` of ``rows [M, K]``: on CUDA the one-pass Triton kernel (the row on chip, the tanh
-    once: 3.x times faster than Inductor's two-pass reduction, docs/BENCHMARKS.md), else the compiled / eager form."""
+    once: 2.1x faster than Inductor's two-pass reduction on an H100, docs/BENCHMARKS.md), else the compiled / eager
+    form (the CPU's, and its reference)."""
     from engine.models import gelu_quantize  # imported here: it takes this module's e4m3 constants
 
     if rows.is_cuda and gelu_quantize.available(rows):
