@@ -25,12 +25,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from engine.models import gelu_quantize
+from engine.models.e4m3 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 from engine.models.kernels import DeviceKernel
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# A zero row (or output channel) gets this amax instead of 0: its scale stays finite and its values quantize to 0.
-AMAX_FLOOR = 1e-12
 # _scaled_mm on CUDA needs the inner (K) and output (N) dims to be multiples of 16.
 ALIGNMENT = 16
 
@@ -76,8 +74,6 @@ def _gelu_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gelu_quantize_rows` of ``rows [M, K]``: on CUDA the one-pass Triton kernel (the row on chip, the tanh
     once: 2.1x faster than Inductor's two-pass reduction on an H100, docs/BENCHMARKS.md), else the compiled / eager
     form (the CPU's, and its reference)."""
-    from engine.models import gelu_quantize  # imported here: it takes this module's e4m3 constants
-
     if rows.is_cuda and gelu_quantize.available(rows):
         return gelu_quantize.gelu_quantize_rows(rows)
     return _quantizer(rows.shape[-1], "gelu_rows")(rows)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.fp8_linear import AMAX_FLOOR, FP8_DTYPE, FP8_MAX  # noqa: F401 - the eager path's, for callers
+from engine.models.e4m3 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX  # noqa: F401 - the eager path's, for callers
 
 try:
     import triton
