@@ -9,7 +9,8 @@ output in the activation's dtype. Rowwise scales keep one outlier token or one
 large output channel from crushing the others' precision.
 
 On CUDA the activation's quantization (amax, scale, cast) is one compiled kernel
-(:class:`~engine.models.kernels.DeviceKernel`); :func:`quantize_rows` is its eager
+(:class:`~engine.models.kernels.DeviceKernel`), the FFN's GELU input's a one-pass Triton
+kernel (:mod:`engine.models.gelu_quantize`); :func:`quantize_rows` is their eager
 reference and what the CPU runs. Nothing here synchronises with the host or
 branches on tensor values: the forward runs inside CUDA graph captures.
 
