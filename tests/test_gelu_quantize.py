@@ -83,7 +83,8 @@ def test_one_pass_gelu_quantizer_compiles_for_sm90_without_spills():
     from bench.fp8_attention_gpu import _compile, cubin_usage
 
     compiled = _compile(gq._gelu_quantize_rows, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
-                        {"WIDTH": 8960, "BLOCK": 16384}, (), 16, 1, 90)
+                        {"WIDTH": 8960, "BLOCK": 16384, "E4M3_MAX": gq.FP8_MAX, "FLOOR": gq.AMAX_FLOOR},
+                        (), 16, 1, 90)
     usage = cubin_usage(compiled)
     assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
     assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.models.e4m3 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX  # noqa: F401 - the eager path's, for callers
+from engine.models.e4m3 import AMAX_FLOOR, FP8_DTYPE, FP8_MAX
 
 try:
     import triton
@@ -37,7 +37,8 @@ MAX_WIDTH = 16384  # one row on chip: 16,384 float32 over 16 warps is 32 registe
 if triton is not None:
 
     @triton.jit
-    def _gelu_quantize_rows(X, Q, Scale, stride_x, stride_q, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    def _gelu_quantize_rows(X, Q, Scale, stride_x, stride_q, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
+                            E4M3_MAX: tl.constexpr, FLOOR: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         keep = cols < WIDTH
@@ -47,10 +48,10 @@ if triton is not None:
         # GELU(h) = h * sigmoid(2u), exp(-2u) = exp2(-2u / ln 2); rounded to the input dtype as F.gelu's output
         # is; 0 in the masked lanes.
         gelu = (h / (1.0 + tl.math.exp2(-2.8853900817779268 * u))).to(x.dtype).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(gelu), 0), 1e-12)  # AMAX_FLOOR
-        tl.store(Scale + row, tl.math.div_rn(amax, 448.0))
-        inverse = tl.math.div_rn(448.0, amax)
-        quantized = tl.clamp(gelu * inverse, -448.0, 448.0).to(tl.float8e4nv)
+        amax = tl.maximum(tl.max(tl.abs(gelu), 0), FLOOR)
+        tl.store(Scale + row, tl.math.div_rn(amax, E4M3_MAX))
+        inverse = tl.math.div_rn(E4M3_MAX, amax)
+        quantized = tl.clamp(gelu * inverse, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
         tl.store(Q + row * stride_q + cols, quantized, mask=keep)
 
 
@@ -83,5 +84,6 @@ def gelu_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if count:
         block = triton.next_power_of_2(width)
         _gelu_quantize_rows[(count,)](rows, quantized, scale, rows.stride(0), quantized.stride(0), WIDTH=width,
-                                      BLOCK=block, num_warps=max(4, min(16, block // 1024)))
+                                      BLOCK=block, E4M3_MAX=FP8_MAX, FLOOR=AMAX_FLOOR,
+                                      num_warps=max(4, min(16, block // 1024)))
     return quantized, scale
