@@ -126,12 +126,13 @@ def cross_compile(config: fa.Fp8AttentionConfig, *, head_dim: int = 128, v_trans
     """Compile the kernel for sm_``arch`` without a GPU, specialised as a launch on the bench's tensors would be."""
     fn = fa._attn_fwd
     pointers = {"Q": "*fp8e4nv", "K": "*fp8e4nv", "V": "*fp8e4nv", "Out": "*bf16", "QScale": "*fp32",
-                "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32", "VScaleC": "*fp32"}
+                "KScaleH": "*fp32", "KScaleC": "*fp32", "VScaleH": "*fp32", "VScaleC": "*fp32", "Part": "*fp32",
+                "PartM": "*fp32", "PartL": "*fp32"}
     constants = {"HEAD_DIM": head_dim, "BLOCK_M": config.block_m, "BLOCK_N": config.block_n,
-                 "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv,
+                 "P_SHIFT": config.p_shift, "PRECISE_PV": config.precise_pv, "TAIL_SPLIT": config.tail_split,
                  ("stride_vs" if v_transposed else "stride_vd"): 1}  # Triton makes an int equal to 1 a constant
-    # H = 12; SQ, SK, SH are not specialised; the rest divide by 16
-    return _compile(fn, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale"), config.num_warps,
+    # H = 12; SQ, SK, SH, FULL, KSPLIT are not specialised; the rest divide by 16
+    return _compile(fn, pointers, constants, ("H", "SQ", "SK", "SH", "sm_scale", "FULL", "KSPLIT"), config.num_warps,
                     config.num_stages, arch)
 
 

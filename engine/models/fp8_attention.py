@@ -60,6 +60,11 @@ class Fp8AttentionConfig:
     ``precise_pv``: ``max_num_imprecise_acc=block_n`` on the PV dot: on sm_90 Triton otherwise lets the fp8
     ``wgmma`` accumulate the whole key loop in the tensor core's reduced-precision accumulator; with it each
     block's product is added to the float32 accumulator separately (more registers, some FADDs).
+    ``tail_split``: the query blocks of the last, partial wave of programs (``programs_per_sm`` resident on each
+    SM) are split over their key blocks (:func:`tail_split`), each part a program of its own, and merged by
+    :func:`_merge_parts`, so that the last wave is shorter instead of leaving SMs idle.
+    ``programs_per_sm``: how many of the kernel's programs one SM holds at once (the cross-compiled head_dim-128
+    configs: 255 registers x 128 threads and <= 106 KB of shared memory, so two).
     """
 
     block_m: int
@@ -68,6 +73,8 @@ class Fp8AttentionConfig:
     num_stages: int
     p_shift: int = 8
     precise_pv: bool = False
+    tail_split: bool = False
+    programs_per_sm: int = 2
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -82,6 +89,17 @@ class Fp8AttentionConfig:
             raise ValueError(f"num_stages must be >= 1, got {self.num_stages}")
         if not 0 <= self.p_shift <= 8:
             raise ValueError(f"p_shift must be in 0..8 (2**p_shift <= 448), got {self.p_shift}")
+        if self.programs_per_sm < 1:
+            raise ValueError(f"programs_per_sm must be >= 1, got {self.programs_per_sm}")
+
+
+def tail_split(tiles: int, key_blocks: int, programs_per_wave: int, max_parts: int = 4) -> tuple[int, int]:
+    """(whole query blocks, parts of each later one): the query blocks of the last, partial wave are split over
+    their key blocks so that they fill that wave instead of leaving SMs idle for a whole block's time; ``(tiles,
+    1)`` when the last wave is full or holds more than half a wave of blocks."""
+    rest = tiles % programs_per_wave
+    parts = min(programs_per_wave // rest, max_parts, key_blocks) if rest else 1
+    return (tiles - rest, parts) if parts >= 2 else (tiles, 1)
 
 
 # head_dim 128 (Wan 1.3B): the engine's two-segment kernel was swept over configs per key count
@@ -89,8 +107,10 @@ class Fp8AttentionConfig:
 # from the fast window's full context up, 128x64 / 4 / 4 below it. The other head dims are not measured:
 # cross-compile choices (no spills).
 _LONG_CONTEXT_KEYS = 16_000  # the fast window's full context (18,720 keys) and up take the long config
-_CONFIG_128_LONG = Fp8AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3)
-_CONFIG_128_SHORT = Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=4)
+# Whether the head_dim-128 configs split the last wave's query blocks (tail_split; bench/fp8_attention_tail_gpu.py).
+_TAIL_SPLIT = False
+_CONFIG_128_LONG = Fp8AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tail_split=_TAIL_SPLIT)
+_CONFIG_128_SHORT = Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=4, tail_split=_TAIL_SPLIT)
 _DEFAULT_CONFIGS = {
     64: Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=3),
     32: Fp8AttentionConfig(block_m=64, block_n=64, num_warps=4, num_stages=2),
@@ -195,20 +215,38 @@ if triton is not None:
         factor = tl.math.div_rn(v_scale, v_scale_max)
         return tl.where(factor == 1.0, 0.0, tl.math.log2(factor))
 
-    @triton.jit(do_not_specialize=["SQ", "SK", "SH"])  # one compile for every history length
+    @triton.jit(do_not_specialize=["SQ", "SK", "SH", "FULL", "KSPLIT"])  # one compile for every history length
     def _attn_fwd(
-        Q, K, V, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC,
+        Q, K, V, Out, QScale, KScaleH, KScaleC, VScaleH, VScaleC, Part, PartM, PartL,
         stride_qb, stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh, stride_vd,
         stride_ob, stride_os, stride_oh,
-        H, SQ, SK, SH, sm_scale,
+        H, SQ, SK, SH, sm_scale, FULL, KSPLIT,
         HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-        P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr,
+        P_SHIFT: tl.constexpr, PRECISE_PV: tl.constexpr, TAIL_SPLIT: tl.constexpr,
     ):
-        # Query blocks of one head are adjacent programs, so they share that head's K/V in L2.
-        start_m = tl.program_id(0)
-        off_bh = tl.program_id(1)
+        # One program a work unit on a 1-D grid: units [0, FULL) are whole query blocks, block t being query block
+        # t % cdiv(SQ, BLOCK_M) of batch x head t // cdiv(SQ, BLOCK_M) (a head's blocks are adjacent programs, so
+        # they share its K/V in L2); each later query block is split into KSPLIT parts over its key blocks, one
+        # unit each, stored raw for _merge_parts (config.tail_split; without it FULL is every block, and the
+        # split's code is not compiled in).
+        pid = tl.program_id(0)
+        if TAIL_SPLIT:
+            split = pid >= FULL
+            unit = tl.maximum(pid - FULL, 0)
+            tile = tl.where(split, FULL + unit // KSPLIT, pid)
+            part = tl.where(split, unit % KSPLIT, 0)
+            parts = tl.where(split, KSPLIT, 1)
+            last_part = (part == parts - 1).to(tl.int32)
+        else:
+            tile = pid
+            part = 0
+            parts = 1
+            last_part = 1
+        query_blocks = tl.cdiv(SQ, BLOCK_M)
+        start_m = tile % query_blocks
+        off_bh = tile // query_blocks
         off_b = (off_bh // H).to(tl.int64)
         off_h = (off_bh % H).to(tl.int64)
         offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -245,7 +283,9 @@ if triton is not None:
         c_start = tl.cdiv(SH, BLOCK_N) * BLOCK_N
         full = (SK // BLOCK_N) * BLOCK_N
         skip = c_start - h_full  # the boundary block, BLOCK_N wide when SH is not a multiple of BLOCK_N, else 0
-        for n in range(0, h_full + tl.maximum(full - c_start, 0), BLOCK_N):
+        # A split query block's part takes its share of the unmasked key blocks; the last part the masked passes.
+        unmasked = (h_full + tl.maximum(full - c_start, 0)) // BLOCK_N
+        for n in range(part * unmasked // parts * BLOCK_N, (part + 1) * unmasked // parts * BLOCK_N, BLOCK_N):
             history = n < h_full
             acc, l_i, m_i = _attend_block(
                 acc, l_i, m_i, q, k_ptrs, v_ptrs, tl.where(history, n, n + skip), 0, SK,
@@ -258,7 +298,7 @@ if triton is not None:
         boundary = (SH % BLOCK_N != 0).to(tl.int32)
         boundary_current = boundary * (SH < SK).to(tl.int32)
         tail = ((SK % BLOCK_N != 0) & (full >= c_start)).to(tl.int32)
-        for i in range(0, boundary + boundary_current + tail):
+        for i in range(0, (boundary + boundary_current + tail) * last_part):
             history = i < boundary
             tail_pass = i >= boundary + boundary_current
             acc, l_i, m_i = _attend_block(
@@ -267,9 +307,46 @@ if triton is not None:
                 tl.where(history, qk_scale_h, qk_scale_c), tl.where(history, log2_v_factor_h, log2_v_factor_c),
                 stride_ks, stride_vs, BLOCK_N, True, P_SHIFT, PRECISE_PV,
             )
-        out = acc * (v_scale_max / l_i)[:, None]
         o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+        if TAIL_SPLIT:
+            if parts > 1:
+                # A part: raw rows (times the v scale), their running max and row sum, for _merge_parts.
+                rows = unit * BLOCK_M + tl.arange(0, BLOCK_M)
+                tl.store(Part + rows[:, None] * HEAD_DIM + offs_d[None, :], acc * v_scale_max)
+                tl.store(PartM + rows, m_i)
+                tl.store(PartL + rows, l_i)
+            else:
+                tl.store(o_ptrs, (acc * (v_scale_max / l_i)[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+        else:
+            tl.store(o_ptrs, (acc * (v_scale_max / l_i)[:, None]).to(Out.dtype.element_ty), mask=row_ok[:, None])
+
+    @triton.jit
+    def _merge_parts(Part, PartM, PartL, Out, stride_ob, stride_os, stride_oh, H, SQ, FULL, KSPLIT,
+                     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One split query block (program ``t``: work units ``t * KSPLIT ..``): its parts' rows rescaled to their
+        common max and summed, divided by the summed row sums (the online softmax's own merge), written out."""
+        t = tl.program_id(0)
+        tile = FULL + t
+        query_blocks = tl.cdiv(SQ, BLOCK_M)
+        start_m = tile % query_blocks
+        off_bh = tile // query_blocks
+        rows = tl.arange(0, BLOCK_M)
+        offs_d = tl.arange(0, HEAD_DIM)
+        first = t * KSPLIT * BLOCK_M
+        m = tl.load(PartM + first + rows)
+        for part in range(1, KSPLIT):
+            m = tl.maximum(m, tl.load(PartM + first + part * BLOCK_M + rows))
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        l = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for part in range(0, KSPLIT):
+            base = first + part * BLOCK_M
+            weight = tl.math.exp2(tl.load(PartM + base + rows) - m)  # a part that met no key: m = -inf, weight 0
+            l += tl.load(PartL + base + rows) * weight
+            acc += tl.load(Part + (base + rows)[:, None] * HEAD_DIM + offs_d[None, :]) * weight[:, None]
+        offs_m = start_m * BLOCK_M + rows
+        o_ptrs = (Out + (off_bh // H).to(tl.int64) * stride_ob + (off_bh % H).to(tl.int64) * stride_oh
+                  + offs_m[:, None] * stride_os + offs_d[None, :])
+        tl.store(o_ptrs, (acc / l[:, None]).to(Out.dtype.element_ty), mask=(offs_m < SQ)[:, None])
 
 
 def _interpreted() -> bool:
@@ -308,7 +385,8 @@ def _segment_scales(name: str, scales) -> tuple[torch.Tensor, torch.Tensor]:
     raise ValueError(f"{name} must be a float32 [B, H] tensor or a (history, current) pair of them")
 
 
-def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history_tokens: int = 0):
+def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history_tokens: int = 0,
+            programs_per_wave: int | None = None):
     """Validate, launch; returns (out, the compiled kernel or None): the bench reads the kernel's PTX.
 
     ``k_scale`` / ``v_scale``: one ``[B, H]`` tensor, or a (history, current) pair for the keys
@@ -351,25 +429,40 @@ def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history
     _check_device(device)
     if num_queries == 0:
         return out, None
-    grid = (triton.cdiv(num_queries, config.block_m), batch * heads)
     scales = (q_scale, k_scale_h, k_scale_c, v_scale_h, v_scale_c)
+    tiles = triton.cdiv(num_queries, config.block_m) * batch * heads
+    full, ksplit = tiles, 1
+    if config.tail_split:
+        if programs_per_wave is None:  # the CPU's interpreter has no SMs: only a test's explicit wave splits there
+            programs_per_wave = torch.cuda.get_device_properties(device).multi_processor_count \
+                * config.programs_per_sm if device.type == "cuda" else tiles
+        full, ksplit = tail_split(tiles, triton.cdiv(num_keys, config.block_n), programs_per_wave)
+    split_rows = max((tiles - full) * ksplit * config.block_m, 1)
+    parts = (torch.empty(split_rows, head_dim, dtype=torch.float32, device=device),
+             torch.empty(split_rows, dtype=torch.float32, device=device),
+             torch.empty(split_rows, dtype=torch.float32, device=device))
     # Triton launches on the current device; offsets within one (batch, head) fit int32 up to ~1.4M keys.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        kernel = _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config)
+        kernel = _launch_kernel((full + (tiles - full) * ksplit,), q_fp8, k_fp8, v_fp8, out, scales, parts,
+                                history_tokens, config, full, ksplit)
+        if full < tiles:
+            _merge_parts[(tiles - full,)](*parts, out, out.stride(0), out.stride(1), out.stride(2), heads,
+                                          num_queries, full, ksplit, BLOCK_M=config.block_m, HEAD_DIM=head_dim,
+                                          num_warps=4)
     return out, kernel
 
 
-def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, history_tokens, config):
+def _launch_kernel(grid, q_fp8, k_fp8, v_fp8, out, scales, parts, history_tokens, config, full, ksplit):
     _, num_queries, heads, head_dim = q_fp8.shape
     return _attn_fwd[grid](
-        q_fp8, k_fp8, v_fp8, out, *(scale.contiguous() for scale in scales),
+        q_fp8, k_fp8, v_fp8, out, *(scale.contiguous() for scale in scales), *parts,
         q_fp8.stride(0), q_fp8.stride(1), q_fp8.stride(2),
         k_fp8.stride(0), k_fp8.stride(1), k_fp8.stride(2),
         v_fp8.stride(0), v_fp8.stride(1), v_fp8.stride(2), v_fp8.stride(3),
         out.stride(0), out.stride(1), out.stride(2),
-        heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim),
+        heads, num_queries, k_fp8.shape[1], history_tokens, 1.0 / math.sqrt(head_dim), full, ksplit,
         HEAD_DIM=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        P_SHIFT=config.p_shift, PRECISE_PV=config.precise_pv,
+        P_SHIFT=config.p_shift, PRECISE_PV=config.precise_pv, TAIL_SPLIT=config.tail_split,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
 
