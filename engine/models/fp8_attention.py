@@ -107,8 +107,10 @@ def tail_split(tiles: int, key_blocks: int, programs_per_wave: int, max_parts: i
 # from the fast window's full context up, 128x64 / 4 / 4 below it. The other head dims are not measured:
 # cross-compile choices (no spills).
 _LONG_CONTEXT_KEYS = 16_000  # the fast window's full context (18,720 keys) and up take the long config
-# Whether the head_dim-128 configs split the last wave's query blocks (tail_split; bench/fp8_attention_tail_gpu.py).
-_TAIL_SPLIT = False
+# The head_dim-128 configs split the last wave's query blocks (tail_split): at the engine's 4,680 queries x 12 heads
+# their 888 programs are 3.36 waves of 264, and the partial fourth cost a whole one (H100, bench/
+# fp8_attention_tail_gpu.py: 1.370 -> 1.220 ms at 32,760 keys, 0.802 -> 0.752 at 18,720; docs/FP8.md).
+_TAIL_SPLIT = True
 _CONFIG_128_LONG = Fp8AttentionConfig(block_m=64, block_n=128, num_warps=4, num_stages=3, tail_split=_TAIL_SPLIT)
 _CONFIG_128_SHORT = Fp8AttentionConfig(block_m=128, block_n=64, num_warps=4, num_stages=4, tail_split=_TAIL_SPLIT)
 _DEFAULT_CONFIGS = {
