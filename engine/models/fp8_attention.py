@@ -439,10 +439,13 @@ def _launch(q_fp8, q_scale, k_fp8, k_scale, v_fp8, v_scale, out, config, history
             programs_per_wave = torch.cuda.get_device_properties(device).multi_processor_count \
                 * config.programs_per_sm if device.type == "cuda" else tiles
         full, ksplit = tail_split(tiles, triton.cdiv(num_keys, config.block_n), programs_per_wave)
-    split_rows = max((tiles - full) * ksplit * config.block_m, 1)
-    parts = (torch.empty(split_rows, head_dim, dtype=torch.float32, device=device),
-             torch.empty(split_rows, dtype=torch.float32, device=device),
-             torch.empty(split_rows, dtype=torch.float32, device=device))
+    split_rows = (tiles - full) * ksplit * config.block_m
+    if split_rows:  # the parts' raw rows, running maxima and row sums
+        parts = (torch.empty(split_rows, head_dim, dtype=torch.float32, device=device),
+                 torch.empty(split_rows, dtype=torch.float32, device=device),
+                 torch.empty(split_rows, dtype=torch.float32, device=device))
+    else:  # nothing split: never read or written, any float32 tensor serves
+        parts = (q_scale, q_scale, q_scale)
     # Triton launches on the current device; offsets within one (batch, head) fit int32 up to ~1.4M keys.
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         kernel = _launch_kernel((full + (tiles - full) * ksplit,), q_fp8, k_fp8, v_fp8, out, scales, parts,
