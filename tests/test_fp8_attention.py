@@ -32,7 +32,6 @@ mantissa bits: a rounded value's relative error is uniform within half an ulp, R
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import math
 import os
