@@ -340,6 +340,17 @@ def engine_inputs(shape: Shape, sk: int, device: torch.device):
     return (q, k, v, sk - shape.sq, *engine_mirror(q, k))
 
 
+def quantized_engine_operands(shape: Shape, sk: int, device: torch.device):
+    """:func:`engine_inputs` quantized as the engine does (q by the fast quantizer, the history's and the current
+    block's K/V into the mirror): (q, k, v, history length, the operands of ``fp8_attention_segments`` without
+    the history length)."""
+    q, k, v, sh, mirror, q8, q_scale = engine_inputs(shape, sk, device)
+    fa.quantize_per_head_into(q, q8, q_scale)
+    mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
+    mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
+    return q, k, v, sh, (q8, q_scale, *mirror.segments(0, sk))
+
+
 def run_engine_path(q, k, v, sk: int, config, ref32, ref_cudnn, device: torch.device) -> dict:
     """What the engine runs with fp8=attention (history = all keys but the current block's Sq):
 
@@ -490,12 +501,8 @@ def engine_sweep(shape: Shape, sweep, env: dict, device: torch.device, sk_values
     float32 and vs cuDNN, the cuDNN ms on the same inputs, and the config :func:`fa.default_config` picks."""
     records = []
     for sk in sk_values:
-        q, k, v, sh, mirror, q8, q_scale = engine_inputs(shape, sk, device)
+        q, k, v, sh, operands = quantized_engine_operands(shape, sk, device)
         ref32 = float32_attention(q, k, v)
-        fa.quantize_per_head_into(q, q8, q_scale)
-        mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
-        mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
-        operands = (q8, q_scale, *mirror.segments(0, sk))
         record = {"engine_sweep": True, "sk": sk, "history_tokens": sh, **env,
                   "default_config": asdict(fa.default_config(shape.head_dim, sk))}
         try:

@@ -20,9 +20,16 @@ sys.path.insert(0, ".")
 
 import torch
 
-from bench.fp8_attention_gpu import WAN_480P, describe, engine_inputs, float32_attention, rel_err, sync, time_ms
+from bench.fp8_attention_gpu import (
+    WAN_480P,
+    describe,
+    float32_attention,
+    quantized_engine_operands,
+    rel_err,
+    sync,
+    time_ms,
+)
 from engine.models import fp8_attention as fa
-from engine.models.context_kv import CURRENT, HISTORY
 
 SK_VALUES = (18720, 32760)
 PROBE_QUERIES = (4224, 4680, 5632)
@@ -33,12 +40,8 @@ def main() -> None:
     record = {"bench": "fp8_attention_tail", "torch": torch.__version__, "device": torch.cuda.get_device_name(),
               "sms": torch.cuda.get_device_properties(device).multi_processor_count, "per_sk": {}}
     for sk in SK_VALUES:
-        q, k, v, sh, mirror, q8, q_scale = engine_inputs(WAN_480P, sk, device)
+        q, k, v, sh, operands = quantized_engine_operands(WAN_480P, sk, device)
         ref32 = float32_attention(q, k, v)
-        fa.quantize_per_head_into(q, q8, q_scale)
-        mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
-        mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
-        operands = (q8, q_scale, *mirror.segments(0, sk))
         base = dataclasses.replace(fa.default_config(128, sk), tail_split=False)
         outs, per = {}, {"config": dataclasses.asdict(base)}
         for name, config in (("whole", base), ("split", dataclasses.replace(base, tail_split=True))):
@@ -60,11 +63,7 @@ def main() -> None:
             per["rel_split_vs_whole"] = rel_err(outs["split"], outs["whole"])
         record["per_sk"][sk] = per
     # The wave probe at 32,760 keys: q rows repeated past 4,680 for 5,632 (their values do not matter here).
-    q, k, v, sh, mirror, q8, q_scale = engine_inputs(WAN_480P, 32760, device)
-    fa.quantize_per_head_into(q, q8, q_scale)
-    mirror.quantize(0, HISTORY, 0, k[0, :sh], v[0, :sh])
-    mirror.quantize(0, CURRENT, sh, k[0, sh:], v[0, sh:])
-    segments = mirror.segments(0, 32760)
+    _, _, _, sh, (q8, q_scale, *segments) = quantized_engine_operands(WAN_480P, 32760, device)
     bits = q8.view(torch.uint8)
     record["wave_probe_ms"] = {}
     for sq in PROBE_QUERIES:
