@@ -310,7 +310,7 @@ if triton is not None:
                 stride_ks, stride_vs, BLOCK_N, True, P_SHIFT, PRECISE_PV,
             )
         o_ptrs = Out + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :]
-        if TAIL_SPLIT:
+        if TAIL_SPLIT:  # nested, not `and`: without the split its branch must not be compiled at all
             if parts > 1:
                 # A part: raw rows (times the v scale), their running max and row sum, for _merge_parts.
                 rows = unit * BLOCK_M + tl.arange(0, BLOCK_M)
