@@ -24,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.bundle import build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
+from engine.models import kernels
 from kernel_sums import cuda_kernel_sums
 
 KINDS = (  # (kind, substrings of a kernel's name), first match wins
@@ -34,10 +35,16 @@ KINDS = (  # (kind, substrings of a kernel's name), first match wins
 
 
 def run(args, mode: str) -> dict:
+    """``mode``: an ``fp8`` setting (``none`` for off), with ``/apart`` after it: the FP8 modes' norms writing
+    bf16 rows for the products' own quantizers (``kernels.QUANTIZED_NORMS`` off, the path before the
+    thirty-fifth session)."""
+    precision, _, variant = mode.partition("/")
     settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True, cuda_graphs=False)
-    if mode != "none":
-        settings["fp8"] = mode
+    if precision != "none":
+        settings["fp8"] = precision
+    kernels.QUANTIZED_NORMS = variant != "apart"
     bundle = build_models(EngineConfig(**settings))
+    kernels.QUANTIZED_NORMS = True
     pipeline = bundle.pipeline
     manager = KVCacheManager(pipeline.kv_spec(), 1, args.device)
     kv = manager.open_session("probe")
@@ -65,14 +72,14 @@ def run(args, mode: str) -> dict:
         if cuda:
             torch.cuda.synchronize()
     by_kind, named = cuda_kernel_sums(trace, KINDS, 90)
-    by_name = {name: us for name, (us, _) in named.items()}
     result = {
         "mode": mode,
         "block_ms_median": round(statistics.median(times), 1),
         "kernel_ms_per_block_by_kind": {k: round(v / 2000, 1) for k, v in sorted(by_kind.items())},
         "kernel_ms_per_block_total": round(sum(by_kind.values()) / 2000, 1),
-        "largest_kernels_ms_per_block": [(name, round(us / 2000, 2)) for name, us in
-                                         sorted(by_name.items(), key=lambda item: -item[1])[:args.top]],
+        # [name, ms a block, calls a block]
+        "largest_kernels_ms_per_block": [(name, round(us / 2000, 2), calls / 2) for name, (us, calls) in
+                                         sorted(named.items(), key=lambda item: -item[1][0])[:args.top]],
     }
     return result  # the model goes with this frame: main() collects it before the next precision's
 
@@ -82,7 +89,8 @@ def main() -> None:
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--modes", default="attention,all", help="comma-separated: none, linear, attention, all")
+    parser.add_argument("--modes", default="attention,all",
+                        help="comma-separated: none, linear, attention, all; linear/apart, all/apart (see run)")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)

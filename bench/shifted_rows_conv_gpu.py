@@ -181,7 +181,7 @@ DECODE_KINDS = (  # (kind, substrings of a kernel's name), first match wins: whe
 )
 
 
-def profile_blocks(decode_block, device, blocks: int = 2, top: int = 14) -> dict:
+def profile_blocks(decode_block, device, blocks: int = 2, top: int = 40) -> dict:
     """The CUDA kernels of ``blocks`` steady decode blocks by kind and by name (ms a block, calls a block)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -14,6 +14,7 @@ from diffusers import WanTransformer3DModel
 from diffusers.models.activations import GELU
 
 from engine.models import fp8_attention as fa
+from engine.models import norm_quantize
 from engine.models.audio_tokens import AudioTokenProjections
 from engine.models.attention import (
     CachedCrossAttentionProcessor,
@@ -183,6 +184,8 @@ def _run_block(block, hidden, modulation, context, cross_kv, kernels: Kernels):
     dim = hidden.shape[-1]
     mod = (block.scale_shift_table.view(1, 1, 6, dim) + modulation.float()).squeeze(2)  # [B, F, 6, dim]
     shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m.unsqueeze(2) for m in mod.unbind(2))
+    if kernels.quantized_norms and norm_quantize.takes_quantized_inputs(block):
+        return _run_block_quantized_norms(block, hidden, mod, context, cross_kv, kernels)
 
     normed = kernels.modulated_layer_norm(hidden, scale_msa, shift_msa, block.norm1.eps)
     attn_out = block.attn1(normed, context=context, kernels=kernels)
@@ -197,6 +200,23 @@ def _run_block(block, hidden, modulation, context, cross_kv, kernels: Kernels):
     hidden, normed = kernels.residual_modulated_layer_norm(hidden, cross_out, c_scale, c_shift, block.norm3.eps)
 
     return kernels.gated_residual(hidden, _feed_forward(block.ffn, normed, kernels), c_gate)
+
+
+def _run_block_quantized_norms(block, hidden, mod, context, cross_kv, kernels: Kernels):
+    """:func:`_run_block` for a block whose norms feed FP8 products only (``--fp8 linear | all``): each norm, with
+    the residual before it, writes its products' e4m3 rows directly (:mod:`engine.models.norm_quantize`), so no
+    normalized bf16 activation is written and read back. Within an e4m3 step of :func:`_run_block`'s."""
+    shift_msa, scale_msa, gate_msa, c_shift, c_scale, c_gate = (m.unsqueeze(2) for m in mod.unbind(2))
+    _, rows = norm_quantize.norm_quantize(hidden, block.norm1.eps, scale=scale_msa, shift=shift_msa)
+    attn_out = block.attn1(rows, context=context, kernels=kernels)
+    norm2 = block.norm2
+    hidden, rows = norm_quantize.norm_quantize(hidden, norm2.eps, update=attn_out, gate=gate_msa,
+                                               weight=norm2.weight, bias=norm2.bias)
+    cross_out = block.attn2(rows, cross_kv=cross_kv, kernels=kernels)
+    hidden, rows = norm_quantize.norm_quantize(hidden, block.norm3.eps, update=cross_out, scale=c_scale,
+                                               shift=c_shift)
+    ffn = block.ffn
+    return kernels.gated_residual(hidden, ffn.net[2].forward_gelu(ffn.net[0].proj(rows)), c_gate)
 
 
 def _feed_forward(ffn, x: torch.Tensor, kernels: Kernels) -> torch.Tensor:

@@ -20,6 +20,7 @@ CUDA rowwise ``_scaled_mm`` writes bf16 only.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -78,6 +79,26 @@ def _gelu_quantize(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if rows.is_cuda and gelu_quantize.available(rows):
         return gelu_quantize.gelu_quantize_rows(rows)
     return _quantizer(rows.shape[-1], "gelu_rows")(rows)
+
+
+@dataclass(frozen=True)
+class QuantizedRows:
+    """An activation already quantized for the FP8 products that read it, in the activation's place: e4m3
+    ``values [M, K]`` and float32 row ``scale [M, 1]`` (as :func:`quantize_rows` makes them) for an activation
+    of ``shape [..., K]`` and ``dtype`` (the products' output dtype). :meth:`FP8Linear.forward` and
+    :func:`project_shared` take it as they take a tensor; the norms that write it directly are
+    :mod:`engine.models.norm_quantize`'s."""
+
+    values: torch.Tensor
+    scale: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        rows = math.prod(self.shape[:-1])
+        if self.values.shape != (rows, self.shape[-1]) or self.scale.shape != (rows, 1):
+            raise ValueError(f"quantized rows {tuple(self.values.shape)} with scales {tuple(self.scale.shape)} do "
+                             f"not stand for an activation of shape {tuple(self.shape)}")
 
 
 def fits_fp8(linear: nn.Linear) -> bool:
@@ -140,7 +161,9 @@ class FP8Linear(nn.Module):
         """The float32 weight this layer multiplies by (``q * scale``): the reference for tests."""
         return self.weight_fp8.float() * self.weight_scale.t()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | QuantizedRows) -> torch.Tensor:
+        if isinstance(x, QuantizedRows):
+            return self.forward_quantized(x, x.values, x.scale)
         return self.forward_quantized(x, *self.quantize_input(x))
 
     def forward_gelu(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,9 +181,11 @@ class FP8Linear(nn.Module):
             return _gelu_quantize(rows)
         return _quantizer(self.in_features)(rows)
 
-    def forward_quantized(self, x: torch.Tensor, quantized: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    def forward_quantized(
+        self, x: torch.Tensor | QuantizedRows, quantized: torch.Tensor, scale: torch.Tensor
+    ) -> torch.Tensor:
         """The product on :meth:`quantize_input`'s result for ``x`` (read for its shape and dtype only)."""
-        if x.shape[-1] != self.in_features or quantized.shape != (x.numel() // self.in_features, self.in_features):
+        if x.shape[-1] != self.in_features or quantized.shape != (math.prod(x.shape[:-1]), self.in_features):
             raise ValueError(f"FP8Linear({self.in_features}): quantized rows {tuple(quantized.shape)} do not match "
                              f"the input {tuple(x.shape)}")
         out = torch._scaled_mm(
@@ -221,10 +246,15 @@ def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, 
     return result
 
 
-def project_shared(x: torch.Tensor, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
+def project_shared(x: torch.Tensor | QuantizedRows, *linears: nn.Module) -> tuple[torch.Tensor, ...]:
     """``tuple(linear(x) for linear in linears)``, with ``x`` quantized once where every layer is an
     :class:`FP8Linear` of the same width (the self-attention's q, k and v): the same rows and scales each layer
-    would compute for itself, so the same products."""
+    would compute for itself, so the same products. ``x`` already quantized (:class:`QuantizedRows`): every
+    layer must be an :class:`FP8Linear`."""
+    if isinstance(x, QuantizedRows):
+        if not all(type(linear) is FP8Linear for linear in linears):
+            raise TypeError("quantized rows feed FP8 linears only")
+        return tuple(linear.forward_quantized(x, x.values, x.scale) for linear in linears)
     if len(linears) > 1 and all(type(linear) is FP8Linear for linear in linears) \
             and len({linear.in_features for linear in linears}) == 1:
         quantized, scale = linears[0].quantize_input(x)

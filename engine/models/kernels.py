@@ -220,6 +220,11 @@ class DeviceKernel:
         return self._compiled
 
 
+# The FP8 modes' norms write their products' e4m3 rows directly (Kernels.quantized_norms). Off: they write bf16
+# as the exact sets' do, for a benchmark's "before" (bench/fp8_linear_probe.py's "all/apart" mode).
+QUANTIZED_NORMS = True
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The elementwise steps a forward runs: fused (compiled on CUDA) or the eager reference.
@@ -242,6 +247,9 @@ class Kernels:
     gelu_linear: Callable
     fuse_norms: bool = False
     exact: bool = True  # every step computes the eager bf16 result bit for bit (see make)
+    # Norms that feed FP8 products only write their e4m3 rows directly (engine/models/norm_quantize.py): a
+    # reduction in another order than torch's, so only in the sets that need not be exact.
+    quantized_norms: bool = False
 
     @classmethod
     def make(
@@ -251,14 +259,16 @@ class Kernels:
 
         ``fuse_norms``: the norms fused into their neighbours too (one kernel each, another reduction order).
         ``exact=False``: also the steps that round differently from eager (the FFN's GELU in its matrix
-        product's epilogue: as far from float32 as eager, but not eager's bits; docs/BENCHMARKS.md); the FP8
-        modes take them, being measured against bf16 by their quality delta anyway.
+        product's epilogue: as far from float32 as eager, but not eager's bits; docs/BENCHMARKS.md; the norms
+        writing their FP8 products' e4m3 rows, ``quantized_norms``); the FP8 modes take them, being measured
+        against bf16 by their quality delta anyway.
         """
         if not fused:
             return cls(fused=False, **_EAGER)
         chosen = _FUSED_TABLES[fuse_norms, exact]
         table = {name: chosen[name] if only is None or name in only else fn for name, fn in _EAGER.items()}
-        return cls(fused=True, fuse_norms=fuse_norms, exact=exact, **table)
+        quantized_norms = QUANTIZED_NORMS and not exact and (only is None or "quantized_norms" in only)
+        return cls(fused=True, fuse_norms=fuse_norms, exact=exact, quantized_norms=quantized_norms, **table)
 
 
 _EAGER: dict[str, Callable] = {

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# Issue 31: the FP8 modes' layer norms writing their products' e4m3 rows (engine/models/norm_quantize.py), on the
+# device in ONE call (or two: the parts are switched by the variables below):
+#
+#     run(command="bash bench/device/run_norm_quantize.sh 590", carry=[".site.tar.xz"], timeout_s=600)
+#
+# 1. GPU_TESTS=1 (default): the GPU tests of the kernel, the FP8 linears and the FP8 engine (CUDA graphs).
+# 2. BENCH=1 (default): bench/norm_quantize_gpu.py, the three norms' chains apart against the kernel; norm.json.
+# 3. PROBE (default "all/apart,all"): bench/fp8_linear_probe.py's kernel sums of a standard block for those modes
+#    (graphs off), the 40 largest kernels; probe.json.
+# 4. DECODE_PROFILE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode with the kernel in bf16 and in
+#    e4m3, each profiled by kernel (40 largest); conv.json.
+# 5. SERVE: services, each "what:on|off" (off: QUANTIZED_NORMS set False in THIS COPY of the tree, the device's,
+#    in engine/models/kernels.py): fast = the fast config's paced viewers (VIEWERS, default 3); standard = the
+#    standard window, pacing off; standard_e4m3 = the same with e4m3 decode convolutions. All `--fp8 all`, fresh
+#    `arstream serve` each, the first session after /readyz included. Files: service_*.json, logs/.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-590}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  gpu_tests "${GPU_TESTS_S:-150}" tests/test_norm_quantize.py tests/test_fp8_linear.py tests/test_fp8_attention_engine.py
+fi
+if [ "${BENCH:-1}" = 1 ]; then
+  part norm_bench "${BENCH_S:-90}" python3 bench/norm_quantize_gpu.py
+  tail -n 1 "$OUT/norm_bench.stdout" > "$OUT/norm.json"; tail -n 5 "$OUT/norm_bench.stderr"
+  python3 - "$OUT/norm.json" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+for kind, entry in r["per_norm"].items():
+    print(kind, {name: (e.get("ms"), e.get("values_equal_fraction"), e.get("hidden_equal"), e.get("error"))
+                 for name, e in entry.items() if isinstance(e, dict)})
+print("predicted saving, ms a standard block:", r.get("predicted_saving_ms_per_standard_block"))
+PY
+fi
+if [ -n "${PROBE-all/apart,all}" ]; then
+  part probe "${PROBE_S:-200}" python3 bench/fp8_linear_probe.py --device cuda --dtype bfloat16 \
+    --preset wan2.1-1.3b --modes "${PROBE-all/apart,all}" --top 40
+  tail -n 1 "$OUT/probe.stdout" > "$OUT/probe.json"; tail -n 3 "$OUT/probe.stderr"
+  python3 - "$OUT/probe.json" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+for run in r["runs"]:
+    print(run["mode"], run["block_ms_median"], run["kernel_ms_per_block_by_kind"], run["kernel_ms_per_block_total"])
+PY
+fi
+if [ "${DECODE_PROFILE:-1}" = 1 ]; then
+  part decode_profile "${DECODE_S:-170}" python3 bench/shifted_rows_conv_gpu.py --skip-shapes --profile kernel,kernel_fp8 \
+    --out "$OUT/conv.json" --reps 10 --blocks 4 --warmup 2
+  tail -n 4 "$OUT/decode_profile.stderr"
+fi
+set_norms() { sed -i "s/^QUANTIZED_NORMS = .*/QUANTIZED_NORMS = $1/" engine/models/kernels.py; grep -n "^QUANTIZED_NORMS" engine/models/kernels.py; }
+SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
+export ARSTREAM_ENGINE__FP8=all
+for entry in ${SERVE:-}; do
+  what=${entry%%:*} mode=${entry##*:}
+  if [ "$mode" = on ]; then set_norms True; else set_norms False; fi
+  case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
+  if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$entry skipped ($(left)s left)"; continue; fi
+  case $what in
+    fast) ARSTREAM_ENGINE__VIDEO_DECODER=taehv service "fast_norms_$mode" "$budget" --concurrency "${VIEWERS:-3}" \
+            --pacing on --duration "${DURATION:-20}" --first-duration 10 --no-transitions -- "${SERVER[@]}" \
+            --window-frames 6 ;;
+    standard) service "standard_norms_$mode" "$budget" --concurrency 1 --pacing off --duration 12 --first-duration 12 \
+                --no-transitions -- "${SERVER[@]}" ;;
+    standard_e4m3) ARSTREAM_ENGINE__DECODE_CONVS=triton_fp8 service "standard_e4m3_norms_$mode" "$budget" \
+                     --concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions \
+                     -- "${SERVER[@]}" ;;
+  esac
+done
+echo "== done, $(left)s left"
