@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from engine.models import qk_quantize
 from engine.models.context_kv import CURRENT, FP8ContextKV
 from engine.models.fp8_attention import FP8_DTYPE, quantize_per_head_into
 from engine.models.fp8_linear import project_shared
@@ -116,6 +117,7 @@ class PagedSelfAttentionProcessor:
     def __init__(self, layer_index: int, *, fp8_attention: bool = False) -> None:
         self.layer_index = layer_index
         self.fp8_attention = fp8_attention
+        self._static: dict[str, tuple] = {}  # "q" / "k": (the norm weight's identity, its static scales)
 
     def __call__(
         self,
@@ -168,6 +170,8 @@ class PagedSelfAttentionProcessor:
             raise ValueError(f"rotary table covers {context.cos.shape[0]} keys, attention has {end}")
         cos, sin = context.cos[start:], context.sin[start:]
         query, key, value = project_shared(hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        if self.fp8_attention and kernels.quantized_norms and qk_quantize.available(query):
+            return self._attend_fp8_fused(attn, query, key, value, context, cos, sin)
         query = kernels.rms_norm_rotate(query, attn.norm_q.weight, attn.norm_q.eps, attn.heads, cos, sin)
         key = _heads(attn, kernels.rms_norm(key, attn.norm_k.weight, attn.norm_k.eps))
         value = _heads(attn, value)
@@ -195,6 +199,44 @@ class PagedSelfAttentionProcessor:
         quantize_per_head_into(query, q_fp8, q_scale)
         out = mirror.attend(layer, q_fp8, q_scale, start, end)  # bf16 [1, S_q, H, D]
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
+
+
+    def _attend_fp8_fused(self, attn, query, key, value, context: GatheredContext, cos, sin) -> torch.Tensor:
+        """:meth:`_attend_fp8` with q and k normalized, rotated and cast in one pass each
+        (:mod:`engine.models.qk_quantize`: their scales bound by the norms' weights, no amax pass), k straight
+        into the mirror's current rows (and, in a commit pass, its normalized rows into the stage); v as before."""
+        mirror = context.fp8
+        if mirror is None:
+            raise ValueError("FP8 attention needs the context's FP8 mirror (a ContextKV built with fp8_attention)")
+        if query.shape[0] != 1:
+            raise ValueError("the gathered-history path runs one session (batch 1) per forward")
+        layer, start, heads = self.layer_index, context.history_tokens, attn.heads
+        tokens = query.shape[1]
+        end = start + tokens
+        q_scale, q_inverse = self._static_scales(attn.norm_q.weight, heads, "q")
+        k_scale, k_inverse = self._static_scales(attn.norm_k.weight, heads, "k")
+        q_fp8 = torch.empty((1, tokens, heads, query.shape[2] // heads), dtype=FP8_DTYPE, device=query.device)
+        qk_quantize.rms_rotate_quantize(query, attn.norm_q.weight, attn.norm_q.eps, heads, cos, sin, q_inverse, q_fp8)
+        stage = context.stage
+        qk_quantize.rms_rotate_quantize(key, attn.norm_k.weight, attn.norm_k.eps, heads, cos, sin, k_inverse,
+                                        mirror.keys(layer, start, end), None if stage is None else stage[layer, 0, :tokens])
+        mirror.set_key_scale(layer, CURRENT, k_scale)
+        value = _heads(attn, value)[0]
+        if stage is not None:
+            stage[layer, 1, :tokens].copy_(value)
+        mirror.quantize_values(layer, CURRENT, start, value)
+        out = mirror.attend(layer, q_fp8, q_scale.view(1, heads), start, end)  # bf16 [1, S_q, H, D]
+        return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
+
+    def _static_scales(self, weight: torch.Tensor, heads: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`qk_quantize.static_scales` of a norm's weight, kept while the weight is unchanged (its address and
+        version: weights loaded in place after the first forward get new scales)."""
+        key = (weight.data_ptr(), weight._version, weight.device)
+        entry = self._static.get(name)
+        if entry is None or entry[0] != key:
+            entry = (key, qk_quantize.static_scales(weight, heads))
+            self._static[name] = entry
+        return entry[1]
 
 
 class CachedCrossAttentionProcessor:

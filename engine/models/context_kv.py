@@ -82,6 +82,16 @@ class FP8ContextKV:
         fa.quantize_per_head_into(keys.unsqueeze(0), self.keys(layer, start, end), self.scales[layer, 0, segment])
         fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
 
+    def quantize_values(self, layer: int, segment: int, start: int, values: torch.Tensor) -> None:
+        """:meth:`quantize`'s values alone (the keys written by :mod:`engine.models.qk_quantize`, whose scale
+        :meth:`set_key_scale` records)."""
+        end = start + values.shape[0]
+        fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
+
+    def set_key_scale(self, layer: int, segment: int, scale: torch.Tensor) -> None:
+        """The per-head scale ``[heads]`` of keys written into the segment's rows by another quantizer."""
+        self.scales[layer, 0, segment, 0].copy_(scale)
+
     def quantize_layers(self, segment: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """:meth:`quantize` for every layer at once: ``keys``/``values`` ``[layers, S, H, D]``.
 

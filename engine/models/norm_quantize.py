@@ -44,34 +44,44 @@ if triton is not None:
     def _norm_quantize_rows(
         X, U, Gate, HOut, W, B, Scale, Shift, Q, QScale,
         rows, stride_x, stride_u, stride_h, stride_q, stride_mod, tokens_per_frame, eps,
-        D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+        D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_FRAME: tl.constexpr,
         RESIDUAL: tl.constexpr, GATED: tl.constexpr, AFFINE: tl.constexpr, MODULATE: tl.constexpr,
         E4M3_MAX: tl.constexpr, FLOOR: tl.constexpr,
     ):
-        row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)
+        first = tl.program_id(0) * ROWS
+        row = first + tl.arange(0, ROWS)
         cols = tl.arange(0, BLOCK)
-        keep = (row < rows)[:, None] & (cols < D)[None, :]
+        in_row = cols < D
+        keep = (row < rows)[:, None] & in_row[None, :]
         # The per-frame modulation's row: rows are [batch, frames * tokens] flattened, modulation [batch * frames].
-        frame = row // tokens_per_frame
-        x = tl.load(X + row[:, None] * stride_x + cols[None, :], mask=keep, other=0.0)
+        # ONE_FRAME: ROWS divides the tokens of a frame, so a program's rows share one frame and its vectors are
+        # loaded once for all of them (per row they were most of the kernel's traffic).
+        if ONE_FRAME:
+            mod_offsets = ((first // tokens_per_frame).to(tl.int64) * stride_mod + cols)[None, :]
+            mod_mask = in_row[None, :]
+        else:
+            mod_offsets = (row // tokens_per_frame).to(tl.int64)[:, None] * stride_mod + cols[None, :]
+            mod_mask = keep
+        offsets = row.to(tl.int64)[:, None]
+        x = tl.load(X + offsets * stride_x + cols[None, :], mask=keep, other=0.0)
         if RESIDUAL:  # hidden + update (* gate), in float32, rounded to the hidden states' dtype and kept
-            update = tl.load(U + row[:, None] * stride_u + cols[None, :], mask=keep, other=0.0).to(tl.float32)
+            update = tl.load(U + offsets * stride_u + cols[None, :], mask=keep, other=0.0).to(tl.float32)
             if GATED:
-                update = update * tl.load(Gate + frame[:, None] * stride_mod + cols[None, :], mask=keep, other=0.0)
+                update = update * tl.load(Gate + mod_offsets, mask=mod_mask, other=0.0)
             x = (x.to(tl.float32) + update).to(x.dtype)
-            tl.store(HOut + row[:, None] * stride_h + cols[None, :], x, mask=keep)
+            tl.store(HOut + offsets * stride_h + cols[None, :], x, mask=keep)
         h = x.to(tl.float32)
         mean = tl.sum(h, 1) / D
         centered = tl.where(keep, h - mean[:, None], 0.0)
         rstd = 1.0 / tl.sqrt_rn(tl.sum(centered * centered, 1) / D + eps)
         normed = centered * rstd[:, None]
         if AFFINE:  # torch's CUDA layer norm: one multiply-add
-            w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
-            b = tl.load(B + cols, mask=cols < D, other=0.0).to(tl.float32)
+            w = tl.load(W + cols, mask=in_row, other=0.0).to(tl.float32)
+            b = tl.load(B + cols, mask=in_row, other=0.0).to(tl.float32)
             normed = tl.fma(w[None, :], normed, b[None, :])
         if MODULATE:  # normed * (1 + scale) + shift, the frame's
-            scale = tl.load(Scale + frame[:, None] * stride_mod + cols[None, :], mask=keep, other=0.0)
-            shift = tl.load(Shift + frame[:, None] * stride_mod + cols[None, :], mask=keep, other=0.0)
+            scale = tl.load(Scale + mod_offsets, mask=mod_mask, other=0.0)
+            shift = tl.load(Shift + mod_offsets, mask=mod_mask, other=0.0)
             normed = normed * (1.0 + scale) + shift
         # The activation the eager path quantizes is the norm's output in the hidden states' dtype.
         normed = tl.where(keep, normed.to(x.dtype).to(tl.float32), 0.0)
@@ -80,7 +90,7 @@ if triton is not None:
         tl.store(QScale + row, scale, mask=row < rows)
         # Divided, as eager divides (a multiplication by 448 / amax rounds ~0.1 % of the values the other way).
         quantized = tl.clamp(tl.math.div_rn(normed, scale[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-        tl.store(Q + row[:, None] * stride_q + cols[None, :], quantized, mask=keep)
+        tl.store(Q + offsets * stride_q + cols[None, :], quantized, mask=keep)
 
 
 def _interpreted() -> bool:
@@ -197,7 +207,8 @@ def norm_quantize(
             scale if scale is not None else row_scale, shift if shift is not None else row_scale,
             values, row_scale,
             count, dim, dim, dim, dim, mods[0].stride(1) if mods else 0, tokens // frames, float(eps),
-            D=dim, BLOCK=block, ROWS=rows_per_program, RESIDUAL=update is not None, GATED=gate is not None,
+            D=dim, BLOCK=block, ROWS=rows_per_program, ONE_FRAME=(tokens // frames) % rows_per_program == 0,
+            RESIDUAL=update is not None, GATED=gate is not None,
             AFFINE=weight is not None, MODULATE=scale is not None, E4M3_MAX=FP8_MAX, FLOOR=AMAX_FLOOR,
             num_warps=max(1, min(8, rows_per_program * block // 1024)),
             enable_fp_fusion=False,  # eager's separate products and sums (a contracted a * b + c rounds once)
