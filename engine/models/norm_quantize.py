@@ -21,6 +21,8 @@ one e4m3 step from eager's, and a row whose largest value moved has its scale on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from diffusers.models.activations import GELU
@@ -38,13 +40,33 @@ except ImportError:  # CPU-only installs: the engine then runs the reference
 MAX_WIDTH = 8192  # one row on chip in float32 (Wan 1.3B: 1,536; 14B: 5,120)
 
 
+@dataclass(frozen=True)
+class NormQuantizeConfig:
+    """The kernel's launch: rows a program, warps a program, and ``divide``: each value divided by its row's
+    scale as eager divides (IEEE), or multiplied by ``448 / amax`` (one rounding apart: ~0.1 % of the values
+    land one e4m3 step away; fewer instructions). ``bench/norm_quantize_gpu.py`` times them."""
+
+    rows_per_program: int = 2
+    num_warps: int = 4
+    divide: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("rows_per_program", "num_warps"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 1, got {value}")
+
+
+DEFAULT_CONFIG = NormQuantizeConfig()
+
+
 if triton is not None:
 
     @triton.jit
     def _norm_quantize_rows(
         X, U, Gate, HOut, W, B, Scale, Shift, Q, QScale,
         rows, stride_x, stride_u, stride_h, stride_q, stride_mod, tokens_per_frame, eps,
-        D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_FRAME: tl.constexpr,
+        D: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, ONE_FRAME: tl.constexpr, DIVIDE: tl.constexpr,
         RESIDUAL: tl.constexpr, GATED: tl.constexpr, AFFINE: tl.constexpr, MODULATE: tl.constexpr,
         E4M3_MAX: tl.constexpr, FLOOR: tl.constexpr,
     ):
@@ -88,8 +110,11 @@ if triton is not None:
         amax = tl.maximum(tl.max(tl.abs(normed), 1), FLOOR)
         scale = tl.math.div_rn(amax, E4M3_MAX)
         tl.store(QScale + row, scale, mask=row < rows)
-        # Divided, as eager divides (a multiplication by 448 / amax rounds ~0.1 % of the values the other way).
-        quantized = tl.clamp(tl.math.div_rn(normed, scale[:, None]), -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+        if DIVIDE:  # as eager divides
+            quantized = tl.math.div_rn(normed, scale[:, None])
+        else:  # one rounding apart: ~0.1 % of the values land one e4m3 step away
+            quantized = normed * tl.math.div_rn(E4M3_MAX, amax)[:, None]
+        quantized = tl.clamp(quantized, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
         tl.store(Q + offsets * stride_q + cols[None, :], quantized, mask=keep)
 
 
@@ -174,7 +199,8 @@ def _frames(mod: torch.Tensor | None) -> torch.Tensor | None:
 def norm_quantize(
     x: torch.Tensor, eps: float, *, update: torch.Tensor | None = None, gate: torch.Tensor | None = None,
     weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-    scale: torch.Tensor | None = None, shift: torch.Tensor | None = None, rows_per_program: int = 2,
+    scale: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+    config: NormQuantizeConfig | None = None,
 ) -> tuple[torch.Tensor, QuantizedRows]:
     """One layer norm of a Wan block, its FP8 product's input written directly: ``x [B, S, D]`` hidden states;
     ``update`` (and ``gate``, per frame): the residual added first (``x + update * gate``, or ``x + update``);
@@ -199,6 +225,8 @@ def norm_quantize(
         gate, scale, shift = (m.contiguous() if m is not None else None for m in (gate, scale, shift))
         mods = [m for m in (gate, scale, shift) if m is not None]
     frames = mods[0].shape[1] if mods else 1
+    config = config or DEFAULT_CONFIG
+    rows_per_program = config.rows_per_program
     if count:
         block = triton.next_power_of_2(dim)
         _norm_quantize_rows[(triton.cdiv(count, rows_per_program),)](
@@ -208,9 +236,10 @@ def norm_quantize(
             values, row_scale,
             count, dim, dim, dim, dim, mods[0].stride(1) if mods else 0, tokens // frames, float(eps),
             D=dim, BLOCK=block, ROWS=rows_per_program, ONE_FRAME=(tokens // frames) % rows_per_program == 0,
+            DIVIDE=config.divide,
             RESIDUAL=update is not None, GATED=gate is not None,
             AFFINE=weight is not None, MODULATE=scale is not None, E4M3_MAX=FP8_MAX, FLOOR=AMAX_FLOOR,
-            num_warps=max(1, min(8, rows_per_program * block // 1024)),
+            num_warps=config.num_warps,
             enable_fp_fusion=False,  # eager's separate products and sums (a contracted a * b + c rounds once)
         )
     return hidden, QuantizedRows(values, row_scale, x.shape, x.dtype)

@@ -114,7 +114,7 @@ def rms_rotate_quantize_reference(
 
 def rms_rotate_quantize(
     x: torch.Tensor, weight: torch.Tensor, eps: float, heads: int, cos: torch.Tensor, sin: torch.Tensor,
-    inverse_scale: torch.Tensor, dst: torch.Tensor, stage: torch.Tensor | None = None,
+    inverse_scale: torch.Tensor, dst: torch.Tensor, stage: torch.Tensor | None = None, num_warps: int = 4,
 ) -> None:
     """The kernel: ``x [1, S, H * D]`` (a projection's rows) normalized, rotated and cast into ``dst`` (e4m3
     ``[1, S, H, D]``, head_dim contiguous: e.g. rows of the FP8 mirror's K) with ``inverse_scale [H]``;
@@ -150,6 +150,6 @@ def rms_rotate_quantize(
         rows.stride(0), cos.stride(0), dst.stride(1), dst.stride(2),
         stage.stride(0) if stage is not None else 0, stage.stride(1) if stage is not None else 0, float(eps),
         HEADS=heads, BLOCK_H=triton.next_power_of_2(heads), HALF=half, STAGE=stage is not None,
-        E4M3_MAX=FP8_MAX, num_warps=4,
+        E4M3_MAX=FP8_MAX, num_warps=num_warps,
         enable_fp_fusion=False,  # eager's separate products and sums (a contracted a * b - c rounds once)
     )
