@@ -57,7 +57,7 @@ class NormQuantizeConfig:
                 raise ValueError(f"{name} must be a power of two >= 1, got {value}")
 
 
-DEFAULT_CONFIG = NormQuantizeConfig()
+DEFAULT_CONFIG = NormQuantizeConfig(2, 2, divide=False)  # the fastest of bench/norm_quantize_gpu.py's sweep (H100)
 
 
 if triton is not None:
