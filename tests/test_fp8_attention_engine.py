@@ -50,17 +50,28 @@ def _run(fp8: str, blocks: int = BLOCKS, **overrides):
     device = pipeline.transformer.device
     kv = KVCacheManager(pipeline.kv_spec(), 1, device.type).open_session("s")
     progress = pipeline.new_progress(seed=3, prompt=PROMPT)
-    return bundle, [pipeline.run_block(kv, progress) for _ in range(blocks)]
+    return bundle, [pipeline.run_block(kv, progress) for _ in range(blocks)], kv
 
 
-def _mirror_matches_quantized_history(workspace) -> dict:
-    """The mirror's history rows and scales against quantize_per_head of the bf16 buffer's (rotated) history."""
+def _mirror_matches_quantized_history(workspace, pipeline, kv) -> dict:
+    """The mirror's history rows and scales, loaded as the next block would load them (the session's resident
+    frames; the last block's commit has rewritten an evicted block since its own load), against
+    quantize_per_head of that history gathered from the pool, its keys rotated by the eager rotation (what the
+    bf16 path's buffer held)."""
+    from engine.models.kernels import rotate_pairs
+
+    ids = kv.resident_block_ids("cond")
+    cos, sin = pipeline.transformer.rotary(len(ids) + pipeline.frames_per_block)
+    workspace.invalidate()
+    workspace.load(("check",), kv.pool, ids, cos, sin, pipeline.transformer.kernels.rotate_pairs)
     tokens = workspace.history_tokens
     mirror = workspace.fp8
+    history = kv.pool[:, :, list(workspace.history_block_ids)].flatten(2, 3)  # [layers, 2, tokens, H, D]
+    cos, sin = pipeline.transformer.rotary(len(workspace.history_block_ids))
     keys_equal = values_equal = scales_equal = True
-    for layer in range(workspace.buffer.shape[0]):
-        k8, k_scale = fa.quantize_per_head(workspace.buffer[layer, 0, :tokens].unsqueeze(0))
-        v8, v_scale = fa.quantize_per_head(workspace.buffer[layer, 1, :tokens].unsqueeze(0), transpose=True)
+    for layer in range(history.shape[0]):
+        k8, k_scale = fa.quantize_per_head(rotate_pairs(history[layer, 0], cos, sin).unsqueeze(0))
+        v8, v_scale = fa.quantize_per_head(history[layer, 1].unsqueeze(0), transpose=True)
         keys_equal &= torch.equal(mirror.keys(layer, 0, tokens).view(torch.uint8), k8.view(torch.uint8))
         values_equal &= torch.equal(mirror.values(layer, 0, tokens).float(), v8.float())
         scales_equal &= torch.equal(mirror.scales[layer, 0, 0], k_scale) and torch.equal(mirror.scales[layer, 1, 0], v_scale)
@@ -78,8 +89,8 @@ def _interpreter_checks() -> dict:
     assert fa._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
     from engine.models.attention import GatheredContext, PagedContext
 
-    _, reference = _run("off")
-    bundle, fp8 = _run("attention")
+    _, reference, _ = _run("off")
+    bundle, fp8, kv = _run("attention")
     pipeline = bundle.pipeline
     transformer = pipeline.transformer
     workspace = pipeline.context_kv["cond"]
@@ -90,7 +101,7 @@ def _interpreter_checks() -> dict:
         "finite": all(bool(torch.isfinite(block.video).all()) for block in fp8),
         "fp8_attention": transformer.fp8_attention,
         "linears_converted": None if bundle.fp8 is None else bundle.fp8.converted,
-        "mirror": _mirror_matches_quantized_history(workspace),
+        "mirror": _mirror_matches_quantized_history(workspace, pipeline, kv),
         "nbytes": workspace.nbytes,
         "buffer_bytes": workspace.buffer.numel() * workspace.buffer.element_size(),
         "mirror_bytes": mirror.nbytes,
@@ -117,7 +128,7 @@ def _interpreter_checks() -> dict:
     except ValueError as error:
         results["no_mirror"] = str(error)
 
-    all_bundle, all_blocks = _run("all", blocks=2)
+    all_bundle, all_blocks, _ = _run("all", blocks=2)
     results["all"] = {
         "fp8_attention": all_bundle.pipeline.transformer.fp8_attention,
         "linears_converted": all_bundle.fp8.converted,
@@ -242,12 +253,12 @@ def test_cuda_fp8_attention_engine_replays_graphs_and_stays_close_to_bf16():
     """The tiny engine on the GPU: FP8 forwards captured as CUDA graphs (the quantizers and the kernel are
     capturable), equal to the same FP8 forwards run eagerly, within the bound of bf16, the mirror's history
     the quantized rotated history bit for bit (Triton's casts round to nearest even, as torch's)."""
-    _, reference = _run("off", device="cuda", cuda_graphs=True)
-    bundle, graphed = _run("attention", device="cuda", cuda_graphs=True)
+    _, reference, _ = _run("off", device="cuda", cuda_graphs=True)
+    bundle, graphed, kv = _run("attention", device="cuda", cuda_graphs=True)
     pipeline = bundle.pipeline
     assert pipeline.forwards.enabled, "a capture failed: the FP8 forwards fell back to eager"
     assert pipeline.forwards.num_graphs > 0 and pipeline.forwards.replays > 0
-    mirror = _mirror_matches_quantized_history(pipeline.context_kv["cond"])
+    mirror = _mirror_matches_quantized_history(pipeline.context_kv["cond"], pipeline, kv)
     eager = pipeline.variant(gather_history_once=True, cuda_graphs=False)
     kv = KVCacheManager(eager.kv_spec(), 1, "cuda").open_session("s")
     progress = eager.new_progress(seed=3, prompt=PROMPT)

@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 
 from engine.models import fp8_attention as fa
+from engine.models import history_fp8
 from decoders.graph_capture import GraphCache, capture
 
 HISTORY, CURRENT = 0, 1  # the segments of the FP8 mirror's scales
@@ -142,9 +143,14 @@ class ContextKV:
         self._graphs: GraphCache[torch.cuda.CUDAGraph] = GraphCache(
             "history load", self.MAX_GRAPHS, enabled=cuda_graphs and torch.device(device).type == "cuda"
         )
+        # With the mirror: the history's block ids on the device (history_fp8 reads the pool through them), at a
+        # fixed address for the load's CUDA graphs.
+        self._ids = None if self.fp8 is None else torch.zeros(
+            max_tokens // tokens_per_frame + 1, dtype=torch.int32, device=device)
         self._owner: tuple | None = None  # (kv state's weak reference, branch, frames, pool writes) of the last load
         self.loads = 0
         self.history_tokens = 0  # of the last load
+        self.history_block_ids: tuple[int, ...] = ()  # of the last load, oldest first
 
     @property
     def nbytes(self) -> int:
@@ -171,14 +177,20 @@ class ContextKV:
         if owner == self._owner:
             return tokens
         self._owner = None  # a failed load must not be taken for a complete one
-        frame = self.tokens_per_frame
-        for position, block in enumerate(block_ids):
-            self.buffer[:, :, position * frame : (position + 1) * frame].copy_(pool[:, :, block])
-        if tokens:  # an empty history: nothing to rotate
-            self._prepare_history(tokens, cos, sin, rotate)
+        if self.fp8 is not None and history_fp8.available(pool):
+            # FP8 attention reads the mirror only: its history straight from the pool (the buffer's stays unused).
+            if tokens:
+                self._load_mirror(pool, block_ids, tokens, cos, sin)
+        else:
+            frame = self.tokens_per_frame
+            for position, block in enumerate(block_ids):
+                self.buffer[:, :, position * frame : (position + 1) * frame].copy_(pool[:, :, block])
+            if tokens:  # an empty history: nothing to rotate
+                self._prepare_history(tokens, cos, sin, rotate)
         self._owner = owner
         self.loads += 1
         self.history_tokens = tokens
+        self.history_block_ids = tuple(block_ids)
         return tokens
 
     def _prepare_history(self, tokens: int, cos: torch.Tensor, sin: torch.Tensor, rotate: Callable) -> None:
@@ -205,6 +217,26 @@ class ContextKV:
         run()  # this load's work, eagerly; a capture only records it (in place: nothing replays now)
         if self._graphs.enabled:
             self._graphs.capture(key, lambda pool: capture(run, warm_runs=0, pool=pool)[0])
+
+    def _load_mirror(self, pool: torch.Tensor, block_ids: list[int], tokens: int, cos, sin) -> None:
+        """:func:`history_fp8.load_history` of ``block_ids``, through one CUDA graph per (token count, pool,
+        tables) as :meth:`_prepare_history`; the ids reach the device by a stream-ordered copy from pinned memory
+        (no host synchronisation; the caching host allocator keeps the pinned block until the copy is done)."""
+        frames = len(block_ids)
+        ids = torch.tensor(block_ids, dtype=torch.int32)
+        self._ids[:frames].copy_(ids.pin_memory() if self._ids.is_cuda else ids, non_blocking=True)
+        key = ("mirror", tokens, pool.data_ptr(), cos.data_ptr(), sin.data_ptr())
+        graph = self._graphs.get(key) if self._graphs.enabled else None
+        if graph is not None:
+            graph.replay()
+            return
+
+        def run() -> None:
+            history_fp8.load_history(pool, self._ids[:frames], tokens, cos[:tokens], sin[:tokens], self.fp8, HISTORY)
+
+        run()
+        if self._graphs.enabled:
+            self._graphs.capture(key, lambda pool_: capture(run, warm_runs=0, pool=pool_)[0])
 
     def invalidate(self) -> None:
         self._owner = None
