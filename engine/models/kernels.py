@@ -220,8 +220,9 @@ class DeviceKernel:
         return self._compiled
 
 
-# The FP8 modes' norms write their products' e4m3 rows directly (Kernels.quantized_norms). Off: they write bf16
-# as the exact sets' do, for a benchmark's "before" (bench/fp8_linear_probe.py's "all/apart" mode).
+# The FP8 modes' norms write their products' e4m3 rows directly, and with FP8 attention q and k theirs
+# (Kernels.quantized_norms). Off: they write bf16 as the exact sets' do, for a benchmark's "before"
+# (bench/fp8_linear_probe.py's "all/apart" mode, bench/device/run_norm_quantize.sh's "off" servers).
 QUANTIZED_NORMS = True
 
 
@@ -247,8 +248,9 @@ class Kernels:
     gelu_linear: Callable
     fuse_norms: bool = False
     exact: bool = True  # every step computes the eager bf16 result bit for bit (see make)
-    # Norms that feed FP8 products only write their e4m3 rows directly (engine/models/norm_quantize.py): a
-    # reduction in another order than torch's, so only in the sets that need not be exact.
+    # Norms that feed FP8 products only write their e4m3 rows directly (engine/models/norm_quantize.py), and
+    # under FP8 attention q and k theirs (engine/models/qk_quantize.py): reductions in another order than
+    # torch's, so only in the sets that need not be exact.
     quantized_norms: bool = False
 
     @classmethod
