@@ -200,7 +200,6 @@ class PagedSelfAttentionProcessor:
         out = mirror.attend(layer, q_fp8, q_scale, start, end)  # bf16 [1, S_q, H, D]
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
-
     def _attend_fp8_fused(self, attn, query, key, value, context: GatheredContext, cos, sin) -> torch.Tensor:
         """:meth:`_attend_fp8` with q and k normalized, rotated and cast in one pass each
         (:mod:`engine.models.qk_quantize`: their scales bound by the norms' weights, no amax pass), k straight
