@@ -7,7 +7,8 @@ Bounds: the residual's hidden states are the eager ones bit for bit (the same fl
 normalized values carry float32 noise from another summation order than torch's, which can move a bf16 value
 across a rounding tie: a row's scale within one bf16 step (2^-8) of eager's where its largest value moved, and
 otherwise equal; each e4m3 value within one e4m3 step (1/8 of its magnitude, or the smallest subnormal) of
-eager's, and nearly all equal (the kernel divides as eager does). Measured on these inputs: all equal.
+eager's, and nearly all equal: dividing by the scale as eager does, only a moved tie differs (measured on these
+inputs: none); multiplied by the inverse scale (the default configuration), ~0.1 % of the values.
 """
 
 from __future__ import annotations
