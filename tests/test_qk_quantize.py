@@ -51,8 +51,8 @@ def _tiny_engine(fp8: str, quantized_norms: bool, blocks: int = 2):
     from engine.kv_cache import KVCacheManager
     from tests.engine_helpers import build_small, small_dit_tiny_preset
 
-    with small_dit_tiny_preset():
-        _, bundle = build_small(dtype="bfloat16", fp8=fp8, sink_frames=1, window_frames=2)
+    with small_dit_tiny_preset():  # two denoising steps: the interpreted kernel's time is per forward
+        _, bundle = build_small(dtype="bfloat16", fp8=fp8, sink_frames=1, window_frames=2, timesteps=[1000.0, 500.0])
     pipeline = bundle.pipeline
     if fp8 != "off":  # the CPU's kernel set is eager: only this flag differs between the two FP8 runs
         pipeline.transformer.kernels = dataclasses.replace(pipeline.transformer.kernels, quantized_norms=quantized_norms)
