@@ -14,8 +14,10 @@
 #    (graphs off), the 40 largest kernels; probe.json.
 # 4. DECODE_PROFILE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode with the kernel in bf16 and in
 #    e4m3, each profiled by kernel (40 largest); conv.json.
-# 5. SERVE: services, each "what:on|off" (off: QUANTIZED_NORMS set False in THIS COPY of the tree, the device's,
-#    in engine/models/kernels.py: the norms and q / k as before the thirty-fifth session): fast = the fast config's paced viewers (VIEWERS, default 3); standard = the
+# 5. SERVE: services, each "what:on|off|gather" (off: QUANTIZED_NORMS set False in THIS COPY of the tree, the
+#    device's, in engine/models/kernels.py: the norms and q / k as before the thirty-fifth session; gather: those
+#    on, but DIRECT_LOAD set False in engine/models/history_fp8.py: the mirror's history through the bf16 buffer;
+#    off also sets DIRECT_LOAD False): fast = the fast config's paced viewers (VIEWERS, default 3); standard = the
 #    standard window, pacing off; standard_e4m3 = the same with e4m3 decode convolutions. All `--fp8 all`, fresh
 #    `arstream serve` each, the first session after /readyz included. Files: service_*.json, logs/.
 set -u -o pipefail
@@ -66,11 +68,16 @@ if [ "${DECODE_PROFILE:-1}" = 1 ]; then
   tail -n 4 "$OUT/decode_profile.stderr"
 fi
 set_norms() { sed -i "s/^QUANTIZED_NORMS = .*/QUANTIZED_NORMS = $1/" engine/models/kernels.py; grep -n "^QUANTIZED_NORMS" engine/models/kernels.py; }
+set_direct() { sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $1/" engine/models/history_fp8.py; grep -n "^DIRECT_LOAD" engine/models/history_fp8.py; }
 SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
 export ARSTREAM_ENGINE__FP8=all
 for entry in ${SERVE:-}; do
   what=${entry%%:*} mode=${entry##*:}
-  if [ "$mode" = on ]; then set_norms True; else set_norms False; fi
+  case $mode in
+    on) set_norms True; set_direct True ;;
+    gather) set_norms True; set_direct False ;;
+    *) set_norms False; set_direct False ;;
+  esac
   case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
   if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$entry skipped ($(left)s left)"; continue; fi
   case $what in

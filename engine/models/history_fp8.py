@@ -27,6 +27,10 @@ try:
 except ImportError:  # CPU-only installs: the engine then takes the gather path
     triton = None
 
+# Off: ContextKV gathers into the bf16 buffer and quantizes that, as before (a benchmark's "before":
+# bench/device/run_norm_quantize.sh's "gather" servers set it so in their copy of the tree).
+DIRECT_LOAD = True
+
 _BLOCK_S = 32  # history rows a tile
 _MAX_PARTS = 128  # programs per (layer, head) in a pass: a head's partial maxima fit one load of the cast pass
 
@@ -103,8 +107,9 @@ if triton is not None:
 
 
 def available(pool: torch.Tensor) -> bool:
-    """Whether the direct load runs for ``pool`` (CUDA, or the Triton interpreter in tests; Triton installed)."""
-    if triton is None:
+    """Whether the direct load runs for ``pool`` (CUDA, or the Triton interpreter in tests; Triton installed;
+    :data:`DIRECT_LOAD` on)."""
+    if triton is None or not DIRECT_LOAD:
         return False
     return pool.is_cuda or (pool.device.type == "cpu" and type(_history_amax).__name__ == "InterpretedFunction")
 
