@@ -24,7 +24,6 @@ from engine.kv_cache import KVCacheManager
 from engine.models import norm_quantize as nq
 from engine.models.fp8_linear import FP8Linear, QuantizedRows, project_shared, quantize_rows
 from tests.engine_helpers import build_small
-from bench.norm_quantize_gpu import compare  # the bench's comparison: hidden states, scales, one e4m3 step
 
 BF16_STEP = 2.0**-8
 
@@ -85,6 +84,8 @@ def interpreter_friendly() -> None:
 
 
 def _interpreter_checks() -> dict:
+    from bench.norm_quantize_gpu import compare  # the bench's comparison: hidden states, scales, one e4m3 step
+
     patch_interpreter()
     assert nq._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
     generator = torch.Generator().manual_seed(0)
@@ -241,6 +242,8 @@ def test_cuda_norm_quantize_matches_eager_within_one_step_and_captures(kind):
                 "norm2": dict(update=update, gate=gate, weight=1 + 0.2 * torch.randn(width, device="cuda"),
                               bias=0.1 * torch.randn(width, device="cuda")),
                 "norm3": dict(update=update, scale=scale, shift=shift)}[kind]
+    from bench.norm_quantize_gpu import compare
+
     result = nq.norm_quantize(x, 1e-6, **operands)
     case = compare(result, nq.norm_quantize_reference(x, 1e-6, **operands))
     assert case["hidden_equal"] and case["within_one_step"], case
