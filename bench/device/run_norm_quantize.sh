@@ -10,6 +10,8 @@
 #    written into THIS COPY of the tree (engine/models/norm_quantize.py's DEFAULT_CONFIG) for what follows.
 #    Then bench/qk_quantize_gpu.py (q / k in one pass against their four, the static scale's attention error);
 #    qk.json.
+# 2b. HISTORY_BENCH=1 (default): bench/history_fp8_gpu.py, the FP8 mirror's history load through the gather path
+#    and straight from the pool, at both windows; history.json.
 # 3. PROBE (default "all/apart,all"): bench/fp8_linear_probe.py's kernel sums of a standard block for those modes
 #    (graphs off), the 40 largest kernels; probe.json.
 # 4. DECODE_PROFILE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode with the kernel in bf16 and in
@@ -50,6 +52,11 @@ PY
   grep -n "^DEFAULT_CONFIG" engine/models/norm_quantize.py
   part qk_bench "${QK_S:-90}" python3 bench/qk_quantize_gpu.py
   tail -n 1 "$OUT/qk_bench.stdout" > "$OUT/qk.json"; tail -n 3 "$OUT/qk_bench.stderr"; cut -c1-900 "$OUT/qk.json"
+fi
+if [ "${HISTORY_BENCH:-1}" = 1 ]; then  # the mirror's history: gather path against the direct load
+  part history_bench "${HISTORY_S:-120}" python3 bench/history_fp8_gpu.py
+  tail -n 1 "$OUT/history_bench.stdout" > "$OUT/history.json"; tail -n 3 "$OUT/history_bench.stderr"
+  cut -c1-600 "$OUT/history.json"
 fi
 if [ -n "${PROBE-all/apart,all}" ]; then  # "all/apart": QUANTIZED_NORMS off, the fused q / k path with it
   part probe "${PROBE_S:-200}" python3 bench/fp8_linear_probe.py --device cuda --dtype bfloat16 \
