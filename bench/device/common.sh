@@ -9,6 +9,11 @@
 #   gpu_tests LIMIT_S FILES..   the GPU-marked tests of FILES under `timeout`, the log in $OUT/gpu_tests.txt
 #   service NAME BUDGET_S ARGS...   bench/bench_service_gpu.py (ARGS: its own, then -- and `arstream serve`'s),
 #                            JSON in $OUT/service_NAME.json, logs in $OUT/logs; needs TOTAL (start_run)
+#   fp8_service WHAT NAME    one of issue 31's services of the 1.3B model (random bf16, `--fp8 all`), if time is
+#                            left: WHAT fast = the fast config's paced viewers (VIEWERS, default 3; budget FAST_S),
+#                            standard = the standard window pacing off, standard_e4m3 = the same with e4m3 decode
+#                            convolutions (budget STANDARD_S); a fresh `arstream serve`, the first session after
+#                            /readyz included
 
 start_run() {
   TOTAL=$1
@@ -56,4 +61,22 @@ r = json.load(open(sys.argv[1]))
 print(json.dumps({"startup": r.get("startup"), "startup_error": r.get("startup_error"), "skipped": r.get("skipped"),
                   "cases": {k: v["summary"] for k, v in r.get("cases", {}).items()}})[:2500])
 PY
+}
+
+fp8_service() {
+  local what=$1 name=$2 budget
+  local server=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
+  case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
+  if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$name skipped ($(left)s left)"; return; fi
+  case $what in
+    fast) ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__VIDEO_DECODER=taehv service "$name" "$budget" \
+            --concurrency "${VIEWERS:-3}" --pacing on --duration "${DURATION:-20}" --first-duration 10 \
+            --no-transitions -- "${server[@]}" --window-frames 6 ;;
+    standard) ARSTREAM_ENGINE__FP8=all service "$name" "$budget" --concurrency 1 --pacing off --duration 12 \
+                --first-duration 12 --no-transitions -- "${server[@]}" ;;
+    standard_e4m3) ARSTREAM_ENGINE__FP8=all ARSTREAM_ENGINE__DECODE_CONVS=triton_fp8 service "$name" "$budget" \
+                     --concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions \
+                     -- "${server[@]}" ;;
+    *) echo "unknown service $what" ;;
+  esac
 }

@@ -39,23 +39,10 @@ if [ "${GPU_TESTS:-0}" = 1 ] && [ "$(cat "$OUT/tail_verdict.txt")" = split ]; th
   set_tail True
   gpu_tests "${GPU_TESTS_S:-150}" tests/test_fp8_attention.py tests/test_fp8_attention_engine.py
 fi
-SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
-export ARSTREAM_ENGINE__FP8=all
 for entry in ${SERVE:-}; do
   what=${entry%%:*} mode=${entry##*:}
   if [ "$mode" = on ] && [ "$(cat "$OUT/tail_verdict.txt")" != split ]; then echo "$entry skipped (verdict)"; continue; fi
   if [ "$mode" = on ]; then set_tail True; else set_tail False; fi
-  case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
-  if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$entry skipped ($(left)s left)"; continue; fi
-  case $what in
-    fast) ARSTREAM_ENGINE__VIDEO_DECODER=taehv service "fast_tail_$mode" "$budget" --concurrency "${VIEWERS:-3}" \
-            --pacing on --duration "${DURATION:-20}" --first-duration 10 --no-transitions -- "${SERVER[@]}" \
-            --window-frames 6 ;;
-    standard) service "standard_tail_$mode" "$budget" --concurrency 1 --pacing off --duration 12 --first-duration 12 \
-                --no-transitions -- "${SERVER[@]}" ;;
-    standard_e4m3) ARSTREAM_ENGINE__DECODE_CONVS=triton_fp8 service "standard_e4m3_tail_$mode" "$budget" \
-                     --concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions \
-                     -- "${SERVER[@]}" ;;
-  esac
+  fp8_service "$what" "${what}_tail_$mode"
 done
 echo "== done, $(left)s left"

@@ -76,8 +76,6 @@ if [ "${DECODE_PROFILE:-1}" = 1 ]; then
 fi
 set_norms() { sed -i "s/^QUANTIZED_NORMS = .*/QUANTIZED_NORMS = $1/" engine/models/kernels.py; grep -n "^QUANTIZED_NORMS" engine/models/kernels.py; }
 set_direct() { sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $1/" engine/models/history_fp8.py; grep -n "^DIRECT_LOAD" engine/models/history_fp8.py; }
-SERVER=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
-export ARSTREAM_ENGINE__FP8=all
 for entry in ${SERVE:-}; do
   what=${entry%%:*} mode=${entry##*:}
   case $mode in
@@ -85,17 +83,6 @@ for entry in ${SERVE:-}; do
     gather) set_norms True; set_direct False ;;
     *) set_norms False; set_direct False ;;
   esac
-  case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
-  if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$entry skipped ($(left)s left)"; continue; fi
-  case $what in
-    fast) ARSTREAM_ENGINE__VIDEO_DECODER=taehv service "fast_norms_$mode" "$budget" --concurrency "${VIEWERS:-3}" \
-            --pacing on --duration "${DURATION:-20}" --first-duration 10 --no-transitions -- "${SERVER[@]}" \
-            --window-frames 6 ;;
-    standard) service "standard_norms_$mode" "$budget" --concurrency 1 --pacing off --duration 12 --first-duration 12 \
-                --no-transitions -- "${SERVER[@]}" ;;
-    standard_e4m3) ARSTREAM_ENGINE__DECODE_CONVS=triton_fp8 service "standard_e4m3_norms_$mode" "$budget" \
-                     --concurrency 1 --pacing off --duration 12 --first-duration 12 --no-transitions \
-                     -- "${SERVER[@]}" ;;
-  esac
+  fp8_service "$what" "${what}_norms_$mode"
 done
 echo "== done, $(left)s left"
