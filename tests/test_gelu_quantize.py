@@ -80,14 +80,11 @@ def test_one_pass_gelu_quantizer_refuses_what_it_cannot_run():
 def test_one_pass_gelu_quantizer_compiles_for_sm90_without_spills():
     """The Wan FFN's width (8,960: a 16,384-wide block over 16 warps) compiled for Hopper without a GPU: one
     row's registers fit (no local memory), and the cast is Hopper's e4m3 conversion."""
-    from bench.fp8_attention_gpu import _compile, cubin_usage
+    from tests.sm90 import compile_for_sm90_without_spills
 
-    compiled = _compile(gq._gelu_quantize_rows, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
-                        {"WIDTH": 8960, "BLOCK": 16384, "E4M3_MAX": gq.FP8_MAX, "FLOOR": gq.AMAX_FLOOR},
-                        (), 16, 1, 90)
-    usage = cubin_usage(compiled)
-    assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
-    assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
+    compile_for_sm90_without_spills(gq._gelu_quantize_rows, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
+                                    {"WIDTH": 8960, "BLOCK": 16384, "E4M3_MAX": gq.FP8_MAX, "FLOOR": gq.AMAX_FLOOR},
+                                    num_warps=16)
 
 
 @pytest.mark.gpu

@@ -121,19 +121,15 @@ def test_the_direct_load_refuses_ids_that_do_not_cover_the_history():
 def test_the_kernels_compile_for_sm90_without_spills():
     """Both passes at Wan 1.3B's heads (12 of 128), keys rotated: no local memory; the cast is Hopper's."""
     pytest.importorskip("triton")
-    from bench.fp8_attention_gpu import _compile, cubin_usage
+    from tests.sm90 import compile_for_sm90_without_spills
 
     pointers = {"Pool": "*bf16", "Ids": "*i32", "Cos": "*fp32", "Sin": "*fp32", "Partial": "*fp32",
                 "Dst": "*fp8e4nv", "Scale": "*fp32"}
     common = {"H": 12, "HALF": 64, "ROTATE": True, "BLOCK_S": history_fp8._BLOCK_S}
     unaligned = ("KV", "S", "T", "NB", "NUM_PARTS", "ROWS_PER_PART")
-    amax = _compile(history_fp8._history_amax, pointers, common, unaligned, 4, 1, 90)
-    cast = _compile(history_fp8._history_cast, pointers,
-                    {**common, "BLOCK_P": history_fp8._MAX_PARTS, "INVERSE_MAX": 1 / 448}, unaligned, 4, 1, 90)
-    for compiled in (amax, cast):
-        usage = cubin_usage(compiled)
-        assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
-    assert "cvt.rn.satfinite.e4m3x2.f32" in cast.asm["ptx"]
+    compile_for_sm90_without_spills(history_fp8._history_amax, pointers, common, unaligned, e4m3_cast=False)
+    compile_for_sm90_without_spills(history_fp8._history_cast, pointers,
+                                    {**common, "BLOCK_P": history_fp8._MAX_PARTS, "INVERSE_MAX": 1 / 448}, unaligned)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:

@@ -214,16 +214,13 @@ def test_norm_quantize_compiles_for_sm90_without_spills():
     """The Wan 1.3B width (1,536 in a 2,048 block, two rows a program) compiled for Hopper without a GPU, in its
     widest form (norm2: the gated residual and the affine norm): no local memory, Hopper's e4m3 conversion."""
     pytest.importorskip("triton")
-    from bench.fp8_attention_gpu import _compile, cubin_usage
+    from tests.sm90 import compile_for_sm90_without_spills
 
     pointers = {"X": "*bf16", "U": "*bf16", "Gate": "*fp32", "HOut": "*bf16", "W": "*fp32", "B": "*fp32",
                 "Scale": "*fp32", "Shift": "*fp32", "Q": "*fp8e4nv", "QScale": "*fp32", "eps": "fp32"}
-    constants = {"D": 1536, "BLOCK": 2048, "ROWS": 2, "ONE_FRAME": True, "DIVIDE": True, "RESIDUAL": True, "GATED": True, "AFFINE": True,
-                 "MODULATE": False, "E4M3_MAX": nq.FP8_MAX, "FLOOR": nq.AMAX_FLOOR}
-    compiled = _compile(nq._norm_quantize_rows, pointers, constants, ("rows", "tokens_per_frame"), 4, 1, 90)
-    usage = cubin_usage(compiled)
-    assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
-    assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
+    constants = {"D": 1536, "BLOCK": 2048, "ROWS": 2, "ONE_FRAME": True, "DIVIDE": True, "RESIDUAL": True,
+                 "GATED": True, "AFFINE": True, "MODULATE": False, "E4M3_MAX": nq.FP8_MAX, "FLOOR": nq.AMAX_FLOOR}
+    compile_for_sm90_without_spills(nq._norm_quantize_rows, pointers, constants, ("rows", "tokens_per_frame"))
 
 
 @pytest.mark.gpu
