@@ -201,11 +201,6 @@ class ContextKV:
         profile is in docs/BENCHMARKS.md). Everything it reads and writes is at a fixed address: this buffer,
         its mirror, the rotary module's tables.
         """
-        key = (tokens, cos.data_ptr(), sin.data_ptr(), rotate)
-        graph = self._graphs.get(key) if self._graphs.enabled else None
-        if graph is not None:
-            graph.replay()
-            return
 
         def run() -> None:
             for layer in range(self.buffer.shape[0]):
@@ -214,9 +209,7 @@ class ContextKV:
             if self.fp8 is not None:  # once per block, for all its forwards: the history's own scales
                 self.fp8.quantize_layers(HISTORY, 0, self.buffer[:, 0, :tokens], self.buffer[:, 1, :tokens])
 
-        run()  # this load's work, eagerly; a capture only records it (in place: nothing replays now)
-        if self._graphs.enabled:
-            self._graphs.capture(key, lambda pool: capture(run, warm_runs=0, pool=pool)[0])
+        self._graphed((tokens, cos.data_ptr(), sin.data_ptr(), rotate), run)
 
     def _load_mirror(self, pool: torch.Tensor, block_ids: list[int], tokens: int, cos, sin) -> None:
         """:func:`history_fp8.load_history` of ``block_ids``, through one CUDA graph per (token count, pool,
@@ -225,18 +218,22 @@ class ContextKV:
         frames = len(block_ids)
         ids = torch.tensor(block_ids, dtype=torch.int32)
         self._ids[:frames].copy_(ids.pin_memory() if self._ids.is_cuda else ids, non_blocking=True)
-        key = ("mirror", tokens, pool.data_ptr(), cos.data_ptr(), sin.data_ptr())
-        graph = self._graphs.get(key) if self._graphs.enabled else None
-        if graph is not None:
-            graph.replay()
-            return
 
         def run() -> None:
             history_fp8.load_history(pool, self._ids[:frames], tokens, cos[:tokens], sin[:tokens], self.fp8, HISTORY)
 
-        run()
+        self._graphed(("mirror", tokens, pool.data_ptr(), cos.data_ptr(), sin.data_ptr()), run)
+
+    def _graphed(self, key: tuple, run: Callable[[], None]) -> None:
+        """``run``'s work: its CUDA graph's replay where ``key`` has one, else ``run`` eagerly, then (graphs on)
+        recorded for the next load of that key. Everything ``run`` touches is at a fixed address for the key."""
+        graph = self._graphs.get(key) if self._graphs.enabled else None
+        if graph is not None:
+            graph.replay()
+            return
+        run()  # this load's work, eagerly; a capture only records it (in place: nothing replays now)
         if self._graphs.enabled:
-            self._graphs.capture(key, lambda pool_: capture(run, warm_runs=0, pool=pool_)[0])
+            self._graphs.capture(key, lambda pool: capture(run, warm_runs=0, pool=pool)[0])
 
     def invalidate(self) -> None:
         self._owner = None
