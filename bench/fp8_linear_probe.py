@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from engine.bundle import build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
-from engine.models import kernels
+from engine.models import history_fp8, kernels
 from kernel_sums import cuda_kernel_sums
 
 KINDS = (  # (kind, substrings of a kernel's name), first match wins
@@ -35,16 +35,23 @@ KINDS = (  # (kind, substrings of a kernel's name), first match wins
 
 
 def run(args, mode: str) -> dict:
-    """``mode``: an ``fp8`` setting (``none`` for off), with ``/apart`` after it: the FP8 modes' norms writing
-    bf16 rows for the products' own quantizers (``kernels.QUANTIZED_NORMS`` off, the path before the
-    thirty-fifth session)."""
+    """``mode``: an ``fp8`` setting (``none`` for off), with ``/apart`` after it: the path before the
+    thirty-fifth session (the FP8 modes' norms and q / k writing bf16 rows for their quantizers,
+    ``kernels.QUANTIZED_NORMS`` off; the FP8 mirror's history through the bf16 buffer, ``history_fp8.DIRECT_LOAD``
+    off: read at every load, so off for the whole run)."""
     precision, _, variant = mode.partition("/")
+    apart = variant == "apart"
     settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True, cuda_graphs=False)
     if precision != "none":
         settings["fp8"] = precision
-    kernels.QUANTIZED_NORMS = variant != "apart"
-    bundle = build_models(EngineConfig(**settings))
-    kernels.QUANTIZED_NORMS = True
+    kernels.QUANTIZED_NORMS = history_fp8.DIRECT_LOAD = not apart
+    try:
+        return _probe(args, mode, build_models(EngineConfig(**settings)))
+    finally:
+        kernels.QUANTIZED_NORMS = history_fp8.DIRECT_LOAD = True
+
+
+def _probe(args, mode: str, bundle) -> dict:
     pipeline = bundle.pipeline
     manager = KVCacheManager(pipeline.kv_spec(), 1, args.device)
     kv = manager.open_session("probe")

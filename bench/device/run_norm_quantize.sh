@@ -58,7 +58,7 @@ if [ "${HISTORY_BENCH:-1}" = 1 ]; then  # the mirror's history: gather path agai
   tail -n 1 "$OUT/history_bench.stdout" > "$OUT/history.json"; tail -n 3 "$OUT/history_bench.stderr"
   cut -c1-600 "$OUT/history.json"
 fi
-if [ -n "${PROBE-all/apart,all}" ]; then  # "all/apart": QUANTIZED_NORMS off, the fused q / k path with it
+if [ -n "${PROBE-all/apart,all}" ]; then  # "all/apart": QUANTIZED_NORMS and DIRECT_LOAD off, as before session 35
   part probe "${PROBE_S:-200}" python3 bench/fp8_linear_probe.py --device cuda --dtype bfloat16 \
     --preset wan2.1-1.3b --modes "${PROBE-all/apart,all}" --top 40
   tail -n 1 "$OUT/probe.stdout" > "$OUT/probe.json"; tail -n 3 "$OUT/probe.stderr"
