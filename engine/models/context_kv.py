@@ -81,7 +81,7 @@ class FP8ContextKV:
         """``keys`` (rotated) and ``values`` ``[S, H, D]`` into rows ``start:start+S``, with the segment's scales."""
         end = start + keys.shape[0]
         fa.quantize_per_head_into(keys.unsqueeze(0), self.keys(layer, start, end), self.scales[layer, 0, segment])
-        fa.quantize_per_head_into(values.unsqueeze(0), self.values(layer, start, end), self.scales[layer, 1, segment])
+        self.quantize_values(layer, segment, start, values)
 
     def quantize_values(self, layer: int, segment: int, start: int, values: torch.Tensor) -> None:
         """:meth:`quantize`'s values alone (the keys written by :mod:`engine.models.qk_quantize`, whose scale

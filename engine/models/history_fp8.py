@@ -28,7 +28,8 @@ except ImportError:  # CPU-only installs: the engine then takes the gather path
     triton = None
 
 # Off: ContextKV gathers into the bf16 buffer and quantizes that, as before (a benchmark's "before":
-# bench/device/run_norm_quantize.sh's "gather" servers set it so in their copy of the tree).
+# bench/device/run_norm_quantize.sh's "gather" and "off" servers set it so in their copy of the tree,
+# bench/fp8_linear_probe.py's "/apart" runs for their duration).
 DIRECT_LOAD = True
 
 _BLOCK_S = 32  # history rows a tile
