@@ -352,16 +352,31 @@ def shifted_rows_conv(
 _WEIGHT, _WEIGHT_SCALE, _LAUNCH = "_shifted_rows_weight", "_shifted_rows_weight_scale", "_shifted_rows_launch"
 
 
-def _run(module: torch.nn.Module, padded: torch.Tensor) -> torch.Tensor:
+def runs_in_fp8(module: torch.nn.Module) -> bool:
+    """Whether :func:`install` gave ``module`` the kernel with e4m3 operands."""
+    launch = getattr(module, _LAUNCH, None)
+    return launch is not None and launch[3] is not None
+
+
+def run_padded(module: torch.nn.Module, padded: torch.Tensor, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """An installed convolution on its padded, channels-last input ``[T_in, Hp, Wp, C_in]``: already in e4m3
+    (scaled by the module's input scale) when it runs in e4m3; ``out_dtype`` is then the output's."""
     weight, weight_scale = getattr(module, _WEIGHT), getattr(module, _WEIGHT_SCALE)
     kernel_size, c_out, launch, input_scale = getattr(module, _LAUNCH)
     if weight.device != padded.device:
         raise RuntimeError("the convolution moved after install(): install it again")
+    if input_scale is None:
+        out_dtype = padded.dtype
+    return _shifted_rows_conv_op(padded.contiguous(), weight, weight_scale, module.bias, kernel_size, c_out, launch,
+                                 1.0 if input_scale is None else input_scale, out_dtype)
+
+
+def _run(module: torch.nn.Module, padded: torch.Tensor) -> torch.Tensor:
+    input_scale = getattr(module, _LAUNCH)[3]
     out_dtype = padded.dtype
     if input_scale is not None:
         padded = quantize_input(padded, input_scale)
-    return _shifted_rows_conv_op(padded.contiguous(), weight, weight_scale, module.bias, kernel_size, c_out, launch,
-                                 1.0 if input_scale is None else input_scale, out_dtype)
+    return run_padded(module, padded, out_dtype)
 
 
 def causal_conv3d(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:

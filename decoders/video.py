@@ -376,10 +376,15 @@ class WanStreamingDecoder:
             _install_fast_path(vae)
         self.conv_kernel = bool(conv_kernel)
         self.kernel_convs = 0  # how many of the decoder's convolutions the kernel computes
+        self.fused_conv_inputs = 0  # residual blocks whose e4m3 inputs come from decoders/conv_input_fp8.py
         if self.conv_kernel:
             from decoders import shifted_rows_conv
 
             self.kernel_convs = shifted_rows_conv.install(vae.decoder, fp8=conv_kernel_fp8)
+            if conv_kernel_fp8:
+                from decoders import conv_input_fp8
+
+                self.fused_conv_inputs = conv_input_fp8.install(vae.decoder)
         if bytes_per_pixel is None:
             bytes_per_pixel = _KNOWN_BYTES_PER_PIXEL_FP32.get(_decoder_architecture(vae))
         self._bytes_per_pixel = bytes_per_pixel

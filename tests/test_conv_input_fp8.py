@@ -1,0 +1,257 @@
+"""A Wan residual block's e4m3 convolution inputs in one pass (decoders/conv_input_fp8.py), against diffusers'
+eager path they stand for (``WanRMS_norm``, SiLU, the causal cache, the padding, ``quantize_input``): the real
+Triton kernel through the interpreter (in a subprocess: ``TRITON_INTERPRET=1`` must precede Triton's import), a
+residual block on its inputs against the block with diffusers' forward (both with the e4m3 convolutions), a
+small decoder's streamed chunks, and the sm_90 cross-compile.
+
+Bounds: the kernel sums the squares in another order than torch and multiplies by ``1 / norm`` where eager
+divides, so a value may cross a rounding tie: each cache value within one bf16 step (2^-8 of its magnitude) of
+eager's and each e4m3 value within one e4m3 step (one unit of its byte), nearly all equal (on these inputs: all).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+
+import pytest
+import torch
+from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
+
+from decoders import conv_input_fp8 as cif
+from decoders import shifted_rows_conv as src
+
+try:
+    import triton  # noqa: F401
+
+    from tests.triton_interpreted import interpreter_checks, interpreter_job
+
+    BACKGROUND_JOBS = (interpreter_job(__file__),)
+except ImportError:  # no Triton: the interpreter checks skip
+    BACKGROUND_JOBS = ()
+
+BF16_STEP = 2.0**-8
+
+
+def _block(c_in: int, c_out: int, dtype: torch.dtype, seed: int = 0, bias: bool = False,
+           device: str = "cpu") -> WanResidualBlock:
+    """A residual block with gammas away from 1 (and a norm bias where asked), its convolutions installed in e4m3
+    (where the kernel runs: CUDA, or the CPU under the interpreter)."""
+    torch.manual_seed(seed)
+    block = WanResidualBlock(c_in, c_out).eval()
+    with torch.no_grad():
+        for norm in (block.norm1, block.norm2):
+            norm.gamma.uniform_(0.5, 1.5)
+            if bias:
+                norm.bias = torch.nn.Parameter(0.3 * torch.randn_like(norm.gamma))
+    block = block.to(device, dtype)
+    assert src.install(torch.nn.Sequential(block), {}, fp8=True) == 2
+    return block
+
+
+def compare(got: tuple[torch.Tensor, torch.Tensor], want: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """The kernel's (padded e4m3, cache) against the reference's: shapes, e4m3 bytes apart, cache steps apart."""
+    (got_q, got_c), (want_q, want_c) = got, want
+    apart = (got_q.view(torch.uint8).int() - want_q.view(torch.uint8).int()).abs()
+    cache_error = (got_c.float() - want_c.float()).abs() / want_c.float().abs().clamp_min(2.0**-126)
+    return {"shapes_equal": got_q.shape == want_q.shape and got_c.shape == want_c.shape,
+            "e4m3_unequal_fraction": (apart > 0).float().mean().item() if apart.numel() else 0.0,
+            "e4m3_max_steps": apart.max().item() if apart.numel() else 0,
+            "cache_max_rel": cache_error.max().item() if cache_error.numel() else 0.0}
+
+
+# --- run in the interpreter subprocess ------------------------------------------------------------------------
+
+
+def _interpreter_checks() -> dict:
+    from tests.triton_interpreted import patch_interpreter
+
+    patch_interpreter()
+    torch.set_num_threads(1)
+    assert cif._interpreted(), "TRITON_INTERPRET=1 was not seen by triton"
+    results = {}
+    generator = torch.Generator().manual_seed(1)
+    for dtype, c_in, c_out, bias in ((torch.bfloat16, 32, 32, False), (torch.bfloat16, 96, 32, True),
+                                     (torch.float32, 32, 32, False)):
+        block = _block(c_in, c_out, dtype, bias=bias)
+        x = (3 * torch.randn(1, c_in, 3, 5, 6, generator=generator)).to(dtype)
+        x[0, :, 1, 2, 3] = 0  # a zero position: the norm's eps
+        channels_last = x.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3)
+        for cache_frames in (None, 1, 2):
+            cache = None if cache_frames is None else torch.randn(
+                1, c_in, cache_frames, 5, 6, generator=generator).to(dtype)
+            for layout, chunk in (("ncdhw", x), ("ndhwc", channels_last), ("one_frame", x[:, :, 1:2])):
+                name = f"{str(dtype)[6:]}_{c_in}{'_bias' if bias else ''}_cache{cache_frames}_{layout}"
+                results[name] = compare(cif.conv_input(block.norm1, block.conv1, chunk, cache),
+                                        cif.conv_input_reference(block.norm1, block.conv1, chunk, cache))
+
+    # A residual block through two chunks (no cache, then the caches of the first): the fused forward against
+    # diffusers' forward, both with the e4m3 convolutions.
+    fused = _block(32, 64, torch.bfloat16, seed=2)
+    plain = copy.deepcopy(fused)
+    results["installed"] = cif.install(torch.nn.Sequential(fused))
+    x = (3 * torch.randn(1, 32, 4, 5, 6, generator=generator)).bfloat16()
+    outputs, caches = [], []
+    for block in (fused, plain):
+        feat_cache, chunks = [None, None], []
+        for chunk in (x[:, :, :1], x[:, :, 1:]):
+            chunks.append(block(chunk, feat_cache, [0]))
+        outputs.append(torch.cat(chunks, dim=2))
+        caches.append(feat_cache)
+    results["block"] = {
+        "out_rel_max": ((outputs[0].float() - outputs[1].float()).abs().max()
+                        / outputs[1].float().abs().max()).item(),
+        "caches_equal": all(torch.equal(a, b) for a, b in zip(*caches)),
+        "cache_shapes": [list(c.shape) for c in caches[0]]}
+
+    from tests.test_shifted_rows_conv import small_vae
+
+    vae = small_vae()
+    src.install(vae.decoder, fp8=True)
+    results["small_vae_installed"] = cif.install(vae.decoder)
+    return results
+
+
+# --- the tests --------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreted() -> dict:
+    pytest.importorskip("triton")
+    return interpreter_checks(__file__)
+
+
+def test_kernel_writes_eagers_padded_e4m3_input_and_cache_within_one_step(interpreted):
+    cases = {name: case for name, case in interpreted.items() if "cache" in name and name != "block"}
+    assert len(cases) == 27
+    for name, case in cases.items():
+        assert case["shapes_equal"], name
+        assert case["e4m3_max_steps"] <= 1 and case["e4m3_unequal_fraction"] < 0.01, (name, case)
+        assert case["cache_max_rel"] <= BF16_STEP, (name, case)
+
+
+def test_block_on_the_fused_inputs_computes_diffusers_block(interpreted):
+    assert interpreted["installed"] == 1
+    block = interpreted["block"]
+    assert block["caches_equal"], block
+    assert block["cache_shapes"] == [[1, 32, 2, 5, 6], [1, 64, 2, 5, 6]]
+    assert block["out_rel_max"] < 1e-2, block  # equal inputs: the same convolutions, one bf16 rounding apart
+
+
+def test_without_the_kernel_the_block_keeps_diffusers_forward_bit_for_bit():
+    """On the plain CPU (no interpreter) the installed forward hands back to diffusers' own."""
+    if cif._interpreted():
+        pytest.skip("this session runs Triton interpreted: the kernel would run")
+    block = WanResidualBlock(32, 32).eval()
+    plain = copy.deepcopy(block)
+    block.forward = cif.residual_block_forward.__get__(block)
+    x = torch.randn(1, 32, 2, 3, 4)
+    cache_a, cache_b = [None, None], [None, None]
+    assert torch.equal(block(x, cache_a, [0]), plain(x, cache_b, [0]))
+    assert all(torch.equal(a, b) for a, b in zip(cache_a, cache_b))
+
+
+def test_install_takes_the_blocks_whose_two_convolutions_run_in_e4m3_only(interpreted):
+    from tests.test_shifted_rows_conv import small_vae
+
+    assert cif.install(small_vae().decoder) == 0  # nothing runs in e4m3 yet
+    # 16 base channels: the mid block's 2 and up_blocks 0-2's 2 each (32+ channels); up_blocks.3's 16-channel not
+    assert interpreted["small_vae_installed"] == 2 + 2 * 3
+
+
+def test_new_cache_frames_is_diffusers_rule():
+    assert [cif.new_cache_frames(t, c) for t, c in ((1, 0), (1, 1), (1, 2), (2, 0), (4, 2))] == [1, 2, 2, 2, 2]
+
+
+def test_conv_input_refuses_what_does_not_fit():
+    block = _block_cpu()
+    x = torch.zeros(1, 32, 2, 3, 4)
+    with pytest.raises(ValueError, match="one stream"):
+        cif.conv_input(block.norm1, block.conv1, torch.zeros(2, 32, 2, 3, 4), None)
+    with pytest.raises(ValueError, match="does not precede"):
+        cif.conv_input(block.norm1, block.conv1, x, torch.zeros(1, 32, 3, 3, 4))
+    with pytest.raises(ValueError, match="does not precede"):
+        cif.conv_input(block.norm1, block.conv1, x, torch.zeros(1, 32, 1, 3, 5))
+
+
+def _block_cpu() -> WanResidualBlock:
+    """A block whose first convolution carries an e4m3 launch (set by hand: install() needs a runnable kernel)."""
+    block = WanResidualBlock(32, 32).eval()
+    setattr(block.conv1, src._LAUNCH, ([3, 3, 3], 32, [16, 16, 32, 4, 2], 0.01))
+    return block
+
+
+def test_conv_input_compiles_for_sm90_without_spills():
+    """The 384-channel stage (a 512-wide block) in bf16 compiled for Hopper without a GPU: no local memory,
+    Hopper's e4m3 conversion."""
+    pytest.importorskip("triton")
+    from tests.sm90 import compile_for_sm90_without_spills
+
+    pointers = {"X": "*bf16", "Cache": "*bf16", "Gamma": "*bf16", "Bias": "*bf16", "Out": "*fp8e4nv",
+                "NewCache": "*bf16", "norm_scale": "fp32", "inv_input_scale": "fp32", "eps": "fp32"}
+    constants = {"C": 384, "BLOCK_C": 512, "ROWS": cif.ROWS_PER_PROGRAM, "HAS_BIAS": False, "E4M3_MAX": cif.FP8_MAX,
+                 "sx_c": 1, "sc_c": 1}
+    compile_for_sm90_without_spills(cif._conv_input_kernel, pointers, constants,
+                                    ("positions", "frames_in", "height", "width", "zero_frames", "cache_frames",
+                                     "keep_from", "sx_t", "sx_h", "sx_w", "sc_t", "sc_h", "sc_w"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device with e4m3 (8.9+)")
+@pytest.mark.parametrize("c_in,height,width,frames", [(96, 48, 80, 4), (384, 30, 52, 1)])
+def test_cuda_conv_input_matches_eager_within_one_step_and_captures(c_in, height, width, frames):
+    """At the decoder's channel counts on the GPU: the interpreter checks' bounds (tl.exp is the GPU's fast
+    exponential, so a SiLU may round apart: at most 1 % of the values), both layouts, and the same bytes
+    replayed from a CUDA graph."""
+    block = _block(c_in, 96, torch.bfloat16, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    x = 3 * torch.randn(1, c_in, frames, height, width, device="cuda", generator=generator).bfloat16()
+    cache = torch.randn(1, c_in, 2, height, width, device="cuda", generator=generator).bfloat16()
+    for chunk in (x, x.permute(0, 2, 3, 4, 1).contiguous().permute(0, 4, 1, 2, 3)):
+        got = cif.conv_input(block.norm1, block.conv1, chunk, cache)
+        case = compare(got, cif.conv_input_reference(block.norm1, block.conv1, chunk, cache))
+        assert case["shapes_equal"] and case["e4m3_max_steps"] <= 1, case
+        assert case["e4m3_unequal_fraction"] < 0.01 and case["cache_max_rel"] <= BF16_STEP, case
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        cif.conv_input(block.norm1, block.conv1, x, cache)
+        with torch.cuda.graph(graph, stream=stream):
+            captured = cif.conv_input(block.norm1, block.conv1, x, cache)
+    graph.replay()
+    torch.cuda.synchronize()
+    got = cif.conv_input(block.norm1, block.conv1, x, cache)
+    assert torch.equal(captured[0].view(torch.uint8), got[0].view(torch.uint8))
+    assert torch.equal(captured[1], got[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device with e4m3 (8.9+)")
+def test_cuda_compiled_decode_on_fused_inputs_equals_the_e4m3_decode():
+    """A small Wan decoder's compiled streaming decode with the fused inputs against the same e4m3 decode with
+    the compiled norms (their bf16 roundings differ from eager's, the fused ones keep eager's): pixels within
+    the rounding floor the compiled path itself has against eager."""
+    from tests.test_shifted_rows_conv import small_vae
+    from decoders.video import WanStreamingDecoder
+
+    vae = small_vae().cuda().to(torch.bfloat16)
+    generator = torch.Generator(device="cuda").manual_seed(0)
+    latents = torch.randn(1, 4, 10, 12, 20, device="cuda", dtype=torch.bfloat16, generator=generator)
+    pixels = {}
+    for fused in (False, True):
+        model = copy.deepcopy(vae)
+        src.install(model.decoder, fp8=True)
+        blocks = cif.install(model.decoder) if fused else 0
+        assert blocks == (8 if fused else 0)
+        decoder = WanStreamingDecoder(model, compile_steady_state=True)
+        state = decoder.new_state("gpu-test")
+        pixels[fused] = torch.cat([decoder.to_uint8_tensor(decoder.decode_chunk(latents[:, :, a:b], state)).int()
+                                   for a, b in ((0, 1), (1, 4), (4, 7), (7, 10))])
+        assert decoder.steady_state.calls >= 6 and not decoder.steady_state.failed
+    diff = (pixels[True] - pixels[False]).abs()
+    assert diff.float().mean().item() < 1.0 and diff.max().item() <= 32, (diff.max(), diff.float().mean())
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:
+    print(json.dumps(_interpreter_checks()))
