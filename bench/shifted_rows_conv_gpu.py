@@ -197,11 +197,17 @@ def profile_blocks(decode_block, device, blocks: int = 2, top: int = 40) -> dict
                         sorted(by_name.items(), key=lambda item: -item[1][0])[:top]]}
 
 
+DECODE_PATHS = ("kernel", "kernel_fp8", "kernel_fp8_fused")
+
+
 def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compiled: bool,  # noqa: C901
-               profiled: tuple[str, ...] = ()) -> dict:
+               profiled: tuple[str, ...] = (), paths: tuple[str, ...] = DECODE_PATHS) -> dict:
     """Steady ms a 3-latent-frame block, with diffusers' convolutions and with the kernel; the pixels' difference.
 
-    Each path named in ``profiled`` also gets a kernel profile of two more blocks (their frames are not compared)."""
+    ``paths``: besides the reference, ``kernel`` (bf16), ``kernel_fp8`` (the residual blocks' convolutions in
+    e4m3), ``kernel_fp8_fused`` (the same, their inputs from decoders/conv_input_fp8.py). Each path named in
+    ``profiled`` also gets a kernel profile of two more blocks (their frames are not compared)."""
+    from decoders import conv_input_fp8
     from decoders.video import WanStreamingDecoder, _decode_one_frame
 
     generator = torch.Generator(device=device).manual_seed(1)
@@ -210,11 +216,13 @@ def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compil
                           dtype=next(vae.parameters()).dtype)
     result = {"compiled": compiled}
     pixels = {}
-    names = ("reference", "kernel", "kernel_fp8") + (("reference_eager",) if compiled else ())
+    names = ("reference", *paths) + (("reference_eager",) if compiled else ())
     for name in names:
         model = copy.deepcopy(vae)
         if name.startswith("kernel"):
-            result[name + "_convs_installed"] = src.install(model.decoder, configs, fp8=name == "kernel_fp8")
+            result[name + "_convs_installed"] = src.install(model.decoder, configs, fp8=name != "kernel")
+        if name == "kernel_fp8_fused":
+            result[name + "_blocks_fused"] = conv_input_fp8.install(model.decoder)
         decoder = WanStreamingDecoder(model, fast_path=False,
                                       compile_steady_state=compiled and name != "reference_eager")
         state = decoder.new_state(name)
@@ -258,12 +266,14 @@ def decode_run(vae, configs, device, latent_hw, blocks: int, warmup: int, compil
     if compiled:  # the rounding floor: diffusers' convolutions eager vs compiled
         eager = result.pop("reference_eager")
         result["reference_eager_vs_compiled"] = {k: eager[k] for k in ("uint8_max_diff", "uint8_mean_diff", "psnr_db")}
-    result["speedup"] = result["kernel"]["speedup"]
+    if "kernel_fp8" in pixels and "kernel_fp8_fused" in pixels:  # the fused inputs against the compiled ones
+        diff = (pixels["kernel_fp8"].int() - pixels["kernel_fp8_fused"].int()).abs()
+        result["kernel_fp8_fused"]["vs_kernel_fp8"] = {"uint8_max_diff": int(diff.max()),
+                                                       "uint8_mean_diff": round(diff.float().mean().item(), 4)}
     result["reference_pixel_std"] = round(pixels["reference"].float().std().item(), 2)
-    log(f"decode compiled={compiled}: {result['reference']['ms_per_block_median']} -> "
-        f"{result['kernel']['ms_per_block_median']} (fp8 {result['kernel_fp8']['ms_per_block_median']}) ms, "
-        f"uint8 max diff {result['kernel']['uint8_max_diff']} (fp8 {result['kernel_fp8']['uint8_max_diff']}, "
-        f"PSNR {result['kernel_fp8']['psnr_db']} dB)")
+    log(f"decode compiled={compiled}: reference {result['reference']['ms_per_block_median']} ms, " + ", ".join(
+        f"{name} {result[name]['ms_per_block_median']} ms (uint8 max diff {result[name]['uint8_max_diff']}, "
+        f"PSNR {result[name]['psnr_db']} dB)" for name in paths))
     return result
 
 
@@ -334,6 +344,8 @@ def main() -> None:
     parser.add_argument("--eager-decode", action="store_true", help="time the eager decode too (compiled only else)")
     parser.add_argument("--profile", default="reference,kernel_fp8",
                         help="compiled decode paths to profile by kernel (comma-separated; '' for none)")
+    parser.add_argument("--paths", default=",".join(DECODE_PATHS),
+                        help=f"decode paths beside the reference (comma-separated, of {', '.join(DECODE_PATHS)})")
     args = parser.parse_args()
     if args.compile_only:
         compile_only()
@@ -389,7 +401,8 @@ def main() -> None:
             try:
                 record["decode"].append(decode_run(
                     vae, best_configs, device, latent_hw, args.blocks, args.warmup, compiled,
-                    profiled=tuple(filter(None, args.profile.split(","))) if compiled else ()))
+                    profiled=tuple(filter(None, args.profile.split(","))) if compiled else (),
+                    paths=tuple(filter(None, args.paths.split(",")))))
             except Exception as error:  # noqa: BLE001
                 record["decode"].append({"compiled": compiled, "error": describe(error)})
     line = json.dumps(record)

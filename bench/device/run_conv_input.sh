@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Issue 31: the e4m3 decode's residual-block inputs in one pass (decoders/conv_input_fp8.py), with the thirty-fifth
+# session's unmeasured history load (engine/models/history_fp8.py), on the device in one or two calls:
+#
+#     run(command="bash bench/device/run_conv_input.sh 590", carry=[".site.tar.xz"], timeout_s=600)
+#
+# 1. GPU_TESTS=1 (default): the GPU tests of the fused inputs, the shifted-rows convolution (its compiled decode)
+#    and the FP8 engine (the mirror straight from the pool, under CUDA graphs).
+# 2. HISTORY_BENCH=1 (default): bench/history_fp8_gpu.py, the mirror's history through the gather path and
+#    straight from the pool; history.json.
+# 3. DECODE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode, the e4m3 path with the compiled inputs
+#    and with the fused ones (PATHS), each profiled by kernel (40 largest); conv.json.
+# 4. SERVE: services "what:on|off" (on: this tree; off: the fused inputs and the direct history load switched off
+#    in THIS COPY of the tree: conv_input_fp8.FUSED, history_fp8.DIRECT_LOAD), `--fp8 all`, fresh `arstream
+#    serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-590}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  gpu_tests "${GPU_TESTS_S:-170}" tests/test_conv_input_fp8.py tests/test_shifted_rows_conv.py \
+    tests/test_fp8_attention_engine.py
+  grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -n 12
+fi
+if [ "${HISTORY_BENCH:-1}" = 1 ]; then
+  part history_bench "${HISTORY_S:-100}" python3 bench/history_fp8_gpu.py
+  tail -n 1 "$OUT/history_bench.stdout" > "$OUT/history.json"; tail -n 3 "$OUT/history_bench.stderr"
+  cut -c1-700 "$OUT/history.json"
+fi
+if [ "${DECODE:-1}" = 1 ]; then
+  paths=${PATHS:-kernel_fp8,kernel_fp8_fused}
+  part decode "${DECODE_S:-200}" python3 bench/shifted_rows_conv_gpu.py --skip-shapes --paths "$paths" \
+    --profile "$paths" --out "$OUT/conv.json" --reps 10 --blocks 4 --warmup 2
+  tail -n 3 "$OUT/decode.stderr"
+  python3 - "$OUT/conv.json" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+for d in r.get("decode", []):
+    for name, v in d.items():
+        if name.endswith("_profile"):
+            print(name, v["ms_per_block_total"], v["ms_per_block_by_kind"])
+            for row in v["largest"][:14]:
+                print("   ", row[1], row[2], row[0][:110])
+        elif isinstance(v, dict) and "ms_per_block_median" in v:
+            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff", "vs_kernel_fp8")})
+PY
+fi
+set_switches() {
+  sed -i "s/^FUSED = .*/FUSED = $1/" decoders/conv_input_fp8.py
+  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $1/" engine/models/history_fp8.py
+  grep -n "^FUSED\|^DIRECT_LOAD" decoders/conv_input_fp8.py engine/models/history_fp8.py
+}
+for entry in ${SERVE:-}; do
+  what=${entry%%:*} mode=${entry##*:}
+  if [ "$mode" = on ]; then set_switches True; else set_switches False; fi
+  fp8_service "$what" "${what}_$mode"
+done
+echo "== done, $(left)s left"
