@@ -173,6 +173,10 @@ def _(x, cache, gamma, bias, padding, norm_scale, input_scale):
             x.new_empty(kept, height, width, channels))
 
 
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(1) == 1 else x.contiguous(memory_format=torch.channels_last_3d)
+
+
 def conv_input(
     norm: torch.nn.Module, conv: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,7 +192,11 @@ def conv_input(
     input_scale = getattr(conv, conv_kernel._LAUNCH)[3]
     gamma = norm.gamma.reshape(-1)
     bias = norm.bias.reshape(-1) if torch.is_tensor(norm.bias) else None
-    out, new_cache = _conv_input_op(x, cache.to(x.dtype) if cache is not None else None, gamma.to(x.dtype),
+    # A program reads each position's channels as one row: channels-last, or its loads would not coalesce (a
+    # copy where the producer left another layout; compiled, it fuses into that producer).
+    x = _channels_last(x)
+    cache = _channels_last(cache.to(x.dtype)) if cache is not None else None
+    out, new_cache = _conv_input_op(x, cache, gamma.to(x.dtype),
                                     bias.to(x.dtype) if bias is not None else None, [pad_t, pad_h, pad_w],
                                     float(norm.scale), float(input_scale))
     return out, new_cache.permute(3, 0, 1, 2).unsqueeze(0)

@@ -54,12 +54,18 @@ def root_on_path() -> tuple[str, str]:
     return "PYTHONPATH", os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
-def _idle_priority() -> None:
-    """In the child before exec: run only on otherwise idle CPU (a nice of 19 where SCHED_IDLE is missing)."""
+def _idle_priority(pid: int) -> None:
+    """Set from the parent, just after the start: the job runs only on otherwise idle CPU (a nice of 19 where
+    SCHED_IDLE is missing); the threads and processes it starts inherit that. Not a ``preexec_fn``: Python code
+    between fork and exec can deadlock in a process whose other threads hold locks (gRPC's and Ray's, once the
+    cluster tests ran), and the session then waited on that child for good."""
     try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.sched_setscheduler(pid, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
-        os.nice(19)
+        try:
+            os.setpriority(os.PRIO_PROCESS, pid, 19)
+        except OSError:
+            pass  # it has already exited
 
 
 def start(job: Job) -> None:
@@ -80,8 +86,8 @@ def _launch(job: Job) -> _Running:
     for name in job.unset:
         env.pop(name, None)
     with open(where / "stdout", "w") as stdout, open(where / "stderr", "w") as stderr:  # no pipe to fill
-        process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=stderr,
-                                   preexec_fn=_idle_priority)
+        process = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=stdout, stderr=stderr)
+    _idle_priority(process.pid)
     return _Running(process, where)
 
 

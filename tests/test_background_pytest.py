@@ -71,3 +71,15 @@ def test_the_suite_reports_each_background_test_as_the_child_ran_it(tmp_path):
     assert "ERROR test_probe.py::test_errs_there" in out and "RuntimeError: its fixture broke" in out
     assert "nothing to do here" in out
     assert "background pytests: 4 tests run by 2 children on idle cores, 0 of their files run here" in out
+
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_a_job_runs_under_sched_idle_set_from_the_parent():
+    """A background job runs under SCHED_IDLE, which the parent sets once the job has started (no Python runs
+    between fork and exec: with gRPC's threads alive, a ``preexec_fn`` child once hung before exec)."""
+    # The sleep lets the parent's sched_setscheduler land before the child reads its policy.
+    code = "import os, time; time.sleep(0.5); print(os.sched_getscheduler(0))"
+    done = background.result(background.Job(argv=(sys.executable, "-c", code)), timeout_s=60)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout.strip()) == os.SCHED_IDLE
