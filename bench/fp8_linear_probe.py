@@ -44,11 +44,13 @@ def run(args, mode: str) -> dict:
     settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True, cuda_graphs=False)
     if precision != "none":
         settings["fp8"] = precision
-    kernels.QUANTIZED_NORMS = history_fp8.DIRECT_LOAD = not apart
+    saved = kernels.QUANTIZED_NORMS, history_fp8.DIRECT_LOAD
+    if apart:
+        kernels.QUANTIZED_NORMS = history_fp8.DIRECT_LOAD = False
     try:
         return _probe(args, mode, build_models(EngineConfig(**settings)))
     finally:
-        kernels.QUANTIZED_NORMS = history_fp8.DIRECT_LOAD = True
+        kernels.QUANTIZED_NORMS, history_fp8.DIRECT_LOAD = saved
 
 
 def _probe(args, mode: str, bundle) -> dict:

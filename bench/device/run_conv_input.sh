@@ -10,9 +10,9 @@
 #    straight from the pool; history.json.
 # 3. DECODE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode, the e4m3 path with the compiled inputs
 #    and with the fused ones (PATHS), each profiled by kernel (40 largest); conv.json.
-# 4. SERVE: services "what:on|off" (on: this tree; off: the fused inputs and the direct history load switched off
-#    in THIS COPY of the tree: conv_input_fp8.FUSED, history_fp8.DIRECT_LOAD), `--fp8 all`, fresh `arstream
-#    serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
+# 4. SERVE: services "what:on|off" (on: this tree; off: the fused inputs switched off in THIS COPY of the tree,
+#    conv_input_fp8.FUSED), `--fp8 all`, fresh `arstream serve` each (bench/device/common.sh fp8_service).
+#    Files: service_*.json, logs/.
 set -u -o pipefail
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
@@ -48,8 +48,7 @@ PY
 fi
 set_switches() {
   sed -i "s/^FUSED = .*/FUSED = $1/" decoders/conv_input_fp8.py
-  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $1/" engine/models/history_fp8.py
-  grep -n "^FUSED\|^DIRECT_LOAD" decoders/conv_input_fp8.py engine/models/history_fp8.py
+  grep -n "^FUSED" decoders/conv_input_fp8.py
 }
 for entry in ${SERVE:-}; do
   what=${entry%%:*} mode=${entry##*:}

@@ -19,7 +19,7 @@
 # 5. SERVE: services, each "what:on|off|gather" (off: QUANTIZED_NORMS set False in THIS COPY of the tree, the
 #    device's, in engine/models/kernels.py: the norms and q / k as before the thirty-fifth session; gather: those
 #    on, but DIRECT_LOAD set False in engine/models/history_fp8.py: the mirror's history through the bf16 buffer;
-#    off also sets DIRECT_LOAD False): fast = the fast config's paced viewers (VIEWERS, default 3); standard = the
+#    off also sets DIRECT_LOAD False; on sets it True, which is not the default since the thirty-sixth session): fast = the fast config's paced viewers (VIEWERS, default 3); standard = the
 #    standard window, pacing off; standard_e4m3 = the same with e4m3 decode convolutions. All `--fp8 all`, fresh
 #    `arstream serve` each, the first session after /readyz included. Files: service_*.json, logs/.
 set -u -o pipefail

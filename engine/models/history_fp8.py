@@ -27,10 +27,11 @@ try:
 except ImportError:  # CPU-only installs: the engine then takes the gather path
     triton = None
 
-# Off: ContextKV gathers into the bf16 buffer and quantizes that, as before (a benchmark's "before":
-# bench/device/run_norm_quantize.sh's "gather" and "off" servers set it so in their copy of the tree,
-# bench/fp8_linear_probe.py's "/apart" runs for their duration).
-DIRECT_LOAD = True
+# Off by default: measured on an H100 (docs/BENCHMARKS.md, thirty-sixth session), one load took 21.4 ms this way
+# against 14.8 through the gather path at the standard window (15.0 against 7.5 at the fast one), the mirrors
+# byte for byte equal. Off, ContextKV gathers into the bf16 buffer and quantizes that. On: this module's two
+# passes (bench/history_fp8_gpu.py times both; the tests set it on for their checks).
+DIRECT_LOAD = False
 
 _BLOCK_S = 32  # history rows a tile
 _MAX_PARTS = 128  # programs per (layer, head) in a pass: a head's partial maxima fit one load of the cast pass
