@@ -40,7 +40,9 @@ except ImportError:  # CPU-only installs: the module imports; the decoder keeps 
 CACHE_FRAMES = 2  # diffusers' CACHE_T: the causal frames a 3x3x3 convolution's next chunk needs
 NORM_EPS = 1e-12  # F.normalize's default
 MAX_CHANNELS = 1024  # one position's channels on chip
-ROWS_PER_PROGRAM = 16  # padded positions a program (bench/conv_input_fp8_gpu.py)
+# (padded positions a program, warps a program): measured on an H100 at 16 rows and 4 warps
+# (docs/BENCHMARKS.md, thirty-sixth session); bench/conv_input_fp8_gpu.py sweeps the others.
+DEFAULT_LAUNCH = (16, 4)
 
 # The device scripts' before/after switch: False keeps diffusers' forward for every block (as before).
 FUSED = True
@@ -138,9 +140,10 @@ def available(x: torch.Tensor) -> bool:
 @torch.library.custom_op("arstream::conv_input_fp8", mutates_args=())
 def _conv_input_op(
     x: torch.Tensor, cache: torch.Tensor | None, gamma: torch.Tensor, bias: torch.Tensor | None,
-    padding: list[int], norm_scale: float, input_scale: float,
+    padding: list[int], norm_scale: float, input_scale: float, launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _, channels, frames, height, width = x.shape
+    rows_per_program, num_warps = launch
     pad_t, pad_h, pad_w = padding
     cache_frames = 0 if cache is None else cache.shape[2]
     kept = new_cache_frames(frames, cache_frames)
@@ -150,22 +153,22 @@ def _conv_input_op(
     source = cache if cache is not None else x
     positions = out.shape[0] * out.shape[1] * out.shape[2]
     if positions:
-        _conv_input_kernel[(triton.cdiv(positions, ROWS_PER_PROGRAM),)](
+        _conv_input_kernel[(triton.cdiv(positions, rows_per_program),)](
             x, source, gamma, bias if bias is not None else gamma, out, new_cache,
             positions, frames, height, width, pad_h, pad_w, pad_t - cache_frames, cache_frames,
             cache_frames + frames - kept,
             x.stride(2), x.stride(3), x.stride(4), x.stride(1),
             source.stride(2), source.stride(3), source.stride(4), source.stride(1),
             norm_scale, 1.0 / input_scale, NORM_EPS,
-            C=channels, BLOCK_C=triton.next_power_of_2(channels), ROWS=ROWS_PER_PROGRAM,
-            HAS_BIAS=bias is not None, E4M3_MAX=FP8_MAX, num_warps=4,
+            C=channels, BLOCK_C=triton.next_power_of_2(channels), ROWS=rows_per_program,
+            HAS_BIAS=bias is not None, E4M3_MAX=FP8_MAX, num_warps=num_warps,
             enable_fp_fusion=False,  # eager's separate products and sums
         )
     return out, new_cache
 
 
 @_conv_input_op.register_fake
-def _(x, cache, gamma, bias, padding, norm_scale, input_scale):
+def _(x, cache, gamma, bias, padding, norm_scale, input_scale, launch):
     _, channels, frames, height, width = x.shape
     pad_t, pad_h, pad_w = padding
     kept = new_cache_frames(frames, 0 if cache is None else cache.shape[2])
@@ -178,11 +181,14 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def conv_input(
-    norm: torch.nn.Module, conv: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor | None
+    norm: torch.nn.Module, conv: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor | None,
+    launch: tuple[int, int] = DEFAULT_LAUNCH,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`conv_input_reference`'s two results from the kernel, the new cache a ``[1, C, T', H, W]`` view of a
     channels-last tensor. ``conv`` is installed in e4m3 (``shifted_rows_conv.install(fp8=True)``) and a cache
-    is at most as long as the convolution's causal padding."""
+    is at most as long as the convolution's causal padding. ``launch``: (rows, warps) a program, powers of two."""
+    if any(v < 1 or v & (v - 1) for v in launch):
+        raise ValueError(f"launch (rows, warps) must be powers of two, got {launch}")
     pad_w, _, pad_h, _, pad_t, _ = conv._padding
     if x.ndim != 5 or x.shape[0] != 1:
         raise ValueError(f"one stream of [1, C, T, H, W] per call; got shape {tuple(x.shape)}")
@@ -198,7 +204,7 @@ def conv_input(
     cache = _channels_last(cache.to(x.dtype)) if cache is not None else None
     out, new_cache = _conv_input_op(x, cache, gamma.to(x.dtype),
                                     bias.to(x.dtype) if bias is not None else None, [pad_t, pad_h, pad_w],
-                                    float(norm.scale), float(input_scale))
+                                    float(norm.scale), float(input_scale), list(launch))
     return out, new_cache.permute(3, 0, 1, 2).unsqueeze(0)
 
 

@@ -49,7 +49,8 @@ def in_child() -> bool:
     return RESULTS_ENV in os.environ
 
 
-def _marked(item: pytest.Item) -> bool:
+def is_marked(item: pytest.Item) -> bool:
+    """Whether ``item`` is one for the child pytests."""
     return item.get_closest_marker(MARK) is not None
 
 
@@ -59,8 +60,8 @@ def split(items: list[pytest.Item]) -> list[pytest.Item]:
     if in_child():
         wanted = set(Path(os.environ[NODEIDS_ENV]).read_text().splitlines())
         return [item for item in items if item.nodeid in wanted]
-    marked = [item for item in items if _marked(item)]
-    rest = [item for item in items if not _marked(item)]
+    marked = [item for item in items if is_marked(item)]
+    rest = [item for item in items if not is_marked(item)]
     if not marked or not rest:
         return items
     files = list(dict.fromkeys(str(item.path) for item in marked))
@@ -108,7 +109,7 @@ def run_protocol(item: pytest.Item) -> bool | None:
     file someone else took; in the suite: a file a child took, whose reports are relayed), None to run it here."""
     if in_child():
         return None if _take(item) else True
-    if not _State.jobs or not _marked(item) or _take(item):
+    if not _State.jobs or not is_marked(item) or _take(item):
         return None
     _relay(item)
     return True

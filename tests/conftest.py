@@ -35,11 +35,22 @@ from tests.server_zygote import ForkedServer, start_forkserver  # noqa: E402
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked ``background`` go to child pytests on the idle core (tests/background_pytest.py)."""
+    """Tests marked ``background`` go to child pytests on the idle core (tests/background_pytest.py). Modules
+    that wait on a background job (tests/background.py) run after the others, so their jobs, which share the
+    idle core, have finished by then: run early, a module's fixture left this process waiting on its job."""
     kept = background_pytest.split(items)
     if background_pytest.in_child():
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+    else:  # sorted() is stable: the files keep their order within each group, and the marked ones stay last
+        kept = sorted(kept, key=_run_group)
     items[:] = kept
+
+
+def _run_group(item: pytest.Item) -> int:
+    """0: most tests; 1: a module that waits on a background job; 2: the child pytests' (split() put them last)."""
+    if background_pytest.is_marked(item):
+        return 2
+    return 1 if getattr(getattr(item, "module", None), "BACKGROUND_JOBS", ()) else 0
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

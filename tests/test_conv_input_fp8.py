@@ -91,6 +91,10 @@ def _interpreter_checks() -> dict:
                 results[name] = compare(cif.conv_input(block.norm1, block.conv1, chunk, cache),
                                         cif.conv_input_reference(block.norm1, block.conv1, chunk, cache))
 
+    # Another launch: 64 positions a program (four of the 16-row programs' worth), two warps.
+    results["launch_64x2"] = compare(cif.conv_input(block.norm1, block.conv1, x, None, launch=(64, 2)),
+                                     cif.conv_input_reference(block.norm1, block.conv1, x, None))
+
     # A residual block through two chunks (no cache, then the caches of the first): the fused forward against
     # diffusers' forward, both with the e4m3 convolutions.
     fused = _block(32, 64, torch.bfloat16, seed=2)
@@ -136,6 +140,11 @@ def test_kernel_writes_eagers_padded_e4m3_input_and_cache_within_one_step(interp
         assert case["cache_max_rel"] <= BF16_STEP, (name, case)
 
 
+def test_another_launch_writes_the_same_input(interpreted):
+    case = interpreted["launch_64x2"]
+    assert case["shapes_equal"] and case["e4m3_max_steps"] <= 1 and case["cache_max_rel"] <= BF16_STEP, case
+
+
 def test_block_on_the_fused_inputs_computes_diffusers_block(interpreted):
     assert interpreted["installed"] == 1
     block = interpreted["block"]
@@ -178,6 +187,8 @@ def test_conv_input_refuses_what_does_not_fit():
         cif.conv_input(block.norm1, block.conv1, x, torch.zeros(1, 32, 3, 3, 4))
     with pytest.raises(ValueError, match="does not precede"):
         cif.conv_input(block.norm1, block.conv1, x, torch.zeros(1, 32, 1, 3, 5))
+    with pytest.raises(ValueError, match="powers of two"):
+        cif.conv_input(block.norm1, block.conv1, x, None, launch=(24, 4))
 
 
 def _block_cpu() -> WanResidualBlock:
@@ -195,7 +206,7 @@ def test_conv_input_compiles_for_sm90_without_spills():
 
     pointers = {"X": "*bf16", "Cache": "*bf16", "Gamma": "*bf16", "Bias": "*bf16", "Out": "*fp8e4nv",
                 "NewCache": "*bf16", "norm_scale": "fp32", "inv_input_scale": "fp32", "eps": "fp32"}
-    constants = {"C": 384, "BLOCK_C": 512, "ROWS": cif.ROWS_PER_PROGRAM, "HAS_BIAS": False, "E4M3_MAX": cif.FP8_MAX,
+    constants = {"C": 384, "BLOCK_C": 512, "ROWS": cif.DEFAULT_LAUNCH[0], "HAS_BIAS": False, "E4M3_MAX": cif.FP8_MAX,
                  "sx_c": 1, "sc_c": 1}
     compile_for_sm90_without_spills(cif._conv_input_kernel, pointers, constants,
                                     ("positions", "frames_in", "height", "width", "zero_frames", "cache_frames",

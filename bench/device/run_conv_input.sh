@@ -8,6 +8,9 @@
 #    and the FP8 engine (the mirror straight from the pool, under CUDA graphs).
 # 2. HISTORY_BENCH=1 (default): bench/history_fp8_gpu.py, the mirror's history through the gather path and
 #    straight from the pool; history.json.
+# 2b. INPUT_BENCH=1 (default): bench/conv_input_fp8_gpu.py, the kernel under each launch (rows, warps) at the
+#    decoder's shapes against the compiled path it replaced; input.json. Its best launch is not installed here:
+#    set DEFAULT_LAUNCH in decoders/conv_input_fp8.py from it, then run DECODE.
 # 3. DECODE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode, the e4m3 path with the compiled inputs
 #    and with the fused ones (PATHS), each profiled by kernel (40 largest); conv.json.
 # 4. SERVE: services "what:on|off" (on: this tree; off: the fused inputs switched off in THIS COPY of the tree,
@@ -27,6 +30,11 @@ if [ "${HISTORY_BENCH:-1}" = 1 ]; then
   part history_bench "${HISTORY_S:-100}" python3 bench/history_fp8_gpu.py
   tail -n 1 "$OUT/history_bench.stdout" > "$OUT/history.json"; tail -n 3 "$OUT/history_bench.stderr"
   cut -c1-700 "$OUT/history.json"
+fi
+if [ "${INPUT_BENCH:-1}" = 1 ]; then  # the kernel's launches at the decoder's shapes against the compiled path
+  part input_bench "${INPUT_S:-150}" python3 bench/conv_input_fp8_gpu.py
+  tail -n 1 "$OUT/input_bench.stdout" > "$OUT/input.json"; tail -n 6 "$OUT/input_bench.stderr"
+  python3 -c "import json,sys; r=json.load(open(sys.argv[1])); print(r['ms_per_latent_frame'])" "$OUT/input.json" || true
 fi
 if [ "${DECODE:-1}" = 1 ]; then
   paths=${PATHS:-kernel_fp8,kernel_fp8_fused}
