@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, ".")
 
+from bench.shifted_rows_conv_gpu import timed_ms  # noqa: E402
 from decoders import conv_input_fp8 as cif  # noqa: E402
 from decoders import shifted_rows_conv as src  # noqa: E402
 
@@ -33,17 +33,7 @@ LAUNCHES = tuple((rows, warps) for rows in (8, 16, 32, 64) for warps in (2, 4, 8
 
 
 def timed_us(fn, reps: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
+    return 1000 * timed_ms(fn, torch.device("cuda"), reps)
 
 
 def stage_run(channels: int, frames: int, height: int, width: int, reps: int) -> dict:

@@ -64,22 +64,19 @@ def conv_input_reference(
     new_cache = act[:, :, -CACHE_FRAMES:].clone()
     if new_cache.shape[2] < CACHE_FRAMES and cache is not None:
         new_cache = torch.cat([cache[:, :, -1:].to(new_cache.device), new_cache], dim=2)
-    pad_w, _, pad_h, _, pad_t, _ = conv._padding
-    sequence = act if cache is None else torch.cat([cache.to(act.device), act], dim=2)
-    pad_t -= 0 if cache is None else cache.shape[2]
-    padded = F.pad(sequence[0].permute(1, 2, 3, 0), (0, 0, pad_w, pad_w, pad_h, pad_h, pad_t, 0))
     input_scale = getattr(conv, conv_kernel._LAUNCH)[3]
+    padded = conv_kernel.causal_padded(conv, act, cache)
     return conv_kernel.quantize_input(padded, input_scale).contiguous(), new_cache
 
 
 if triton is not None:
 
     # Every size varies with the stage and the chunk; specialising on them would compile per shape.
-    @triton.jit(do_not_specialize=["positions", "frames_in", "height", "width", "zero_frames", "cache_frames",
+    @triton.jit(do_not_specialize=["positions", "height", "width", "zero_frames", "cache_frames",
                                    "keep_from", "sx_t", "sx_h", "sx_w", "sc_t", "sc_h", "sc_w"])
     def _conv_input_kernel(
         X, Cache, Gamma, Bias, Out, NewCache,
-        positions, frames_in, height, width, pad_h, pad_w, zero_frames, cache_frames, keep_from,
+        positions, height, width, pad_h, pad_w, zero_frames, cache_frames, keep_from,
         sx_t, sx_h, sx_w, sx_c, sc_t, sc_h, sc_w, sc_c, norm_scale, inv_input_scale, eps,
         C: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
         E4M3_MAX: tl.constexpr,
@@ -155,7 +152,7 @@ def _conv_input_op(
     if positions:
         _conv_input_kernel[(triton.cdiv(positions, rows_per_program),)](
             x, source, gamma, bias if bias is not None else gamma, out, new_cache,
-            positions, frames, height, width, pad_h, pad_w, pad_t - cache_frames, cache_frames,
+            positions, height, width, pad_h, pad_w, pad_t - cache_frames, cache_frames,
             cache_frames + frames - kept,
             x.stride(2), x.stride(3), x.stride(4), x.stride(1),
             source.stride(2), source.stride(3), source.stride(4), source.stride(1),

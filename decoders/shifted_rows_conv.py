@@ -379,12 +379,9 @@ def _run(module: torch.nn.Module, padded: torch.Tensor) -> torch.Tensor:
     return run_padded(module, padded, out_dtype)
 
 
-def causal_conv3d(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
-    """``WanCausalConv3d.forward(x, cache_x)`` through the kernel: the causal sequence (zero frames, then
-    ``cache_x``, then ``x``) zero-padded in H and W, channels-last; the result ``[1, C_out, T', H, W]`` is a
-    channels_last_3d view of the kernel's output."""
-    if x.shape[0] != 1:
-        raise ValueError(f"one stream per call: batch must be 1, got {x.shape[0]}")
+def causal_padded(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """A ``WanCausalConv3d``'s input as the kernel reads it: the causal sequence (zero frames, then ``cache_x``,
+    then ``x``, ``[1, C, T, H, W]``) zero-padded in H and W, channels-last ``[T_in, Hp, Wp, C]``."""
     pad_w, _, pad_h, _, pad_t, _ = conv._padding
     sequence = x
     if cache_x is not None and pad_t > 0:  # as diffusers: the cache replaces as many zero frames
@@ -393,7 +390,15 @@ def causal_conv3d(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor 
     padded = F.pad(sequence[0].permute(1, 2, 3, 0), (0, 0, pad_w, pad_w, pad_h, pad_h, max(pad_t, 0), 0))
     if pad_t < 0:  # a cache longer than the causal padding: F.pad crops the front
         padded = padded[-pad_t:]
-    return _run(conv, padded).permute(3, 0, 1, 2).unsqueeze(0)
+    return padded
+
+
+def causal_conv3d(conv: torch.nn.Module, x: torch.Tensor, cache_x: torch.Tensor | None = None) -> torch.Tensor:
+    """``WanCausalConv3d.forward(x, cache_x)`` through the kernel, on :func:`causal_padded`'s input; the result
+    ``[1, C_out, T', H, W]`` is a channels_last_3d view of the kernel's output."""
+    if x.shape[0] != 1:
+        raise ValueError(f"one stream per call: batch must be 1, got {x.shape[0]}")
+    return _run(conv, causal_padded(conv, x, cache_x)).permute(3, 0, 1, 2).unsqueeze(0)
 
 
 def same_conv2d(conv: torch.nn.Conv2d, x: torch.Tensor) -> torch.Tensor:

@@ -209,7 +209,7 @@ def test_conv_input_compiles_for_sm90_without_spills():
     constants = {"C": 384, "BLOCK_C": 512, "ROWS": cif.DEFAULT_LAUNCH[0], "HAS_BIAS": False, "E4M3_MAX": cif.FP8_MAX,
                  "sx_c": 1, "sc_c": 1}
     compile_for_sm90_without_spills(cif._conv_input_kernel, pointers, constants,
-                                    ("positions", "frames_in", "height", "width", "zero_frames", "cache_frames",
+                                    ("positions", "height", "width", "zero_frames", "cache_frames",
                                      "keep_from", "sx_t", "sx_h", "sx_w", "sc_t", "sc_h", "sc_w"))
 
 
