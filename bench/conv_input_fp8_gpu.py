@@ -8,7 +8,8 @@ Per stage (channels, frames and size of one latent frame's chunk, the cache of t
 (the chunk read once, the padded e4m3 input and the cache written) and the rate. ``calls_per_latent_frame``
 weights them into ms a latent frame; ``best`` names the fastest launch within one e4m3 step of the reference.
 
-    python3 bench/conv_input_fp8_gpu.py
+    python3 bench/conv_input_fp8_gpu.py                  # every launch of LAUNCHES
+    python3 bench/conv_input_fp8_gpu.py --default-only   # each stage's default launch (a before/after)
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ from decoders import shifted_rows_conv as src  # noqa: E402
 # decoder at 832x480: the mid block and up_blocks.0 at the latent size, then the three upsampled stages.
 STAGES = ((384, 1, 60, 104, 10), (192, 2, 120, 208, 1), (384, 2, 120, 208, 5), (192, 4, 240, 416, 6),
           (96, 4, 480, 832, 6))
-LAUNCHES = tuple((rows, warps) for rows in (8, 16, 32, 64) for warps in (2, 4, 8))
+LAUNCHES = tuple((rows, warps) for rows in (2, 4, 8, 16, 32, 64) for warps in (2, 4, 8))
+
+
+def default_launch(channels: int) -> tuple[int, int]:
+    """The module's launch for ``channels``; a tree from before ``default_launch`` (bench/device/
+    run_access_widths.sh's baseline) had one launch for every stage."""
+    return cif.default_launch(channels) if hasattr(cif, "default_launch") else cif.DEFAULT_LAUNCH
 
 
 def timed_us(fn, reps: int) -> float:
     return 1000 * timed_ms(fn, torch.device("cuda"), reps)
 
 
-def stage_run(channels: int, frames: int, height: int, width: int, reps: int) -> dict:
+def stage_run(channels: int, frames: int, height: int, width: int, reps: int, launches) -> dict:
     from diffusers.models.autoencoders.autoencoder_kl_wan import WanResidualBlock
 
     torch.manual_seed(0)
@@ -56,7 +63,7 @@ def stage_run(channels: int, frames: int, height: int, width: int, reps: int) ->
     row = {"channels": channels, "frames": frames, "height": height, "width": width, "bytes": moved,
            "compiled_us": round(timed_us(lambda: compiled(block.norm1, block.conv1, x, cache), reps), 1),
            "launches": {}}
-    for launch in LAUNCHES:
+    for launch in launches or (default_launch(channels),):
         name = f"rows{launch[0]}_warps{launch[1]}"
         try:
             got = cif.conv_input(block.norm1, block.conv1, x, cache, launch)
@@ -76,19 +83,20 @@ def stage_run(channels: int, frames: int, height: int, width: int, reps: int) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--default-only", action="store_true", help="time each stage's default launch only")
     args = parser.parse_args()
     record = {"bench": "conv_input_fp8", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "default_launch": list(cif.DEFAULT_LAUNCH), "stages": []}
+              "values_per_thread": getattr(cif, "VALUES_PER_THREAD", None), "stages": []}
     for channels, frames, height, width, calls in STAGES:
-        row = stage_run(channels, frames, height, width, args.reps)
+        row = stage_run(channels, frames, height, width, args.reps, () if args.default_only else LAUNCHES)
         row["calls_per_latent_frame"] = calls
         record["stages"].append(row)
         print(f"stage {channels}x{frames}x{height}x{width}: compiled {row['compiled_us']} us, best {row['best']} "
               f"{row['launches'].get(row['best'] or '', {}).get('us')} us", file=sys.stderr, flush=True)
-    default = "rows{}_warps{}".format(*cif.DEFAULT_LAUNCH)
     per_frame = {"compiled": 0.0, "default": 0.0, "best": 0.0}
     for row in record["stages"]:
         calls = row["calls_per_latent_frame"] / 1000
+        default = "rows{}_warps{}".format(*default_launch(row["channels"]))
         per_frame["compiled"] += row["compiled_us"] * calls
         per_frame["default"] += row["launches"].get(default, {}).get("us", float("nan")) * calls
         per_frame["best"] += row["launches"].get(row["best"] or "", {}).get("us", float("nan")) * calls

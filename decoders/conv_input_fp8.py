@@ -40,12 +40,21 @@ except ImportError:  # CPU-only installs: the module imports; the decoder keeps 
 CACHE_FRAMES = 2  # diffusers' CACHE_T: the causal frames a 3x3x3 convolution's next chunk needs
 NORM_EPS = 1e-12  # F.normalize's default
 MAX_CHANNELS = 1024  # one position's channels on chip
-# (padded positions a program, warps a program): measured on an H100 at 16 rows and 4 warps
-# (docs/BENCHMARKS.md, thirty-sixth session); bench/conv_input_fp8_gpu.py sweeps the others.
-DEFAULT_LAUNCH = (16, 4)
+# A program's positions times its channel block, over its threads: 16 values a thread. At 96 channels (16 rows,
+# 4 warps) measured on an H100 (docs/BENCHMARKS.md, thirty-sixth session); the wider stages take fewer rows, so
+# a thread holds as many values there (16 rows at 384 channels were 64 a thread: 192 registers, two programs an
+# SM). bench/conv_input_fp8_gpu.py sweeps the others.
+VALUES_PER_THREAD = 16
+DEFAULT_WARPS = 4
 
 # The device scripts' before/after switch: False keeps diffusers' forward for every block (as before).
 FUSED = True
+
+
+def default_launch(channels: int) -> tuple[int, int]:
+    """(padded positions, warps) a program for ``channels``: :data:`VALUES_PER_THREAD` values a thread."""
+    rows = VALUES_PER_THREAD * 32 * DEFAULT_WARPS // (1 << (channels - 1).bit_length())  # the channel block
+    return max(1, rows), DEFAULT_WARPS
 
 
 def new_cache_frames(frames: int, cache_frames: int) -> int:
@@ -71,9 +80,10 @@ def conv_input_reference(
 
 if triton is not None:
 
-    # Every size varies with the stage and the chunk; specialising on them would compile per shape.
-    @triton.jit(do_not_specialize=["positions", "height", "width", "zero_frames", "cache_frames",
-                                   "keep_from", "sx_t", "sx_h", "sx_w", "sc_t", "sc_h", "sc_w"])
+    # Every size varies with the stage and the chunk; specialising on them would compile per shape. The strides
+    # are specialised (divisible by 16 or not: a variant or two): a position's channels then load as 16-byte
+    # vectors, where unspecialised strides made every load one bf16 (tests/test_conv_input_fp8.py).
+    @triton.jit(do_not_specialize=["positions", "height", "width", "zero_frames", "cache_frames", "keep_from"])
     def _conv_input_kernel(
         X, Cache, Gamma, Bias, Out, NewCache,
         positions, height, width, pad_h, pad_w, zero_frames, cache_frames, keep_from,
@@ -179,11 +189,13 @@ def _channels_last(x: torch.Tensor) -> torch.Tensor:
 
 def conv_input(
     norm: torch.nn.Module, conv: torch.nn.Module, x: torch.Tensor, cache: torch.Tensor | None,
-    launch: tuple[int, int] = DEFAULT_LAUNCH,
+    launch: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`conv_input_reference`'s two results from the kernel, the new cache a ``[1, C, T', H, W]`` view of a
     channels-last tensor. ``conv`` is installed in e4m3 (``shifted_rows_conv.install(fp8=True)``) and a cache
-    is at most as long as the convolution's causal padding. ``launch``: (rows, warps) a program, powers of two."""
+    is at most as long as the convolution's causal padding. ``launch``: (rows, warps) a program, powers of two
+    (default :func:`default_launch`)."""
+    launch = launch or default_launch(x.shape[1])
     if any(v < 1 or v & (v - 1) for v in launch):
         raise ValueError(f"launch (rows, warps) must be powers of two, got {launch}")
     pad_w, _, pad_h, _, pad_t, _ = conv._padding

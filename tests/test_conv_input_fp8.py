@@ -198,19 +198,29 @@ def _block_cpu() -> WanResidualBlock:
     return block
 
 
-def test_conv_input_compiles_for_sm90_without_spills():
-    """The 384-channel stage (a 512-wide block) in bf16 compiled for Hopper without a GPU: no local memory,
-    Hopper's e4m3 conversion."""
+@pytest.mark.parametrize("channels", [96, 384])
+def test_conv_input_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch, channels):
+    """A launch at the decoder's narrowest and widest stage, on channels-last chunks as the decoder passes them,
+    compiled for Hopper with the launcher's own specialisation: no local memory, Hopper's e4m3 conversion, and
+    a position's channels loaded and stored as 16-byte vectors (with its strides unspecialised, as landed in the
+    thirty-sixth session, every value loaded on its own: 33 and 128 two-byte loads a thread). Only the norm's
+    weights may load one value a thread."""
     pytest.importorskip("triton")
-    from tests.sm90 import compile_for_sm90_without_spills
+    from tests.sm90 import compile_launch_for_sm90, narrow_accesses, record_launches
 
-    pointers = {"X": "*bf16", "Cache": "*bf16", "Gamma": "*bf16", "Bias": "*bf16", "Out": "*fp8e4nv",
-                "NewCache": "*bf16", "norm_scale": "fp32", "inv_input_scale": "fp32", "eps": "fp32"}
-    constants = {"C": 384, "BLOCK_C": 512, "ROWS": cif.DEFAULT_LAUNCH[0], "HAS_BIAS": False, "E4M3_MAX": cif.FP8_MAX,
-                 "sx_c": 1, "sc_c": 1}
-    compile_for_sm90_without_spills(cif._conv_input_kernel, pointers, constants,
-                                    ("positions", "height", "width", "zero_frames", "cache_frames",
-                                     "keep_from", "sx_t", "sx_h", "sx_w", "sc_t", "sc_h", "sc_w"))
+    recorder = record_launches(monkeypatch, cif, "_conv_input_kernel")
+    x = torch.randn(1, 3, 6, 10, channels).bfloat16().permute(0, 4, 1, 2, 3)  # channels-last
+    cache = torch.randn(1, 2, 6, 10, channels).bfloat16().permute(0, 4, 1, 2, 3)
+    cif._conv_input_op(x, cache, torch.ones(channels, dtype=torch.bfloat16), None, [2, 1, 1], 1.0, 0.5,
+                       list(cif.default_launch(channels)))
+    accesses = compile_launch_for_sm90(recorder)
+    assert narrow_accesses(accesses) <= 1 and accesses.get("ld.global.v4.b32", 0) >= 4, accesses
+
+
+def test_default_launch_gives_each_thread_16_values():
+    assert cif.default_launch(96) == (16, 4)  # the launch measured on the H100
+    assert cif.default_launch(192) == (8, 4) and cif.default_launch(384) == (4, 4)
+    assert cif.default_launch(1024) == (2, 4) and cif.default_launch(4096) == (1, 4)
 
 
 @pytest.mark.gpu
