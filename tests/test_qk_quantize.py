@@ -171,16 +171,26 @@ def test_the_kernel_refuses_what_it_cannot_run():
     assert not qq.available(torch.zeros(1, 2, 64)) and not qq.available(x)  # float32; the CPU without the interpreter
 
 
-def test_the_kernel_compiles_for_sm90_without_spills():
-    """Wan 1.3B's q (12 heads of 128: a 16-head block) compiled for Hopper without a GPU, with the stage written:
-    no local memory, Hopper's e4m3 conversion."""
+@pytest.mark.parametrize("stage", [False, True])
+def test_the_kernel_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch, stage):
+    """Wan 1.3B's q (12 heads of 128: a 16-head block), with and without the stage, launched by the wrapper and
+    compiled for Hopper with the launcher's specialisation: no local memory, Hopper's e4m3 conversion, and the
+    rows, weights, angles, e4m3 values and stage moved as 16-byte vectors (a [heads, pairs, 2] tile, as landed in
+    the thirty-fifth session, moved one pair an instruction: 32 four-byte loads and 8 two-byte e4m3 stores a
+    thread). Only the heads' inverse scales load one value a thread."""
     pytest.importorskip("triton")
-    from tests.sm90 import compile_for_sm90_without_spills
+    from tests.sm90 import compile_launch_for_sm90, narrow_accesses, record_launches
 
-    pointers = {"X": "*bf16", "W": "*bf16", "Cos": "*fp32", "Sin": "*fp32", "InverseScale": "*fp32",
-                "Dst": "*fp8e4nv", "Stage": "*bf16", "eps": "fp32"}
-    constants = {"HEADS": 12, "BLOCK_H": 16, "HALF": 64, "STAGE": True, "E4M3_MAX": qq.FP8_MAX}
-    compile_for_sm90_without_spills(qq._rms_rotate_quantize, pointers, constants)
+    recorder = record_launches(monkeypatch, qq, "_rms_rotate_quantize")
+    monkeypatch.setattr(qq, "available", lambda x: True)
+    heads, head_dim, tokens = 12, 128, 4
+    cos, sin = torch.randn(tokens, 1, head_dim // 2), torch.randn(tokens, 1, head_dim // 2)
+    qq.rms_rotate_quantize(torch.randn(1, tokens, heads * head_dim).bfloat16(), torch.ones(heads * head_dim).bfloat16(),
+                           1e-6, heads, cos, sin, torch.ones(heads),
+                           torch.empty(1, tokens, heads, head_dim, dtype=torch.float8_e4m3fn),
+                           torch.empty(tokens, heads, head_dim, dtype=torch.bfloat16) if stage else None)
+    accesses = compile_launch_for_sm90(recorder)
+    assert narrow_accesses(accesses) <= 1 and accesses.get("st.global.v4.b32", 0) == 1 + 2 * stage, accesses
 
 
 @pytest.mark.gpu

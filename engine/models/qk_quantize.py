@@ -55,28 +55,29 @@ if triton is not None:
     ):
         row = tl.program_id(0).to(tl.int64)
         heads = tl.arange(0, BLOCK_H)
-        pairs = tl.arange(0, HALF)
-        sides = tl.arange(0, 2)
-        keep = (heads < HEADS)[:, None, None]
-        # Channel h * head_dim + 2i + j: pair i of head h, its even (j = 0) and odd (j = 1) channel.
-        channels = heads[:, None, None] * (2 * HALF) + (2 * pairs)[None, :, None] + sides[None, None, :]
+        cols = tl.arange(0, 2 * HALF)
+        keep = (heads < HEADS)[:, None]
+        # [heads, head_dim] tiles: each thread's channels are contiguous, so rows load and store as 16-byte
+        # vectors (a [heads, pairs, 2] tile made every access one pair: 4-byte loads, 2-byte e4m3 stores).
+        channels = heads[:, None] * (2 * HALF) + cols[None, :]
         x = tl.load(X + row * stride_xs + channels, mask=keep, other=0.0)
         h = x.to(tl.float32)
-        mean_square = tl.sum(tl.sum(tl.sum(h * h, 2), 1), 0) / (HEADS * 2 * HALF)
+        mean_square = tl.sum(tl.sum(h * h, 1), 0) / (HEADS * 2 * HALF)
         rstd = 1.0 / tl.sqrt_rn(mean_square + eps)
         w = tl.load(W + channels, mask=keep, other=0.0).to(tl.float32)
         normed = (h * rstd * w).to(x.dtype)  # F.rms_norm's output
         if STAGE:
-            tl.store(Stage + row * stride_gs + heads[:, None, None] * stride_gh + (2 * pairs)[None, :, None]
-                     + sides[None, None, :], normed, mask=keep)
-        even, odd = tl.split(normed.to(tl.float32))
+            tl.store(Stage + row * stride_gs + heads[:, None] * stride_gh + cols[None, :], normed, mask=keep)
+        # Channel 2i + j of a head: pair i, its even (j = 0) or odd (j = 1) side.
+        even, odd = tl.split(tl.reshape(normed.to(tl.float32), [BLOCK_H, HALF, 2]))
+        pairs = tl.arange(0, HALF)
         cos = tl.load(Cos + row * stride_cs + pairs)[None, :]
         sin = tl.load(Sin + row * stride_cs + pairs)[None, :]
         rotated = tl.join((even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype))
-        inverse = tl.load(InverseScale + heads, mask=heads < HEADS, other=1.0)[:, None, None]
+        rotated = tl.reshape(rotated, [BLOCK_H, 2 * HALF])
+        inverse = tl.load(InverseScale + heads, mask=heads < HEADS, other=1.0)[:, None]
         quantized = tl.clamp(rotated.to(tl.float32) * inverse, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-        tl.store(Dst + row * stride_ds + heads[:, None, None] * stride_dh + (2 * pairs)[None, :, None]
-                 + sides[None, None, :], quantized, mask=keep)
+        tl.store(Dst + row * stride_ds + heads[:, None] * stride_dh + cols[None, :], quantized, mask=keep)
 
 
 def _interpreted() -> bool:
