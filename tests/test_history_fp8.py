@@ -119,18 +119,30 @@ def test_the_direct_load_refuses_ids_that_do_not_cover_the_history():
         history_fp8.load_history(pool, torch.tensor([1, 2]), 2 * ROWS * COLS, cos, sin, _workspace().fp8, HISTORY)
 
 
-def test_the_kernels_compile_for_sm90_without_spills():
-    """Both passes at Wan 1.3B's heads (12 of 128), keys rotated: no local memory; the cast is Hopper's."""
+def test_the_kernels_compile_for_sm90_as_launched_with_16_byte_accesses(monkeypatch):
+    """Both passes for K (rotated) and V at Wan 1.3B's heads (12 of 128) and frames (1,560 tokens), launched by
+    load_history and compiled for Hopper with the launcher's specialisation: no local memory, Hopper's e4m3
+    conversion, and the pool's rows loaded and the mirror's rows stored as 16-byte vectors (a [rows, pairs, 2]
+    tile, as landed in the thirty-fifth session, loaded one pair an instruction: 16 four-byte loads a thread,
+    and the keys stored as 16 two-byte pairs). What loads narrow: a row's block id (one int32 a row a thread)
+    and the partial maxima."""
     pytest.importorskip("triton")
-    from tests.sm90 import compile_for_sm90_without_spills
+    from tests.sm90 import compile_launch_for_sm90, narrow_accesses, record_launches
 
-    pointers = {"Pool": "*bf16", "Ids": "*i32", "Cos": "*fp32", "Sin": "*fp32", "Partial": "*fp32",
-                "Dst": "*fp8e4nv", "Scale": "*fp32"}
-    common = {"H": 12, "HALF": 64, "ROTATE": True, "BLOCK_S": history_fp8._BLOCK_S}
-    unaligned = ("KV", "S", "T", "NB", "NUM_PARTS", "ROWS_PER_PART")
-    compile_for_sm90_without_spills(history_fp8._history_amax, pointers, common, unaligned, e4m3_cast=False)
-    compile_for_sm90_without_spills(history_fp8._history_cast, pointers,
-                                    {**common, "BLOCK_P": history_fp8._MAX_PARTS, "INVERSE_MAX": 1 / 448}, unaligned)
+    passes = record_launches(monkeypatch, history_fp8, "_history_amax"), record_launches(monkeypatch, history_fp8,
+                                                                                          "_history_cast")
+    layers, blocks, frame, heads, head_dim = 1, 3, 1560, 12, 128
+    pool = torch.zeros(layers, 2, blocks, frame, heads, head_dim, dtype=torch.bfloat16)
+    workspace = ContextKV(num_layers=layers, max_tokens=3 * frame, num_heads=heads, head_dim=head_dim,
+                          tokens_per_frame=frame, dtype=torch.bfloat16, device=torch.device("cpu"), fp8_attention=True)
+    cos, sin = FrameRotaryEmbedding(head_dim, 30, 52, 8).for_frames(3, "cpu")
+    history_fp8.load_history(pool, torch.tensor([2, 0], dtype=torch.int32), 2 * frame, cos, sin, workspace.fp8,
+                             HISTORY)
+    for recorder, e4m3 in zip(passes, (False, True)):
+        for kv in (0, 1):  # K, then V
+            accesses = compile_launch_for_sm90(recorder, kv, e4m3_cast=e4m3)
+            assert narrow_accesses(accesses) <= 6, (recorder.fn.__name__, kv, accesses)
+            assert (accesses.get("st.global.v4.b32", 0) == 2) == e4m3, (recorder.fn.__name__, kv, accesses)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:

@@ -42,20 +42,20 @@ if triton is not None:
     @triton.jit
     def _load_rows(Pool, Ids, Cos, Sin, layer_kv, head, rows, S, T, NB, H: tl.constexpr, HALF: tl.constexpr,
                    ROTATE: tl.constexpr):
-        """History rows ``rows`` of one (layer, K or V, head) from the pool, ``[BLOCK_S, HALF, 2]`` float32 (0 past
+        """History rows ``rows`` of one (layer, K or V, head) from the pool, ``[BLOCK_S, 2 * HALF]`` float32 (0 past
         ``S``): row r is token ``r % T`` of the frame in block ``Ids[r // T]``; keys rotated by row r's angles."""
         valid = rows < S
         block = tl.load(Ids + rows // T, mask=valid, other=0).to(tl.int64)
         base = ((layer_kv * NB + block) * T + rows % T) * (H * 2 * HALF) + head * (2 * HALF)
-        pairs = tl.arange(0, HALF)
-        sides = tl.arange(0, 2)
-        x = tl.load(Pool + base[:, None, None] + (2 * pairs)[None, :, None] + sides[None, None, :],
-                    mask=valid[:, None, None], other=0.0)
+        # A row's channels as one contiguous run: 16-byte loads (a [rows, pairs, 2] tile loaded one pair each).
+        x = tl.load(Pool + base[:, None] + tl.arange(0, 2 * HALF)[None, :], mask=valid[:, None], other=0.0)
         if ROTATE:  # kernels.rotate_pairs: (x1 cos - x2 sin, x1 sin + x2 cos) in float32, rounded to bf16
-            even, odd = tl.split(x.to(tl.float32))
+            even, odd = tl.split(tl.reshape(x.to(tl.float32), [x.shape[0], HALF, 2]))
+            pairs = tl.arange(0, HALF)
             cos = tl.load(Cos + rows[:, None] * HALF + pairs[None, :], mask=valid[:, None], other=0.0)
             sin = tl.load(Sin + rows[:, None] * HALF + pairs[None, :], mask=valid[:, None], other=0.0)
-            x = tl.join((even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype))
+            rotated = tl.join((even * cos - odd * sin).to(x.dtype), (even * sin + odd * cos).to(x.dtype))
+            x = tl.reshape(rotated, [x.shape[0], 2 * HALF])
         return x.to(tl.float32)
 
     @triton.jit
@@ -68,13 +68,13 @@ if triton is not None:
         lh = tl.program_id(1)
         layer_kv = (lh // H) * 2 + KV
         head = lh % H
-        amax = tl.zeros([BLOCK_S, HALF, 2], dtype=tl.float32)
+        amax = tl.zeros([BLOCK_S, 2 * HALF], dtype=tl.float32)
         first = part * ROWS_PER_PART
         for row in range(first, tl.minimum(first + ROWS_PER_PART, S), BLOCK_S):
             x = _load_rows(Pool, Ids, Cos, Sin, layer_kv, head, row + tl.arange(0, BLOCK_S), S, T, NB, H, HALF,
                            ROTATE)
             amax = tl.maximum(amax, tl.abs(x))
-        tl.store(Partial + lh * NUM_PARTS + part, tl.max(tl.max(tl.max(amax, 2), 1), 0))
+        tl.store(Partial + lh * NUM_PARTS + part, tl.max(tl.max(amax, 1), 0))
 
     @triton.jit
     def _history_cast(
@@ -96,16 +96,14 @@ if triton is not None:
         scale = tl.where(nonzero, amax * INVERSE_MAX, 1.0)
         inverse = tl.where(nonzero, tl.math.div_rn(1.0, tl.maximum(amax, 1e-30)) * 448.0, 1.0)
         tl.store(Scale + layer * stride_sl + head, scale, mask=part == 0)
-        pairs = tl.arange(0, HALF)
-        sides = tl.arange(0, 2)
-        channel = (2 * pairs)[None, :, None] + sides[None, None, :]
+        channel = tl.arange(0, 2 * HALF)[None, :]
         base = Dst + layer.to(tl.int64) * stride_dl + head * stride_dh
         first = part * ROWS_PER_PART
         for row in range(first, tl.minimum(first + ROWS_PER_PART, S), BLOCK_S):
             rows = row + tl.arange(0, BLOCK_S)
             x = _load_rows(Pool, Ids, Cos, Sin, layer * 2 + KV, head, rows, S, T, NB, H, HALF, ROTATE)
-            tl.store(base + rows[:, None, None].to(tl.int64) * stride_ds + channel * stride_dc,
-                     (x * inverse).to(tl.float8e4nv), mask=(rows < S)[:, None, None])
+            tl.store(base + rows[:, None].to(tl.int64) * stride_ds + channel * stride_dc,
+                     (x * inverse).to(tl.float8e4nv), mask=(rows < S)[:, None])
 
 
 def available(pool: torch.Tensor) -> bool:
