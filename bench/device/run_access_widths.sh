@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# Issue 31: three kernels whose global loads and stores were one value (or pair) an instruction, now 16-byte
+# vectors (tests/sm90.py compiles each launch as launched; thirty-seventh session): the e4m3 decode's residual-
+# block inputs (decoders/conv_input_fp8.py: strides specialised, a launch per channel count), q / k's norm,
+# rotation and cast (engine/models/qk_quantize.py) and the FP8 mirror's history from the pool
+# (engine/models/history_fp8.py). Before / after on the same machine: BEFORE (default .baseline) holds those
+# three files as they were (made here, not on the device, and carried):
+#
+#     mkdir -p .baseline && for f in decoders/conv_input_fp8.py engine/models/qk_quantize.py \
+#         engine/models/history_fp8.py; do git show 14c534a:$f > .baseline/${f//\//__}; done
+#     run(command="bash bench/device/run_access_widths.sh 590", carry=[".site.tar.xz", ".baseline"])
+#     run(command="BENCHES=0 GPU_TESTS=0 SERVE='standard_e4m3:after standard_e4m3:before fast:after' \
+#         bash bench/device/run_access_widths.sh 590", carry=[".site.tar.xz", ".baseline"])
+#
+# 1. GPU_TESTS=1 (default): the GPU tests of the three kernels, the FP8 engine (CUDA graphs) and the compiled
+#    decode on the fused inputs.
+# 2. BENCHES=1 (default): each bench with the tree's files ("after") and with BEFORE's swapped into THIS COPY
+#    ("before"): bench/qk_quantize_gpu.py (qk_*.json), bench/history_fp8_gpu.py (the direct load against the
+#    gather, history_*.json), bench/conv_input_fp8_gpu.py --default-only (input_*.json); then SWEEP=1 (default)
+#    the input kernel's launches (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused
+#    inputs, both ways (conv_*.json).
+# 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
+#    `--fp8 all`, a fresh `arstream serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-590}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+BEFORE=${BEFORE:-.baseline}
+FILES="decoders/conv_input_fp8.py engine/models/qk_quantize.py engine/models/history_fp8.py"
+mkdir -p /tmp/after
+for f in $FILES; do cp "$f" "/tmp/after/${f//\//__}"; done
+use() {  # use after|before: the three files from the tree or from BEFORE, in THIS COPY
+  local from=/tmp/after
+  [ "$1" = before ] && from=$BEFORE
+  for f in $FILES; do cp "$from/${f//\//__}" "$f" || { echo "no $from/${f//\//__}"; return 1; }; done
+  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = ${2:-False}/" engine/models/history_fp8.py
+}
+if [ "${GPU_TESTS:-1}" = 1 ]; then
+  gpu_tests "${GPU_TESTS_S:-170}" tests/test_conv_input_fp8.py tests/test_qk_quantize.py tests/test_history_fp8.py \
+    tests/test_fp8_attention_engine.py
+  grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -n 12
+fi
+if [ "${BENCHES:-1}" = 1 ]; then
+  for which in after before; do
+    use "$which" || continue
+    part "qk_$which" "${QK_S:-40}" python3 bench/qk_quantize_gpu.py
+    tail -n 1 "$OUT/qk_$which.stdout" > "$OUT/qk_$which.json"; cut -c1-400 "$OUT/qk_$which.json"
+    part "history_$which" "${HISTORY_S:-70}" python3 bench/history_fp8_gpu.py
+    tail -n 1 "$OUT/history_$which.stdout" > "$OUT/history_$which.json"; cut -c1-500 "$OUT/history_$which.json"
+    part "input_$which" "${INPUT_S:-60}" python3 bench/conv_input_fp8_gpu.py --default-only
+    tail -n 1 "$OUT/input_$which.stdout" > "$OUT/input_$which.json"; tail -n 5 "$OUT/input_$which.stderr"
+  done
+  use after
+  if [ "${SWEEP:-1}" = 1 ]; then
+    part input_sweep "${SWEEP_S:-150}" python3 bench/conv_input_fp8_gpu.py
+    tail -n 1 "$OUT/input_sweep.stdout" > "$OUT/input_sweep.json"; tail -n 6 "$OUT/input_sweep.stderr"
+  fi
+  if [ "${DECODE:-1}" = 1 ]; then
+    for which in after before; do
+      use "$which" || continue
+      part "decode_$which" "${DECODE_S:-100}" python3 bench/shifted_rows_conv_gpu.py --skip-shapes \
+        --paths kernel_fp8_fused --profile kernel_fp8_fused --out "$OUT/conv_$which.json" --reps 10 --blocks 4 \
+        --warmup 2
+      tail -n 2 "$OUT/decode_$which.stderr"
+    done
+  fi
+fi
+for entry in ${SERVE:-}; do
+  what=${entry%%:*} mode=${entry##*:}
+  case $mode in
+    before) use before ;; direct) use after True ;; *) use after ;;
+  esac
+  fp8_service "$what" "${what}_$mode"
+done
+use after
+echo "== done, $(left)s left"
