@@ -10,7 +10,7 @@
 #    straight from the pool; history.json.
 # 2b. INPUT_BENCH=1 (default): bench/conv_input_fp8_gpu.py, the kernel under each launch (rows, warps) at the
 #    decoder's shapes against the compiled path it replaced; input.json. Its best launch is not installed here:
-#    set DEFAULT_LAUNCH in decoders/conv_input_fp8.py from it, then run DECODE.
+#    set default_launch (VALUES_PER_THREAD, DEFAULT_WARPS) in decoders/conv_input_fp8.py from it, then run DECODE.
 # 3. DECODE=1 (default): bench/shifted_rows_conv_gpu.py's compiled decode, the e4m3 path with the compiled inputs
 #    and with the fused ones (PATHS), each profiled by kernel (40 largest); conv.json.
 # 4. SERVE: services "what:on|off" (on: this tree; off: the fused inputs switched off in THIS COPY of the tree,
