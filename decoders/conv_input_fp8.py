@@ -4,8 +4,9 @@ Why: with e4m3 decode convolutions (``decode_convs = triton_fp8``) each residual
 two 3x3x3 convolutions, diffusers' ``WanRMS_norm`` over the channels, SiLU, a copy of the last two frames kept as
 the next chunk's causal cache, the cache of the previous chunk put in front, zero padding in H and W, the
 channels-last layout the kernel reads and the cast to e4m3. Compiled, that was several passes over the decoder's
-largest tensors (the 96-channel stage at 480x832 is 150 M values a latent frame); here one Triton program reads
-each input position's channels once and writes the padded e4m3 row (and the cache row, where it is one).
+largest tensors (the 96-channel stage at 480x832 is 150 M values a latent frame); here one Triton pass reads
+each input position's channels (twice: the norm's sum, then the values, the second time from L1) and writes the
+padded e4m3 row (and the cache row, where it is one).
 
 The arithmetic is diffusers' eager path, rounding for rounding: the norm in float32
 (``F.normalize(x.float())``, rounded to the activation's dtype), times ``sqrt(C)``, times ``gamma`` (and plus
@@ -39,22 +40,30 @@ except ImportError:  # CPU-only installs: the module imports; the decoder keeps 
 
 CACHE_FRAMES = 2  # diffusers' CACHE_T: the causal frames a 3x3x3 convolution's next chunk needs
 NORM_EPS = 1e-12  # F.normalize's default
-MAX_CHANNELS = 1024  # one position's channels on chip
-# A program's positions times its channel block, over its threads: 16 values a thread. At 96 channels (16 rows,
-# 4 warps) measured on an H100 (docs/BENCHMARKS.md, thirty-sixth session); the wider stages take fewer rows, so
-# a thread holds as many values there (16 rows at 384 channels were 64 a thread: 192 registers, two programs an
-# SM). bench/conv_input_fp8_gpu.py sweeps the others.
+MAX_GROUP = 128  # channels a program computes at a time
+MAX_GROUPS = 8  # channel groups a position (unrolled in the kernel): 96, 192 and 384 channels are 3 of 32, 64, 128
+# A program: a run of one line's positions, GROUP channels of each at a time, 16 values a thread (64 positions at
+# 96 channels, 32 at 192, 16 at 384, with 4 warps). Not yet measured on a GPU (docs/BENCHMARKS.md, thirty-seventh
+# session); bench/conv_input_fp8_gpu.py sweeps the others.
 VALUES_PER_THREAD = 16
 DEFAULT_WARPS = 4
+MAX_COLUMNS = 256
 
 # The device scripts' before/after switch: False keeps diffusers' forward for every block (as before).
 FUSED = True
 
 
+def channel_group(channels: int) -> int:
+    """The channels a program computes at a time: the largest power of two that divides ``channels``, at most
+    :data:`MAX_GROUP` (a group is a power of two, and one that divides the channels masks no lane)."""
+    return min(channels & -channels, MAX_GROUP)
+
+
 def default_launch(channels: int) -> tuple[int, int]:
-    """(padded positions, warps) a program for ``channels``: :data:`VALUES_PER_THREAD` values a thread."""
-    rows = VALUES_PER_THREAD * 32 * DEFAULT_WARPS // (1 << (channels - 1).bit_length())  # the channel block
-    return max(1, rows), DEFAULT_WARPS
+    """(positions of a line, warps) a program for ``channels``: :data:`VALUES_PER_THREAD` values a thread in
+    each channel group."""
+    columns = VALUES_PER_THREAD * 32 * DEFAULT_WARPS // channel_group(channels)
+    return max(1, min(columns, MAX_COLUMNS)), DEFAULT_WARPS
 
 
 def new_cache_frames(frames: int, cache_frames: int) -> int:
@@ -80,56 +89,71 @@ def conv_input_reference(
 
 if triton is not None:
 
+    @triton.jit
+    def _store_e4m3(Out, out_rows, ch, value, in_line, inv_input_scale, E4M3_MAX: tl.constexpr):
+        quantized = tl.clamp(value.to(tl.float32) * inv_input_scale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
+        tl.store(Out + out_rows[:, None] + ch[None, :], quantized, mask=in_line[:, None])
+
     # Every size varies with the stage and the chunk; specialising on them would compile per shape. The strides
-    # are specialised (divisible by 16 or not: a variant or two): a position's channels then load as 16-byte
-    # vectors, where unspecialised strides made every load one bf16 (tests/test_conv_input_fp8.py).
-    @triton.jit(do_not_specialize=["positions", "height", "width", "zero_frames", "cache_frames", "keep_from"])
+    # are specialised (divisible by 16 or not: a variant or two), so a position's channels load as 16-byte vectors.
+    @triton.jit(do_not_specialize=["height", "width", "zero_frames", "cache_frames", "keep_from"])
     def _conv_input_kernel(
         X, Cache, Gamma, Bias, Out, NewCache,
-        positions, height, width, pad_h, pad_w, zero_frames, cache_frames, keep_from,
-        sx_t, sx_h, sx_w, sx_c, sc_t, sc_h, sc_w, sc_c, norm_scale, inv_input_scale, eps,
-        C: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr, HAS_BIAS: tl.constexpr,
+        height, width, pad_h, pad_w, zero_frames, cache_frames, keep_from,
+        sx_t, sx_h, sx_w, sc_t, sc_h, sc_w, norm_scale, inv_input_scale, eps,
+        C: tl.constexpr, GROUP: tl.constexpr, COLS: tl.constexpr, HAS_BIAS: tl.constexpr,
         E4M3_MAX: tl.constexpr,
     ):
-        # One program: ROWS consecutive positions of the padded output (frame, line, column), all channels.
-        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-        line = width + 2 * pad_w
-        plane = (height + 2 * pad_h) * line
-        frame = rows // plane
-        y = (rows % plane) // line - pad_h
-        x = rows % line - pad_w
-        inside = (rows < positions) & (y >= 0) & (y < height) & (x >= 0) & (x < width)
-        step = frame - zero_frames  # position in the causal sequence: the cache's frames, then the chunk's
-        from_cache = inside & (step >= 0) & (step < cache_frames)
-        from_x = inside & (step >= cache_frames)
-        cols = tl.arange(0, BLOCK_C)
-        in_c = cols < C
-        t = tl.maximum(step - cache_frames, 0).to(tl.int64)
-        xv = tl.load(X + (t * sx_t + y * sx_h + x * sx_w)[:, None] + cols[None, :] * sx_c,
-                     mask=from_x[:, None] & in_c[None, :], other=0.0)
-        dtype = xv.dtype
-        h = xv.to(tl.float32)
-        # F.normalize in float32, rounded to the activation's dtype; then eager's products, each rounded.
-        norm = tl.maximum(tl.sqrt_rn(tl.sum(h * h, 1)), eps)
-        v = (h * tl.math.div_rn(1.0, norm)[:, None]).to(dtype).to(tl.float32)
-        v = (v * norm_scale).to(dtype).to(tl.float32)
-        gamma = tl.load(Gamma + cols, mask=in_c, other=0.0).to(tl.float32)
-        v = (v * gamma[None, :]).to(dtype).to(tl.float32)
-        if HAS_BIAS:
-            v = (v + tl.load(Bias + cols, mask=in_c, other=0.0).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
-        act = (v / (1.0 + tl.exp(-v))).to(dtype)
-        s = tl.maximum(step, 0).to(tl.int64)
-        cached = tl.load(Cache + (s * sc_t + y * sc_h + x * sc_w)[:, None] + cols[None, :] * sc_c,
-                         mask=from_cache[:, None] & in_c[None, :], other=0.0)
-        value = tl.where(from_cache[:, None], cached, act)
-        value = tl.where((from_x | from_cache)[:, None], value, tl.zeros_like(value))  # padding, zero frames
-        quantized = tl.clamp(value.to(tl.float32) * inv_input_scale, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-        out_rows = rows.to(tl.int64)[:, None] * C + cols[None, :]
-        tl.store(Out + out_rows, quantized, mask=(rows < positions)[:, None] & in_c[None, :])
-        # The sequence's last frames are the next chunk's cache, channels-last and compact.
-        kept = (from_x | from_cache) & (step >= keep_from)
-        cache_rows = ((tl.maximum(step - keep_from, 0) * height + y) * width + x).to(tl.int64)
-        tl.store(NewCache + cache_rows[:, None] * C + cols[None, :], value, mask=kept[:, None] & in_c[None, :])
+        # One program: COLS consecutive positions of one line of one frame of the padded output, all channels,
+        # GROUP channels at a time (GROUP divides C: no lane computes a channel that is not there). The grid is
+        # (column blocks, lines, frames): no position is divided back into its coordinates, and what a line is
+        # (padding, a zero frame, a cached frame or the chunk's) is one branch for the whole program.
+        step = tl.program_id(2) - zero_frames  # position in the causal sequence: the cache's frames, the chunk's
+        y = tl.program_id(1) - pad_h
+        out_width = width + 2 * pad_w
+        cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
+        in_line = cols < out_width
+        x = cols - pad_w
+        inside = (x >= 0) & (x < width)
+        ch = tl.arange(0, GROUP)
+        out_rows = ((tl.program_id(2) * (height + 2 * pad_h) + tl.program_id(1)).to(tl.int64) * out_width + cols) * C
+        keep = step >= keep_from  # the sequence's last frames are the next chunk's cache (channels-last, compact)
+        cache_rows = ((tl.maximum(step - keep_from, 0) * height + y).to(tl.int64) * width + x) * C
+        if (step >= 0) & (y >= 0) & (y < height):
+            if step < cache_frames:  # the previous chunk's cached frame: cast as it is
+                src = Cache + step.to(tl.int64) * sc_t + y * sc_h + x * sc_w
+                for g in tl.static_range(C // GROUP):
+                    c = g * GROUP + ch
+                    value = tl.load(src[:, None] + c[None, :], mask=inside[:, None], other=0.0)
+                    _store_e4m3(Out, out_rows, c, value, in_line, inv_input_scale, E4M3_MAX)
+                    if keep:
+                        tl.store(NewCache + cache_rows[:, None] + c[None, :], value, mask=inside[:, None])
+            else:  # the chunk's frame: normalized and activated
+                src = X + (step - cache_frames).to(tl.int64) * sx_t + y * sx_h + x * sx_w
+                squares = tl.zeros([COLS], dtype=tl.float32)
+                for g in tl.static_range(C // GROUP):
+                    h = tl.load(src[:, None] + (g * GROUP + ch)[None, :], mask=inside[:, None], other=0.0)
+                    squares += tl.sum(h.to(tl.float32) * h.to(tl.float32), 1)
+                # F.normalize in float32, rounded to the activation's dtype; then eager's products, each rounded.
+                inverse = tl.math.div_rn(1.0, tl.maximum(tl.sqrt_rn(squares), eps))[:, None]
+                for g in tl.static_range(C // GROUP):  # the position's channels again (from L1), group by group
+                    c = g * GROUP + ch
+                    xv = tl.load(src[:, None] + c[None, :], mask=inside[:, None], other=0.0)
+                    dtype = xv.dtype
+                    v = (xv.to(tl.float32) * inverse).to(dtype).to(tl.float32)
+                    v = (v * norm_scale).to(dtype).to(tl.float32)
+                    v = (v * tl.load(Gamma + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+                    if HAS_BIAS:
+                        v = (v + tl.load(Bias + c).to(tl.float32)[None, :]).to(dtype).to(tl.float32)
+                    act = (v / (1.0 + tl.exp(-v))).to(dtype)
+                    act = tl.where(inside[:, None], act, tl.zeros_like(act))  # the padding columns
+                    _store_e4m3(Out, out_rows, c, act, in_line, inv_input_scale, E4M3_MAX)
+                    if keep:
+                        tl.store(NewCache + cache_rows[:, None] + c[None, :], act, mask=inside[:, None])
+        else:  # a padding line, or a causal frame nobody cached: zeros
+            for g in tl.static_range(C // GROUP):
+                zeros = tl.zeros([COLS, GROUP], dtype=tl.float32)
+                _store_e4m3(Out, out_rows, g * GROUP + ch, zeros, in_line, inv_input_scale, E4M3_MAX)
 
 
 def _interpreted() -> bool:
@@ -138,7 +162,8 @@ def _interpreted() -> bool:
 
 def available(x: torch.Tensor) -> bool:
     """Whether the kernel runs for ``x``: Triton, CUDA (or the interpreter, for tests), a float dtype."""
-    if triton is None or x.shape[1] > MAX_CHANNELS or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if triton is None or x.shape[1] // channel_group(x.shape[1]) > MAX_GROUPS \
+            or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
     return x.is_cuda or (x.device.type == "cpu" and _interpreted())
 
@@ -150,7 +175,7 @@ def _conv_input_op(
     padding: list[int], norm_scale: float, input_scale: float, launch: list[int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     _, channels, frames, height, width = x.shape
-    rows_per_program, num_warps = launch
+    columns, num_warps = launch
     pad_t, pad_h, pad_w = padding
     cache_frames = 0 if cache is None else cache.shape[2]
     kept = new_cache_frames(frames, cache_frames)
@@ -158,17 +183,14 @@ def _conv_input_op(
                       dtype=FP8_DTYPE)
     new_cache = torch.empty(kept, height, width, channels, device=x.device, dtype=x.dtype)
     source = cache if cache is not None else x
-    positions = out.shape[0] * out.shape[1] * out.shape[2]
-    if positions:
-        _conv_input_kernel[(triton.cdiv(positions, rows_per_program),)](
+    if out.numel():
+        _conv_input_kernel[(triton.cdiv(out.shape[2], columns), out.shape[1], out.shape[0])](
             x, source, gamma, bias if bias is not None else gamma, out, new_cache,
-            positions, height, width, pad_h, pad_w, pad_t - cache_frames, cache_frames,
-            cache_frames + frames - kept,
-            x.stride(2), x.stride(3), x.stride(4), x.stride(1),
-            source.stride(2), source.stride(3), source.stride(4), source.stride(1),
+            height, width, pad_h, pad_w, pad_t - cache_frames, cache_frames, cache_frames + frames - kept,
+            x.stride(2), x.stride(3), x.stride(4), source.stride(2), source.stride(3), source.stride(4),
             norm_scale, 1.0 / input_scale, NORM_EPS,
-            C=channels, BLOCK_C=triton.next_power_of_2(channels), ROWS=rows_per_program,
-            HAS_BIAS=bias is not None, E4M3_MAX=FP8_MAX, num_warps=num_warps,
+            C=channels, GROUP=channel_group(channels), COLS=columns, HAS_BIAS=bias is not None, E4M3_MAX=FP8_MAX,
+            num_warps=num_warps,
             enable_fp_fusion=False,  # eager's separate products and sums
         )
     return out, new_cache
@@ -193,7 +215,8 @@ def conv_input(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`conv_input_reference`'s two results from the kernel, the new cache a ``[1, C, T', H, W]`` view of a
     channels-last tensor. ``conv`` is installed in e4m3 (``shifted_rows_conv.install(fp8=True)``) and a cache
-    is at most as long as the convolution's causal padding. ``launch``: (rows, warps) a program, powers of two
+    is at most as long as the convolution's causal padding. ``launch``: (positions of a line, warps) a program,
+    powers of two
     (default :func:`default_launch`)."""
     launch = launch or default_launch(x.shape[1])
     if any(v < 1 or v & (v - 1) for v in launch):
