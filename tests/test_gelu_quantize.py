@@ -77,14 +77,26 @@ def test_one_pass_gelu_quantizer_refuses_what_it_cannot_run():
     assert not gq.available(torch.zeros(1, gq.MAX_WIDTH + 16))
 
 
-def test_one_pass_gelu_quantizer_compiles_for_sm90_without_spills():
-    """The Wan FFN's width (8,960: a 16,384-wide block over 16 warps) compiled for Hopper without a GPU: one
-    row's registers fit (no local memory), and the cast is Hopper's e4m3 conversion."""
-    from tests.sm90 import compile_for_sm90_without_spills
+def test_one_pass_gelu_quantizer_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch):
+    """The Wan FFN's width (8,960 = 8,192 + 512 + 256 over 8 warps), launched by the wrapper and compiled for
+    Hopper with the launcher's specialisation: one row's registers fit (no local memory), the cast is Hopper's
+    e4m3 conversion, and the first part, 32 of a thread's 35 values, moves in 16-byte vectors (the 512- and
+    256-wide parts are two values and one a thread)."""
+    from tests.sm90 import compile_launch_for_sm90, narrow_accesses, record_launches
 
-    compile_for_sm90_without_spills(gq._gelu_quantize_rows, {"X": "*bf16", "Q": "*fp8e4nv", "Scale": "*fp32"},
-                                    {"WIDTH": 8960, "BLOCK": 16384, "E4M3_MAX": gq.FP8_MAX, "FLOOR": gq.AMAX_FLOOR},
-                                    num_warps=16)
+    recorder = record_launches(monkeypatch, gq, "_gelu_quantize_rows")
+    monkeypatch.setattr(gq, "available", lambda x: True)
+    gq.gelu_quantize_rows(torch.zeros(4, 8960, dtype=torch.bfloat16))
+    accesses = compile_launch_for_sm90(recorder)
+    assert accesses.get("ld.global.v4.b32", 0) == 4 and narrow_accesses(accesses) <= 5, accesses
+
+
+def test_row_parts_cover_the_width_in_at_most_three_powers_of_two():
+    assert gq.row_parts(8960) == (8192, 512, 256) and gq.row_parts(1536) == (1024, 512, 0)
+    assert gq.row_parts(300) == (256, 32, 16) and gq.row_parts(16384) == (16384, 0, 0) and gq.row_parts(1) == (1, 0, 0)
+    for width in range(1, 3000):
+        first, second, last = gq.row_parts(width)
+        assert first + second <= width <= first + second + last and last < 2 * max(1, width - first - second)
 
 
 @pytest.mark.gpu

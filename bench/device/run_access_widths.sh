@@ -1,24 +1,28 @@
 #!/usr/bin/env bash
-# Issue 31: three kernels whose global loads and stores were one value (or pair) an instruction, now 16-byte
-# vectors (tests/sm90.py compiles each launch as launched; thirty-seventh session): the e4m3 decode's residual-
-# block inputs (decoders/conv_input_fp8.py: strides specialised, a launch per channel count), q / k's norm,
-# rotation and cast (engine/models/qk_quantize.py) and the FP8 mirror's history from the pool
-# (engine/models/history_fp8.py). Before / after on the same machine: BEFORE (default .baseline) holds those
-# three files as they were (made here, not on the device, and carried):
+# Issue 31: four kernels found slow from the CPU (thirty-seventh session), before and after on one machine:
+# - decoders/conv_input_fp8.py, the e4m3 decode's residual-block inputs: loads one bf16 an instruction (strides
+#   unspecialised), and bound by instruction issue (integer division per position, idle lanes, padding and cached
+#   frames through the norm); now 16-byte accesses, a grid of lines, channels a power-of-two group at a time;
+# - engine/models/qk_quantize.py and engine/models/history_fp8.py: one pair of channels an instruction; now
+#   [rows, head_dim] tiles in 16-byte accesses;
+# - engine/models/gelu_quantize.py, bound by issue with 45 % idle lanes (8,960 in a 16,384-wide block); now a
+#   row in up to three power-of-two parts.
+# BEFORE (default .baseline) holds those files as they were, made here (not on the device) and carried:
 #
 #     mkdir -p .baseline && for f in decoders/conv_input_fp8.py engine/models/qk_quantize.py \
-#         engine/models/history_fp8.py; do git show 14c534a:$f > .baseline/${f//\//__}; done
-#     run(command="bash bench/device/run_access_widths.sh 590", carry=[".site.tar.xz", ".baseline"])
+#         engine/models/history_fp8.py engine/models/gelu_quantize.py; do git show 14c534a:$f > .baseline/${f//\//__}; done
+#     run(command="SWEEP=0 bash bench/device/run_access_widths.sh 590", carry=[".site.tar.xz", ".baseline"])
 #     run(command="BENCHES=0 GPU_TESTS=0 SERVE='standard_e4m3:after standard_e4m3:before fast:after' \
 #         bash bench/device/run_access_widths.sh 590", carry=[".site.tar.xz", ".baseline"])
 #
-# 1. GPU_TESTS=1 (default): the GPU tests of the three kernels, the FP8 engine (CUDA graphs) and the compiled
-#    decode on the fused inputs.
+# 1. GPU_TESTS=1 (default): the GPU tests of the four kernels (the inputs' include the compiled decode on them)
+#    and the FP8 engine (CUDA graphs).
 # 2. BENCHES=1 (default): each bench with the tree's files ("after") and with BEFORE's swapped into THIS COPY
 #    ("before"): bench/qk_quantize_gpu.py (qk_*.json), bench/history_fp8_gpu.py (the direct load against the
-#    gather, history_*.json), bench/conv_input_fp8_gpu.py --default-only (input_*.json); then SWEEP=1 (default)
-#    the input kernel's launches (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused
-#    inputs, both ways (conv_*.json).
+#    gather, history_*.json), bench/conv_input_fp8_gpu.py --default-only (input_*.json),
+#    bench/gelu_quantize_gpu.py (gelu_*.json); then SWEEP=1 (default) the input kernel's launches
+#    (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused inputs, both ways
+#    (conv_*.json).
 # 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
 #    `--fp8 all`, a fresh `arstream serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
 set -u -o pipefail
@@ -27,7 +31,7 @@ set -u -o pipefail
 start_run "${1:-590}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 BEFORE=${BEFORE:-.baseline}
-FILES="decoders/conv_input_fp8.py engine/models/qk_quantize.py engine/models/history_fp8.py"
+FILES="decoders/conv_input_fp8.py engine/models/qk_quantize.py engine/models/history_fp8.py engine/models/gelu_quantize.py"
 mkdir -p /tmp/after
 for f in $FILES; do cp "$f" "/tmp/after/${f//\//__}"; done
 use() {  # use after|before: the three files from the tree or from BEFORE, in THIS COPY
@@ -38,7 +42,7 @@ use() {  # use after|before: the three files from the tree or from BEFORE, in TH
 }
 if [ "${GPU_TESTS:-1}" = 1 ]; then
   gpu_tests "${GPU_TESTS_S:-170}" tests/test_conv_input_fp8.py tests/test_qk_quantize.py tests/test_history_fp8.py \
-    tests/test_fp8_attention_engine.py
+    tests/test_gelu_quantize.py tests/test_fp8_attention_engine.py
   grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -n 12
 fi
 if [ "${BENCHES:-1}" = 1 ]; then
@@ -50,6 +54,8 @@ if [ "${BENCHES:-1}" = 1 ]; then
     tail -n 1 "$OUT/history_$which.stdout" > "$OUT/history_$which.json"; cut -c1-500 "$OUT/history_$which.json"
     part "input_$which" "${INPUT_S:-60}" python3 bench/conv_input_fp8_gpu.py --default-only
     tail -n 1 "$OUT/input_$which.stdout" > "$OUT/input_$which.json"; tail -n 5 "$OUT/input_$which.stderr"
+    part "gelu_$which" "${GELU_S:-40}" python3 bench/gelu_quantize_gpu.py
+    tail -n 1 "$OUT/gelu_$which.stdout" > "$OUT/gelu_$which.json"; cut -c1-400 "$OUT/gelu_$which.json"
   done
   use after
   if [ "${SWEEP:-1}" = 1 ]; then

@@ -34,25 +34,60 @@ except ImportError:  # CPU-only installs: the engine then never calls this modul
 MAX_WIDTH = 16384  # one row on chip: 16,384 float32 over 16 warps is 32 registers a thread
 
 
+def row_parts(width: int) -> tuple[int, int, int]:
+    """A row's width as up to three power-of-two parts, largest first, the last rounded up (masked past the
+    width): 8,960 = 8,192 + 512 + 256, 1,536 = 1,024 + 512 + 0. A kernel block must be a power of two; one
+    block of ``next_power_of_2(width)`` computed 16,384 lanes for the FFN's 8,960 values, and the kernel is bound
+    by instruction issue, so the idle lanes cost as much as the rest (docs/BENCHMARKS.md, thirty-seventh
+    session)."""
+    first = 1 << (width.bit_length() - 1)
+    rest = width - first
+    second = 1 << (rest.bit_length() - 1) if rest else 0
+    last = width - first - second
+    return first, second, 1 << (last - 1).bit_length() if last else 0
+
+
 if triton is not None:
 
     @triton.jit
-    def _gelu_quantize_rows(X, Q, Scale, stride_x, stride_q, WIDTH: tl.constexpr, BLOCK: tl.constexpr,
-                            E4M3_MAX: tl.constexpr, FLOOR: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        keep = cols < WIDTH
-        x = tl.load(X + row * stride_x + cols, mask=keep, other=0.0)
+    def _gelu_rounded(x):
+        """GELU in float32, rounded to ``x``'s dtype as F.gelu's output is (0 where ``x`` is 0)."""
         h = x.to(tl.float32)
         u = 0.7978845608028654 * (h + 0.044715 * h * h * h)  # sqrt(2 / pi) * (h + 0.044715 h^3)
-        # GELU(h) = h * sigmoid(2u), exp(-2u) = exp2(-2u / ln 2); rounded to the input dtype as F.gelu's output
-        # is; 0 in the masked lanes.
-        gelu = (h / (1.0 + tl.math.exp2(-2.8853900817779268 * u))).to(x.dtype).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(gelu), 0), FLOOR)
+        # GELU(h) = h * sigmoid(2u), exp(-2u) = exp2(-2u / ln 2).
+        return (h / (1.0 + tl.math.exp2(-2.8853900817779268 * u))).to(x.dtype).to(tl.float32)
+
+    @triton.jit
+    def _store_part(Q, cols, gelu, inverse, mask, E4M3_MAX: tl.constexpr):
+        tl.store(Q + cols, tl.clamp(gelu * inverse, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv), mask=mask)
+
+    @triton.jit
+    def _gelu_quantize_rows(X, Q, Scale, stride_x, stride_q, WIDTH: tl.constexpr, PART0: tl.constexpr,
+                            PART1: tl.constexpr, PART2: tl.constexpr, E4M3_MAX: tl.constexpr, FLOOR: tl.constexpr):
+        # One program a row, held on chip as up to three power-of-two parts (row_parts): only the last may have
+        # lanes past the width.
+        row = tl.program_id(0).to(tl.int64)
+        x_row = X + row * stride_x
+        q_row = Q + row * stride_q
+        cols0 = tl.arange(0, PART0)
+        gelu0 = _gelu_rounded(tl.load(x_row + cols0))
+        amax = tl.max(tl.abs(gelu0), 0)
+        if PART1 > 0:
+            cols1 = PART0 + tl.arange(0, PART1)
+            gelu1 = _gelu_rounded(tl.load(x_row + cols1))
+            amax = tl.maximum(amax, tl.max(tl.abs(gelu1), 0))
+        if PART2 > 0:
+            cols2 = PART0 + PART1 + tl.arange(0, PART2)
+            gelu2 = _gelu_rounded(tl.load(x_row + cols2, mask=cols2 < WIDTH, other=0.0))
+            amax = tl.maximum(amax, tl.max(tl.abs(gelu2), 0))
+        amax = tl.maximum(amax, FLOOR)
         tl.store(Scale + row, tl.math.div_rn(amax, E4M3_MAX))
         inverse = tl.math.div_rn(E4M3_MAX, amax)
-        quantized = tl.clamp(gelu * inverse, -E4M3_MAX, E4M3_MAX).to(tl.float8e4nv)
-        tl.store(Q + row * stride_q + cols, quantized, mask=keep)
+        _store_part(q_row, cols0, gelu0, inverse, None, E4M3_MAX)
+        if PART1 > 0:
+            _store_part(q_row, cols1, gelu1, inverse, None, E4M3_MAX)
+        if PART2 > 0:
+            _store_part(q_row, cols2, gelu2, inverse, cols2 < WIDTH, E4M3_MAX)
 
 
 def available(x: torch.Tensor) -> bool:
@@ -82,8 +117,8 @@ def gelu_quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     quantized = torch.empty((count, width), dtype=FP8_DTYPE, device=rows.device)
     scale = torch.empty((count, 1), dtype=torch.float32, device=rows.device)
     if count:
-        block = triton.next_power_of_2(width)
+        parts = row_parts(width)
         _gelu_quantize_rows[(count,)](rows, quantized, scale, rows.stride(0), quantized.stride(0), WIDTH=width,
-                                      BLOCK=block, E4M3_MAX=FP8_MAX, FLOOR=AMAX_FLOOR,
-                                      num_warps=max(4, min(16, block // 1024)))
+                                      PART0=parts[0], PART1=parts[1], PART2=parts[2], E4M3_MAX=FP8_MAX,
+                                      FLOOR=AMAX_FLOOR, num_warps=max(4, min(16, parts[0] // 1024)))
     return quantized, scale
