@@ -198,6 +198,7 @@ def _block_cpu() -> WanResidualBlock:
     return block
 
 
+@pytest.mark.background  # compiles only: the idle core's work
 @pytest.mark.parametrize("channels", [96, 384])
 def test_conv_input_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch, channels):
     """A launch at the decoder's narrowest and widest stage, on channels-last chunks as the decoder passes them,

@@ -77,6 +77,7 @@ def test_one_pass_gelu_quantizer_refuses_what_it_cannot_run():
     assert not gq.available(torch.zeros(1, gq.MAX_WIDTH + 16))
 
 
+@pytest.mark.background  # compiles only: the idle core's work
 def test_one_pass_gelu_quantizer_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch):
     """The Wan FFN's width (8,960 = 8,192 + 512 + 256 over 8 warps), launched by the wrapper and compiled for
     Hopper with the launcher's specialisation: one row's registers fit (no local memory), the cast is Hopper's

@@ -119,6 +119,7 @@ def test_the_direct_load_refuses_ids_that_do_not_cover_the_history():
         history_fp8.load_history(pool, torch.tensor([1, 2]), 2 * ROWS * COLS, cos, sin, _workspace().fp8, HISTORY)
 
 
+@pytest.mark.background  # compiles only: the idle core's work
 def test_the_kernels_compile_for_sm90_as_launched_with_16_byte_accesses(monkeypatch):
     """Both passes for K (rotated) and V at Wan 1.3B's heads (12 of 128) and frames (1,560 tokens), launched by
     load_history and compiled for Hopper with the launcher's specialisation: no local memory, Hopper's e4m3

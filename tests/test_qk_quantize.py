@@ -171,6 +171,7 @@ def test_the_kernel_refuses_what_it_cannot_run():
     assert not qq.available(torch.zeros(1, 2, 64)) and not qq.available(x)  # float32; the CPU without the interpreter
 
 
+@pytest.mark.background  # compiles only: the idle core's work
 @pytest.mark.parametrize("stage", [False, True])
 def test_the_kernel_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch, stage):
     """Wan 1.3B's q (12 heads of 128: a 16-head block), with and without the stage, launched by the wrapper and
