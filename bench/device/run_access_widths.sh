@@ -20,7 +20,7 @@
 # 2. BENCHES=1 (default): each bench with the tree's files ("after") and with BEFORE's swapped into THIS COPY
 #    ("before"): bench/qk_quantize_gpu.py (qk_*.json), bench/history_fp8_gpu.py (the direct load against the
 #    gather, history_*.json), bench/conv_input_fp8_gpu.py --default-only (input_*.json),
-#    bench/gelu_quantize_gpu.py (gelu_*.json); then SWEEP=1 (default) the input kernel's launches
+#    bench/gelu_quantize_gpu.py (gelu_*.json) (KERNEL_BENCHES=0 skips these); then SWEEP=1 (default) the input kernel's launches
 #    (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused inputs, both ways
 #    (conv_*.json).
 # 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
@@ -47,6 +47,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
 fi
 if [ "${BENCHES:-1}" = 1 ]; then
   for which in after before; do
+    [ "${KERNEL_BENCHES:-1}" = 1 ] || break
     use "$which" || continue
     part "qk_$which" "${QK_S:-40}" python3 bench/qk_quantize_gpu.py
     tail -n 1 "$OUT/qk_$which.stdout" > "$OUT/qk_$which.json"; cut -c1-400 "$OUT/qk_$which.json"
