@@ -20,7 +20,7 @@
 # 2. BENCHES=1 (default): each bench with the tree's files ("after") and with BEFORE's swapped into THIS COPY
 #    ("before"): bench/qk_quantize_gpu.py (qk_*.json), bench/history_fp8_gpu.py (the direct load against the
 #    gather, history_*.json), bench/conv_input_fp8_gpu.py --default-only (input_*.json),
-#    bench/gelu_quantize_gpu.py (gelu_*.json) (KERNEL_BENCHES=0 skips these); then SWEEP=1 (default) the input kernel's launches
+#    bench/gelu_quantize_gpu.py (gelu_*.json) (KERNEL_BENCHES: which of "qk history input gelu"); then SWEEP=1 (default) the input kernel's launches
 #    (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused inputs, both ways
 #    (conv_*.json).
 # 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
@@ -47,16 +47,17 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
 fi
 if [ "${BENCHES:-1}" = 1 ]; then
   for which in after before; do
-    [ "${KERNEL_BENCHES:-1}" = 1 ] || break
     use "$which" || continue
-    part "qk_$which" "${QK_S:-40}" python3 bench/qk_quantize_gpu.py
-    tail -n 1 "$OUT/qk_$which.stdout" > "$OUT/qk_$which.json"; cut -c1-400 "$OUT/qk_$which.json"
-    part "history_$which" "${HISTORY_S:-70}" python3 bench/history_fp8_gpu.py
-    tail -n 1 "$OUT/history_$which.stdout" > "$OUT/history_$which.json"; cut -c1-500 "$OUT/history_$which.json"
-    part "input_$which" "${INPUT_S:-60}" python3 bench/conv_input_fp8_gpu.py --default-only
-    tail -n 1 "$OUT/input_$which.stdout" > "$OUT/input_$which.json"; tail -n 5 "$OUT/input_$which.stderr"
-    part "gelu_$which" "${GELU_S:-40}" python3 bench/gelu_quantize_gpu.py
-    tail -n 1 "$OUT/gelu_$which.stdout" > "$OUT/gelu_$which.json"; cut -c1-400 "$OUT/gelu_$which.json"
+    for bench in ${KERNEL_BENCHES-qk history input gelu}; do
+      case $bench in
+        qk) part "qk_$which" "${QK_S:-40}" python3 bench/qk_quantize_gpu.py ;;
+        history) part "history_$which" "${HISTORY_S:-70}" python3 bench/history_fp8_gpu.py ;;
+        input) part "input_$which" "${INPUT_S:-60}" python3 bench/conv_input_fp8_gpu.py --default-only ;;
+        gelu) part "gelu_$which" "${GELU_S:-40}" python3 bench/gelu_quantize_gpu.py ;;
+      esac
+      tail -n 1 "$OUT/${bench}_$which.stdout" > "$OUT/${bench}_$which.json"; tail -n 3 "$OUT/${bench}_$which.stderr"
+      cut -c1-600 "$OUT/${bench}_$which.json"
+    done
   done
   use after
   if [ "${SWEEP:-1}" = 1 ]; then
@@ -70,6 +71,16 @@ if [ "${BENCHES:-1}" = 1 ]; then
         --paths kernel_fp8_fused --profile kernel_fp8_fused --out "$OUT/conv_$which.json" --reps 10 --blocks 4 \
         --warmup 2
       tail -n 2 "$OUT/decode_$which.stderr"
+      python3 - "$OUT/conv_$which.json" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+for d in r.get("decode", []):
+    for name, v in d.items():
+        if name.endswith("_profile"):
+            print(name, v.get("ms_per_block_total"), v.get("ms_per_block_by_kind"))
+        elif isinstance(v, dict) and "ms_per_block_median" in v:
+            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff")})
+PY
     done
   fi
 fi
