@@ -74,12 +74,11 @@ if [ "${BENCHES:-1}" = 1 ]; then
       python3 - "$OUT/conv_$which.json" <<'PY' || true
 import json, sys
 r = json.loads(open(sys.argv[1]).read())
-for d in r.get("decode", []):
-    for name, v in d.items():
-        if name.endswith("_profile"):
-            print(name, v.get("ms_per_block_total"), v.get("ms_per_block_by_kind"))
-        elif isinstance(v, dict) and "ms_per_block_median" in v:
-            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff")})
+for name, v in r.get("decode", {}).items():
+    if name.endswith("_profile"):
+        print(name, v)
+    elif isinstance(v, dict) and "ms_per_block_median" in v:
+        print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff")})
 PY
     done
   fi
