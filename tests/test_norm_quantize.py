@@ -210,17 +210,28 @@ def test_norm_quantize_refuses_operands_that_do_not_fit():
         nq.norm_quantize(x[0], 1e-6)
 
 
-def test_norm_quantize_compiles_for_sm90_without_spills():
-    """The Wan 1.3B width (1,536 in a 2,048 block, two rows a program) compiled for Hopper without a GPU, in its
-    widest form (norm2: the gated residual and the affine norm): no local memory, Hopper's e4m3 conversion."""
+@pytest.mark.background  # compiles only: the idle core's work
+def test_norm_quantize_compiles_for_sm90_as_launched_with_16_byte_accesses(monkeypatch):
+    """The three norms at Wan 1.3B's shape (4,680 tokens of 1,536, three frames), launched by the wrapper and
+    compiled for Hopper with the launcher's specialisation: no local memory, Hopper's e4m3 conversion, rows moved
+    in 16-byte vectors (only the row's scale is stored as one value)."""
     pytest.importorskip("triton")
-    from tests.sm90 import compile_for_sm90_without_spills
+    from tests.sm90 import compile_launch_for_sm90, narrow_accesses, record_launches
 
-    pointers = {"X": "*bf16", "U": "*bf16", "Gate": "*fp32", "HOut": "*bf16", "W": "*fp32", "B": "*fp32",
-                "Scale": "*fp32", "Shift": "*fp32", "Q": "*fp8e4nv", "QScale": "*fp32", "eps": "fp32"}
-    constants = {"D": 1536, "BLOCK": 2048, "ROWS": 2, "ONE_FRAME": True, "DIVIDE": True, "RESIDUAL": True,
-                 "GATED": True, "AFFINE": True, "MODULATE": False, "E4M3_MAX": nq.FP8_MAX, "FLOOR": nq.AMAX_FLOOR}
-    compile_for_sm90_without_spills(nq._norm_quantize_rows, pointers, constants, ("rows", "tokens_per_frame"))
+    recorder = record_launches(monkeypatch, nq, "_norm_quantize_rows")
+    monkeypatch.setattr(nq, "available", lambda x: True)
+    x = torch.zeros(1, 4680, 1536, dtype=torch.bfloat16)
+
+    def per_frame():
+        return torch.zeros(1, 3, 1, 1536)
+
+    nq.norm_quantize(x, 1e-6, scale=per_frame(), shift=per_frame())  # norm1
+    nq.norm_quantize(x, 1e-6, update=x.clone(), gate=per_frame(), weight=torch.ones(1536).bfloat16(),
+                     bias=torch.zeros(1536).bfloat16())  # norm2
+    nq.norm_quantize(x, 1e-6, update=x.clone(), scale=per_frame(), shift=per_frame())  # norm3
+    for index in range(3):
+        accesses = compile_launch_for_sm90(recorder, index)
+        assert narrow_accesses(accesses) <= 1 and accesses.get("ld.global.v4.b32", 0) >= 8, (index, accesses)
 
 
 @pytest.mark.gpu
