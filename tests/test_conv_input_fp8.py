@@ -263,10 +263,15 @@ def test_cuda_conv_input_matches_eager_within_one_step_and_captures(c_in, height
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device with e4m3 (8.9+)")
-def test_cuda_compiled_decode_on_fused_inputs_equals_the_e4m3_decode():
-    """A small Wan decoder's compiled streaming decode with the fused inputs against the same e4m3 decode with
-    the compiled norms (their bf16 roundings differ from eager's, the fused ones keep eager's): pixels within
-    the rounding floor the compiled path itself has against eager."""
+def test_cuda_compiled_decode_on_fused_inputs_is_as_close_to_bf16_as_the_e4m3_decode():
+    """A small Wan decoder's compiled streaming decode three ways: bf16 convolutions (the reference), e4m3
+    convolutions with the compiled norms, and e4m3 convolutions on the fused inputs. The two e4m3 paths round
+    the norms differently (the compiled norm in Inductor's order, the fused one in eager's), and a rounding moved
+    early is carried through every e4m3 convolution after it: on the H100 they were 3.6 levels apart on average
+    (39 at most), where an earlier version of this test asked for 1. What must hold is that the fused inputs
+    cost no quality: their pixels as close to the bf16 decode as the e4m3 decode's are (at 832x480 both were
+    4.8 levels from it on average, PSNR 32.33 dB). A wrong kernel is far outside that (a launch that wrote a
+    quarter of the positions: PSNR 8.8 dB)."""
     from tests.test_shifted_rows_conv import small_vae
     from decoders.video import WanStreamingDecoder
 
@@ -274,18 +279,21 @@ def test_cuda_compiled_decode_on_fused_inputs_equals_the_e4m3_decode():
     generator = torch.Generator(device="cuda").manual_seed(0)
     latents = torch.randn(1, 4, 10, 12, 20, device="cuda", dtype=torch.bfloat16, generator=generator)
     pixels = {}
-    for fused in (False, True):
+    for path in ("bf16", "e4m3", "e4m3_fused"):
         model = copy.deepcopy(vae)
-        src.install(model.decoder, fp8=True)
-        blocks = cif.install(model.decoder) if fused else 0
-        assert blocks == (8 if fused else 0)
+        if path != "bf16":
+            src.install(model.decoder, fp8=True)
+        blocks = cif.install(model.decoder) if path == "e4m3_fused" else 0
+        assert blocks == (8 if path == "e4m3_fused" else 0)
         decoder = WanStreamingDecoder(model, compile_steady_state=True)
         state = decoder.new_state("gpu-test")
-        pixels[fused] = torch.cat([decoder.to_uint8_tensor(decoder.decode_chunk(latents[:, :, a:b], state)).int()
-                                   for a, b in ((0, 1), (1, 4), (4, 7), (7, 10))])
+        pixels[path] = torch.cat([decoder.to_uint8_tensor(decoder.decode_chunk(latents[:, :, a:b], state)).int()
+                                  for a, b in ((0, 1), (1, 4), (4, 7), (7, 10))])
         assert decoder.steady_state.calls >= 6 and not decoder.steady_state.failed
-    diff = (pixels[True] - pixels[False]).abs()
-    assert diff.float().mean().item() < 1.0 and diff.max().item() <= 32, (diff.max(), diff.float().mean())
+    error = {path: (pixels[path] - pixels["bf16"]).abs().float() for path in ("e4m3", "e4m3_fused")}
+    means = {path: e.mean().item() for path, e in error.items()}
+    assert means["e4m3_fused"] <= 1.25 * means["e4m3"] + 0.5, means
+    assert error["e4m3_fused"].max().item() <= 1.5 * error["e4m3"].max().item() + 8, means
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--interpreter-checks"]:
