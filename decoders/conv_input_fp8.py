@@ -43,8 +43,8 @@ NORM_EPS = 1e-12  # F.normalize's default
 MAX_GROUP = 128  # channels a program computes at a time
 MAX_GROUPS = 8  # channel groups a position (unrolled in the kernel): 96, 192 and 384 channels are 3 of 32, 64, 128
 # A program: a run of one line's positions, GROUP channels of each at a time, 16 values a thread (64 positions at
-# 96 channels, 32 at 192, 16 at 384, with 4 warps). Not yet measured on a GPU (docs/BENCHMARKS.md, thirty-seventh
-# session); bench/conv_input_fp8_gpu.py sweeps the others.
+# 96 channels, 32 at 192, 16 at 384, with 4 warps): measured on an H100 (11.5 ms a block, docs/BENCHMARKS.md,
+# thirty-seventh session); the other launches not yet (bench/conv_input_fp8_gpu.py sweeps them).
 VALUES_PER_THREAD = 16
 DEFAULT_WARPS = 4
 MAX_COLUMNS = 256
