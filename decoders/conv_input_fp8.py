@@ -183,6 +183,8 @@ def _conv_input_op(
                       dtype=FP8_DTYPE)
     new_cache = torch.empty(kept, height, width, channels, device=x.device, dtype=x.dtype)
     source = cache if cache is not None else x
+    if x.stride(1) != 1 or source.stride(1) != 1:  # the kernel steps through channels one by one
+        raise ValueError("the chunk and its cache must be channels-last (conv_input makes them so)")
     if out.numel():
         _conv_input_kernel[(triton.cdiv(out.shape[2], columns), out.shape[1], out.shape[0])](
             x, source, gamma, bias if bias is not None else gamma, out, new_cache,

@@ -189,6 +189,8 @@ def test_conv_input_refuses_what_does_not_fit():
         cif.conv_input(block.norm1, block.conv1, x, torch.zeros(1, 32, 1, 3, 5))
     with pytest.raises(ValueError, match="powers of two"):
         cif.conv_input(block.norm1, block.conv1, x, None, launch=(24, 4))
+    with pytest.raises(ValueError, match="channels-last"):  # the op itself, below conv_input's layout copy
+        cif._conv_input_op(x.bfloat16(), None, torch.ones(32).bfloat16(), None, [2, 1, 1], 1.0, 1.0, [64, 4])
 
 
 def _block_cpu() -> WanResidualBlock:
