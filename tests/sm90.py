@@ -44,7 +44,9 @@ class LaunchRecorder:
 def compile_as_launched(fn, args: tuple, kwargs: dict, arch: int = 90):
     """``fn`` compiled for sm_``arch`` with the specialisation Triton's launcher derives from these arguments
     (an int equal to 1 made a constant, ints and pointers divisible by 16 marked so, unless the kernel's
-    ``do_not_specialize`` says otherwise): what a GPU launch with them would compile, without a GPU."""
+    ``do_not_specialize`` says otherwise): what a GPU launch with them would compile, without a GPU. It calls the
+    launcher's own binder (Triton 3.6's internals, the version torch 2.13 brings: a Triton that moves them fails
+    here loudly rather than compiling something else)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource, make_backend
