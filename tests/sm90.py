@@ -1,32 +1,12 @@
-"""A Triton kernel compiled for Hopper (sm_90) without a GPU, held to the rules every quantizing kernel of the
-engine meets: no local memory (no register spills, no stack) and, where it writes e4m3, Hopper's saturating
-e4m3 conversion in its PTX. A launch can be recorded from the kernel's own wrapper on CPU tensors and compiled
-as Triton's launcher would specialise it, to see how wide its global loads and stores are: a kernel whose
-offsets Triton cannot prove 16-byte aligned moves each value with an instruction of its own."""
+"""A Triton kernel's launch, recorded from its own wrapper on CPU tensors and compiled for Hopper (sm_90) as
+Triton's launcher would specialise it, without a GPU. It is held to the rules every quantizing kernel of the
+engine meets: no local memory (no register spills, no stack) and, where it writes e4m3, Hopper's saturating e4m3
+conversion in its PTX; and its global loads and stores are counted by width: a kernel whose offsets Triton
+cannot prove 16-byte aligned moves each value with an instruction of its own."""
 
 from __future__ import annotations
 
 import re
-
-
-def compile_for_sm90_without_spills(fn, pointers: dict, constants: dict, unaligned: tuple[str, ...] = (),
-                                    num_warps: int = 4, *, e4m3_cast: bool = True):
-    """``fn`` (a ``@triton.jit`` function) compiled for sm_90 with ``pointers``' types, ``constants`` and every
-    argument not in ``unaligned`` specialised as 16-divisible (bench/fp8_attention_gpu.py's ``_compile``);
-    asserts the rules above and returns the compiled kernel."""
-    from bench.fp8_attention_gpu import _compile
-
-    return _held_to_the_rules(_compile(fn, pointers, constants, unaligned, num_warps, 1, 90), e4m3_cast)
-
-
-def _held_to_the_rules(compiled, e4m3_cast: bool):
-    from bench.fp8_attention_gpu import cubin_usage
-
-    usage = cubin_usage(compiled)
-    assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
-    if e4m3_cast:
-        assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
-    return compiled
 
 
 class LaunchRecorder:
@@ -80,8 +60,15 @@ def record_launches(monkeypatch, module, name: str) -> LaunchRecorder:
 def compile_launch_for_sm90(recorder: LaunchRecorder, index: int = 0, *, e4m3_cast: bool = True):
     """The recorder's ``index``-th launch compiled for sm_90 as launched (:func:`compile_as_launched`), held to
     the rules above; returns its :func:`global_accesses`."""
+    from bench.fp8_attention_gpu import cubin_usage
+
     args, kwargs = recorder.launches[index]
-    return global_accesses(_held_to_the_rules(compile_as_launched(recorder.fn, args, kwargs), e4m3_cast))
+    compiled = compile_as_launched(recorder.fn, args, kwargs)
+    usage = cubin_usage(compiled)
+    assert usage["local_bytes"] == 0 and usage["stack_bytes"] == 0, usage
+    if e4m3_cast:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in compiled.asm["ptx"]
+    return global_accesses(compiled)
 
 
 def narrow_accesses(accesses: dict[str, int]) -> int:
