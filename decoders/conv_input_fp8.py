@@ -168,6 +168,14 @@ def available(x: torch.Tensor) -> bool:
     return x.is_cuda or (x.device.type == "cpu" and _interpreted())
 
 
+def _output_shapes(x: torch.Tensor, cache: torch.Tensor | None, padding: list[int]) -> tuple[tuple, tuple]:
+    """(the padded e4m3 input ``[pad_t + T, H + 2 pad_h, W + 2 pad_w, C]``, the new cache ``[T', H, W, C]``)."""
+    _, channels, frames, height, width = x.shape
+    pad_t, pad_h, pad_w = padding
+    kept = new_cache_frames(frames, 0 if cache is None else cache.shape[2])
+    return (pad_t + frames, height + 2 * pad_h, width + 2 * pad_w, channels), (kept, height, width, channels)
+
+
 # A custom op: torch.compile (the decoder's steady state) calls the kernel as one opaque node.
 @torch.library.custom_op("arstream::conv_input_fp8", mutates_args=())
 def _conv_input_op(
@@ -178,10 +186,10 @@ def _conv_input_op(
     columns, num_warps = launch
     pad_t, pad_h, pad_w = padding
     cache_frames = 0 if cache is None else cache.shape[2]
-    kept = new_cache_frames(frames, cache_frames)
-    out = torch.empty(pad_t + frames, height + 2 * pad_h, width + 2 * pad_w, channels, device=x.device,
-                      dtype=FP8_DTYPE)
-    new_cache = torch.empty(kept, height, width, channels, device=x.device, dtype=x.dtype)
+    out_shape, cache_shape = _output_shapes(x, cache, padding)
+    out = torch.empty(out_shape, device=x.device, dtype=FP8_DTYPE)
+    new_cache = torch.empty(cache_shape, device=x.device, dtype=x.dtype)
+    kept = cache_shape[0]
     source = cache if cache is not None else x
     if x.stride(1) != 1 or source.stride(1) != 1:  # the kernel steps through channels one by one
         raise ValueError("the chunk and its cache must be channels-last (conv_input makes them so)")
@@ -200,11 +208,8 @@ def _conv_input_op(
 
 @_conv_input_op.register_fake
 def _(x, cache, gamma, bias, padding, norm_scale, input_scale, launch):
-    _, channels, frames, height, width = x.shape
-    pad_t, pad_h, pad_w = padding
-    kept = new_cache_frames(frames, 0 if cache is None else cache.shape[2])
-    return (x.new_empty(pad_t + frames, height + 2 * pad_h, width + 2 * pad_w, channels, dtype=FP8_DTYPE),
-            x.new_empty(kept, height, width, channels))
+    out_shape, cache_shape = _output_shapes(x, cache, padding)
+    return x.new_empty(out_shape, dtype=FP8_DTYPE), x.new_empty(cache_shape)
 
 
 def _channels_last(x: torch.Tensor) -> torch.Tensor:
@@ -218,11 +223,10 @@ def conv_input(
     """:func:`conv_input_reference`'s two results from the kernel, the new cache a ``[1, C, T', H, W]`` view of a
     channels-last tensor. ``conv`` is installed in e4m3 (``shifted_rows_conv.install(fp8=True)``) and a cache
     is at most as long as the convolution's causal padding. ``launch``: (positions of a line, warps) a program,
-    powers of two
-    (default :func:`default_launch`)."""
+    powers of two (default :func:`default_launch`)."""
     launch = launch or default_launch(x.shape[1])
     if any(v < 1 or v & (v - 1) for v in launch):
-        raise ValueError(f"launch (rows, warps) must be powers of two, got {launch}")
+        raise ValueError(f"launch (positions, warps) must be powers of two, got {launch}")
     pad_w, _, pad_h, _, pad_t, _ = conv._padding
     if x.ndim != 5 or x.shape[0] != 1:
         raise ValueError(f"one stream of [1, C, T, H, W] per call; got shape {tuple(x.shape)}")
