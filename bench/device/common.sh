@@ -14,6 +14,8 @@
 #                            standard = the standard window pacing off, standard_e4m3 = the same with e4m3 decode
 #                            convolutions (budget STANDARD_S); a fresh `arstream serve`, the first session after
 #                            /readyz included
+#   decode_summary FILE [TOP]   bench/shifted_rows_conv_gpu.py's decode record: each path's median, PSNR and
+#                            largest difference, each profile's total, kinds and TOP largest kernels (default 14)
 
 start_run() {
   TOTAL=$1
@@ -79,4 +81,19 @@ fp8_service() {
                      -- "${server[@]}" ;;
     *) echo "unknown service $what" ;;
   esac
+}
+
+decode_summary() {
+  python3 - "$1" "${2:-14}" <<'PY' || true
+import json, sys
+r = json.loads(open(sys.argv[1]).read())
+for d in r.get("decode", []):
+    for name, v in d.items():
+        if name.endswith("_profile"):
+            print(name, v["ms_per_block_total"], v["ms_per_block_by_kind"])
+            for row in v["largest"][:int(sys.argv[2])]:
+                print("   ", row[1], row[2], row[0][:110])
+        elif isinstance(v, dict) and "ms_per_block_median" in v:
+            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff", "vs_kernel_fp8")})
+PY
 }

@@ -71,18 +71,7 @@ if [ "${BENCHES:-1}" = 1 ]; then
         --paths kernel_fp8_fused --profile kernel_fp8_fused --out "$OUT/conv_$which.json" --reps 10 --blocks 4 \
         --warmup 2
       tail -n 2 "$OUT/decode_$which.stderr"
-      python3 - "$OUT/conv_$which.json" <<'PY' || true
-import json, sys
-r = json.loads(open(sys.argv[1]).read())
-for d in r.get("decode", []):
-    for name, v in d.items():
-        if name.endswith("_profile"):
-            print(name, v["ms_per_block_total"], v["ms_per_block_by_kind"])
-            for row in v["largest"][:8]:
-                print("   ", row[1], row[2], row[0][:100])
-        elif isinstance(v, dict) and "ms_per_block_median" in v:
-            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff")})
-PY
+      decode_summary "$OUT/conv_$which.json" 8
     done
   fi
 fi

@@ -41,18 +41,7 @@ if [ "${DECODE:-1}" = 1 ]; then
   part decode "${DECODE_S:-200}" python3 bench/shifted_rows_conv_gpu.py --skip-shapes --paths "$paths" \
     --profile "$paths" --out "$OUT/conv.json" --reps 10 --blocks 4 --warmup 2
   tail -n 3 "$OUT/decode.stderr"
-  python3 - "$OUT/conv.json" <<'PY' || true
-import json, sys
-r = json.loads(open(sys.argv[1]).read())
-for d in r.get("decode", []):
-    for name, v in d.items():
-        if name.endswith("_profile"):
-            print(name, v["ms_per_block_total"], v["ms_per_block_by_kind"])
-            for row in v["largest"][:14]:
-                print("   ", row[1], row[2], row[0][:110])
-        elif isinstance(v, dict) and "ms_per_block_median" in v:
-            print(name, {k: v.get(k) for k in ("ms_per_block_median", "psnr_db", "uint8_max_diff", "vs_kernel_fp8")})
-PY
+  decode_summary "$OUT/conv.json"
 fi
 set_switches() {
   sed -i "s/^FUSED = .*/FUSED = $1/" decoders/conv_input_fp8.py
