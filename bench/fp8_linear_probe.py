@@ -4,9 +4,13 @@ Prints ONE JSON line. For each precision in ``--modes`` (the first is the refere
 configured model as the engine runs it: warm-up blocks that fill the window, timed blocks (median ms), then a
 ``torch.profiler`` trace of two blocks whose CUDA kernels are summed by kind — matrix products (cuBLAS /
 CUTLASS, bf16 or FP8), attention, the compiled (Triton) kernels (the FP8 activation quantizers, fused
-elementwise), the rest — and the largest kernels by name. CUDA graphs are off here so every kernel is seen.
+elementwise), the rest — and the largest kernels by name. CUDA graphs are off here so every kernel is seen, unless
+``--cuda-graphs``: then the timed blocks are the engine's own (graphs replayed), and their median against the kernel
+sum of a run without says what the launches between kernels cost.
 
     python bench/fp8_linear_probe.py --device cuda --dtype bfloat16 --preset wan2.1-1.3b --modes attention,all
+    python bench/fp8_linear_probe.py --device cuda --dtype bfloat16 --preset wan2.1-1.3b --modes all \
+        --window-frames 6 [--cuda-graphs]                                  # the fast window's DiT
     python bench/fp8_linear_probe.py --blocks 2 --warmup 2 --modes none    # a CPU smoke run
 """
 
@@ -41,7 +45,10 @@ def run(args, mode: str) -> dict:
     off: read at every load, so off for the whole run)."""
     precision, _, variant = mode.partition("/")
     apart = variant == "apart"
-    settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True, cuda_graphs=False)
+    settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True,
+                    cuda_graphs=args.cuda_graphs)
+    if args.window_frames is not None:
+        settings["window_frames"] = args.window_frames
     if precision != "none":
         settings["fp8"] = precision
     saved = kernels.QUANTIZED_NORMS, history_fp8.DIRECT_LOAD
@@ -103,6 +110,8 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--window-frames", type=int, default=None, help="the engine's window (default its own)")
+    parser.add_argument("--cuda-graphs", action="store_true", help="the engine's CUDA graphs on (see above)")
     args = parser.parse_args()
     runs = []
     for mode in args.modes.split(","):
@@ -116,6 +125,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         "torch": torch.__version__,
         "preset": args.preset,
+        "window_frames": args.window_frames,
+        "cuda_graphs": args.cuda_graphs,
         "runs": runs,
     }))
 

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Issue 31, part 2: where the fast window's block goes (window 6, `--fp8 all`; the DiT only: TAEHV's decode is
+# ~3 ms), bench/fp8_linear_probe.py twice: CUDA graphs off (every kernel profiled and summed by kind) and on (the
+# engine's own block time). Their difference is what runs between the kernels. One JSON line each in $OUT:
+#
+#     run(command="bash bench/device/run_fast_probe.sh 200", carry=[".site.tar.xz"])
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-200}"
+for graphs in off on; do
+  flag=()
+  [ "$graphs" = on ] && flag=(--cuda-graphs)
+  part "fast_probe_graphs_$graphs" "${PROBE_S:-110}" python3 bench/fp8_linear_probe.py --device cuda \
+    --dtype bfloat16 --preset wan2.1-1.3b --modes "${MODES:-all}" --window-frames "${WINDOW:-6}" --top 25 "${flag[@]}"
+  tail -n 1 "$OUT/fast_probe_graphs_$graphs.stdout" > "$OUT/fast_probe_graphs_$graphs.json"
+  tail -n 2 "$OUT/fast_probe_graphs_$graphs.stderr"; cut -c1-3000 "$OUT/fast_probe_graphs_$graphs.json"
+done
+echo "== done, $(left)s left"
