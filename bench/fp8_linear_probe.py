@@ -96,8 +96,17 @@ def _probe(args, mode: str, bundle) -> dict:
         # [name, ms a block, calls a block]
         "largest_kernels_ms_per_block": [(name, round(us / 2000, 2), calls / 2) for name, (us, calls) in
                                          sorted(named.items(), key=lambda item: -item[1][0])[:args.top]],
+        # [operator, device ms a block of the kernels it launched itself, calls a block]: which operator launches
+        # a kernel the names above do not place (a memset, a copy)
+        "largest_operators_ms_per_block": _operators(trace, args.top),
     }
     return result  # the model goes with this frame: main() collects it before the next precision's
+
+
+def _operators(trace, top: int) -> list:
+    rows = [(a.key, round(a.self_device_time_total / 2000, 2), a.count / 2) for a in trace.key_averages()
+            if a.self_device_time_total > 0]
+    return sorted(rows, key=lambda row: -row[1])[:top]
 
 
 def main() -> None:

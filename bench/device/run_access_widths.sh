@@ -23,8 +23,10 @@
 #    bench/gelu_quantize_gpu.py (gelu_*.json) (KERNEL_BENCHES: which of "qk history input gelu"); then SWEEP=1 (default) the input kernel's launches
 #    (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused inputs, both ways
 #    (conv_*.json).
+#    WHICH (default "after before"): which trees the kernel benches run on.
 # 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
 #    `--fp8 all`, a fresh `arstream serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
+#    DIRECT_IF_FASTER=1: a direct entry runs only if the history bench (this run's) found the direct load faster.
 set -u -o pipefail
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
@@ -46,7 +48,7 @@ if [ "${GPU_TESTS:-1}" = 1 ]; then
   grep -E "passed|failed|Error|assert" "$OUT/gpu_tests.txt" | tail -n 12
 fi
 if [ "${BENCHES:-1}" = 1 ]; then
-  for which in after before; do
+  for which in ${WHICH:-after before}; do
     use "$which" || continue
     for bench in ${KERNEL_BENCHES-qk history input gelu}; do
       case $bench in
@@ -75,8 +77,16 @@ if [ "${BENCHES:-1}" = 1 ]; then
     done
   fi
 fi
+direct_faster() {  # the history bench's fast window: the direct load beat the gather (no bench: assume so)
+  [ -f "$OUT/history_after.json" ] || return 0
+  python3 -c 'import json,sys; w=json.load(open(sys.argv[1]))["windows"]["fast"]; sys.exit(w["direct_ms"] >= w["gather_ms"])' \
+    "$OUT/history_after.json"
+}
 for entry in ${SERVE:-}; do
   what=${entry%%:*} mode=${entry##*:}
+  if [ "$mode" = direct ] && [ "${DIRECT_IF_FASTER:-0}" = 1 ] && ! direct_faster; then
+    echo "$entry skipped: the direct load was not faster"; continue
+  fi
   case $mode in
     before) use before ;; direct) use after True ;; *) use after ;;
   esac
