@@ -3,12 +3,12 @@
 # ~3 ms), bench/fp8_linear_probe.py twice: CUDA graphs off (every kernel profiled and summed by kind) and on (the
 # engine's own block time). Their difference is what runs between the kernels. One JSON line each in $OUT:
 #
-#     run(command="bash bench/device/run_fast_probe.sh 200", carry=[".site.tar.xz"])
+#     run(command="bash bench/device/run_fast_probe.sh 200", carry=[".site.tar.xz"])   # GRAPHS="off on" (default)
 set -u -o pipefail
 # shellcheck source=bench/device/common.sh
 . bench/device/common.sh
 start_run "${1:-200}"
-for graphs in off on; do
+for graphs in ${GRAPHS:-off on}; do
   flag=()
   [ "$graphs" = on ] && flag=(--cuda-graphs)
   part "fast_probe_graphs_$graphs" "${PROBE_S:-110}" python3 bench/fp8_linear_probe.py --device cuda \
