@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 31, part 2: where the fast window's block goes (window 6, `--fp8 all`; the DiT only: TAEHV's decode is
 # ~3 ms), bench/fp8_linear_probe.py twice: CUDA graphs off (every kernel profiled and summed by kind) and on (the
-# engine's own block time). Their difference is what runs between the kernels. One JSON line each in $OUT:
+# engine's own block time). Their difference is what runs between the kernels. GRAPHS picks them (default "off
+# on"); BATCHES (e.g. 1,3) then runs bench/batch_probe.py (sessions batched into one forward). JSON lines in $OUT:
 #
 #     run(command="bash bench/device/run_fast_probe.sh 200", carry=[".site.tar.xz"])   # GRAPHS="off on" (default)
 set -u -o pipefail
@@ -16,4 +17,10 @@ for graphs in ${GRAPHS:-off on}; do
   tail -n 1 "$OUT/fast_probe_graphs_$graphs.stdout" > "$OUT/fast_probe_graphs_$graphs.json"
   tail -n 2 "$OUT/fast_probe_graphs_$graphs.stderr"; cut -c1-3000 "$OUT/fast_probe_graphs_$graphs.json"
 done
+if [ -n "${BATCHES:-}" ]; then  # bench/batch_probe.py: B sessions' blocks in one forward, per session
+  part batch_probe "${BATCH_S:-120}" python3 bench/batch_probe.py --device cuda --dtype bfloat16 \
+    --preset wan2.1-1.3b --batches "$BATCHES"
+  tail -n 1 "$OUT/batch_probe.stdout" > "$OUT/batch_probe.json"; tail -n 2 "$OUT/batch_probe.stderr"
+  cut -c1-3000 "$OUT/batch_probe.json"
+fi
 echo "== done, $(left)s left"
