@@ -104,8 +104,10 @@ def _probe(args, mode: str, bundle) -> dict:
 
 
 def _operators(trace, top: int) -> list:
-    rows = [(a.key, round(a.self_device_time_total / 2000, 2), a.count / 2) for a in trace.key_averages()
-            if a.self_device_time_total > 0]
+    def device_us(a) -> float:  # torch renamed self_cuda_time_total to self_device_time_total
+        return getattr(a, "self_device_time_total", None) or getattr(a, "self_cuda_time_total", 0.0)
+
+    rows = [(a.key, round(device_us(a) / 2000, 2), a.count / 2) for a in trace.key_averages() if device_us(a) > 0]
     return sorted(rows, key=lambda row: -row[1])[:top]
 
 
