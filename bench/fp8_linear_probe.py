@@ -39,14 +39,14 @@ KINDS = (  # (kind, substrings of a kernel's name), first match wins
 
 
 def run(args, mode: str) -> dict:
-    """``mode``: an ``fp8`` setting (``none`` for off), with ``/apart`` after it: the path before the
+    """``mode``: an ``fp8`` setting (``none`` for off); ``/fast`` after it: with ``fp8_fast_accum``; ``/apart``: the path before the
     thirty-fifth session (the FP8 modes' norms and q / k writing bf16 rows for their quantizers,
     ``kernels.QUANTIZED_NORMS`` off; the FP8 mirror's history through the bf16 buffer, ``history_fp8.DIRECT_LOAD``
     off: read at every load, so off for the whole run)."""
     precision, _, variant = mode.partition("/")
     apart = variant == "apart"
     settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True,
-                    cuda_graphs=args.cuda_graphs)
+                    cuda_graphs=args.cuda_graphs, fp8_fast_accum=variant == "fast")
     if args.window_frames is not None:
         settings["window_frames"] = args.window_frames
     if precision != "none":
@@ -117,7 +117,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="attention,all",
-                        help="comma-separated: none, linear, attention, all; linear/apart, all/apart (see run)")
+                        help="comma-separated: none, linear, attention, all; linear/apart, all/apart, linear/fast, all/fast "
+                             "(see run)")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--top", type=int, default=12)

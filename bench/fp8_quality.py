@@ -98,10 +98,12 @@ def run_variant(config: EngineConfig, blocks: int, seed: int) -> tuple[ModelBund
 
 
 def parse_variants(value: str) -> list[str]:
+    """fp8 values, each optionally with ``/fast`` (``fp8_fast_accum``) after it: ``all,all/fast``."""
     variants = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in FP8_VARIANTS]
+    unknown = [v for v in variants if v.removesuffix("/fast") not in FP8_VARIANTS]
     if not variants or unknown:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a comma-separated list of {', '.join(FP8_VARIANTS)}")
+        raise argparse.ArgumentTypeError(f"{value!r}: give a comma-separated list of {', '.join(FP8_VARIANTS)} "
+                                         "(each may end in /fast: fast accumulation)")
     return list(dict.fromkeys(variants))
 
 
@@ -136,7 +138,7 @@ def main() -> int:
             variant: EngineConfig(
                 preset=args.preset, model_dir=args.model, causal_weights=args.causal_weights,
                 device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-                fp8=variant, sink_frames=args.sink_frames, window_frames=args.window_frames, height=args.height,
+                fp8=variant.removesuffix("/fast"), fp8_fast_accum=variant.endswith("/fast"), sink_frames=args.sink_frames, window_frames=args.window_frames, height=args.height,
                 width=args.width, seed=args.seed, audio=False, compile_decoder=False, warmup_blocks=0,
             )
             for variant in ["off", *args.variants]

@@ -100,6 +100,11 @@ class EngineConfig(BaseModel):
         "Triton FP8 kernel (Q, K, V and P in e4m3; Hopper GPUs); all: both. Quality vs bf16: bench/fp8_quality.py "
         "(docs/FP8.md)",
     )
+    fp8_fast_accum: bool = Field(
+        default=False,
+        description="with fp8=linear | all on CUDA: the FP8 products accumulate in the tensor cores' own precision, "
+        "without promoting partial sums to float32 (cuBLAS's fast accumulation). Error and speed: docs/FP8.md",
+    )
     height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
     width: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048)
     fps: int = Field(default=16, ge=1, le=60)
@@ -333,6 +338,8 @@ class EngineConfig(BaseModel):
                 f"fp8={self.fp8} needs dtype=bfloat16 (FP8 quantizes a bf16 model's matrix products); "
                 f"got dtype={self.dtype}"
             )
+        if self.fp8_fast_accum and self.fp8 not in FP8_LINEAR:
+            raise ValueError(f"fp8_fast_accum is an option of the FP8 linears (fp8=linear | all); fp8={self.fp8}")
         capability = None
         if self.fp8 != "off" and self.device.startswith("cuda"):
             capability = torch.cuda.get_device_capability(self.device)

@@ -186,6 +186,20 @@ def test_quantize_linears_keeps_misaligned_layers_and_refuses_a_second_pass():
         quantize_linears([block], names=("ffn.net.1",))
 
 
+def test_fast_accumulation_reaches_every_converted_layer_and_needs_fp8_linears(monkeypatch):
+    """``fp8_fast_accum`` is each FP8 layer's own setting (it is what the product is asked for on CUDA), and an
+    option of the FP8 linears only: asked for without them it is refused, not ignored."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    for fast in (False, True):
+        _, bundle = build_small(dtype="bfloat16", fp8="linear", fp8_fast_accum=fast)
+        layers = [m for m in bundle.pipeline.transformer.modules() if isinstance(m, FP8Linear)]
+        assert len(layers) == bundle.fp8.converted > 0
+        assert {layer.fast_accum for layer in layers} == {fast}
+        assert f"fast_accum={fast}" in repr(layers[0])
+    with pytest.raises(ValidationError, match="fp8_fast_accum is an option of the FP8 linears .* fp8=off"):
+        EngineConfig(dtype="bfloat16", fp8_fast_accum=True)
+
+
 def test_config_refuses_fp8_without_bf16(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     assert EngineConfig().fp8 == "off"
@@ -274,3 +288,21 @@ def test_cuda_fp8_linear_matches_the_dequantized_product():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device with FP8 (8.9+)")
+def test_cuda_fast_accumulation_stays_near_the_dequantized_product():
+    """``fast_accum``: the tensor cores' accumulator without float32 promotion. Over K = 1,536 (the 1.3B's width)
+    each output stays within 2^-8 of the sum of its products' magnitudes of the exact float32 product, plus bf16's
+    rounding; and the whole output within 1 % (Frobenius) of it, where the promoted path is bf16-exact."""
+    linear = _linear(1536, 512).cuda()
+    x = _activations(4, 128, 1536).cuda()
+    exact, fast = FP8Linear.from_linear(linear), FP8Linear.from_linear(linear, fast_accum=True)
+    quantized, scale = exact.quantize_input(x)
+    terms = (quantized.float() * scale).abs() @ exact.dequantized_weight().abs().t()
+    expected = (quantized.float() * scale) @ exact.dequantized_weight().t() + linear.bias.float()
+    out = fast(x).reshape(-1, 512).float()
+    tolerance = 2.0**-8 * terms + BF16_UNIT_ROUNDOFF * 2 * expected.abs() + 1e-4 * expected.abs().max()
+    assert ((out - expected).abs() <= tolerance).all()
+    assert (out - expected).norm() <= 0.01 * expected.norm()

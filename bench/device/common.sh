@@ -13,7 +13,7 @@
 #                            left: WHAT fast = the fast config's paced viewers (VIEWERS, default 3; budget FAST_S),
 #                            standard = the standard window pacing off, standard_e4m3 = the same with e4m3 decode
 #                            convolutions (budget STANDARD_S); a fresh `arstream serve`, the first session after
-#                            /readyz included
+#                            /readyz included; NAME_SUFFIX is appended to NAME (e.g. with ARSTREAM_ENGINE__* set)
 #   decode_summary FILE [TOP]   bench/shifted_rows_conv_gpu.py's decode record: each path's median, PSNR and
 #                            largest difference, each profile's total, kinds and TOP largest kernels (default 14)
 
@@ -66,7 +66,7 @@ PY
 }
 
 fp8_service() {
-  local what=$1 name=$2 budget
+  local what=$1 name=$2${NAME_SUFFIX:-} budget
   local server=(--preset wan2.1-1.3b --device cuda --dtype bfloat16 --random-weights)
   case $what in fast) budget=${FAST_S:-170} ;; *) budget=${STANDARD_S:-140} ;; esac
   if [ "$(left)" -lt $(( budget + 15 )) ]; then echo "$name skipped ($(left)s left)"; return; fi

@@ -6,7 +6,10 @@ build time; the bf16 weight is dropped. Each forward quantizes its activation
 per row (token) with a dynamic scale (``amax / 448`` over the last dim) and runs
 ``torch._scaled_mm`` with both rowwise scales, bias added in its epilogue, the
 output in the activation's dtype. Rowwise scales keep one outlier token or one
-large output channel from crushing the others' precision.
+large output channel from crushing the others' precision. ``fast_accum``
+(``fp8_fast_accum``): the product accumulates in the tensor cores' own precision,
+without the periodic promotion of partial sums to float32 (``use_fast_accum``;
+the CPU's product ignores it); docs/FP8.md measures what that costs and gives.
 
 On CUDA the activation's quantization (amax, scale, cast) is one compiled kernel
 (:class:`~engine.models.kernels.DeviceKernel`), the FFN's GELU input's a one-pass Triton
@@ -114,9 +117,11 @@ class FP8Linear(nn.Module):
     (:func:`fits_fp8`); :meth:`from_linear` refuses them.
     """
 
-    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight_fp8: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, *,
+                 fast_accum: bool = False) -> None:
         super().__init__()
         self.out_features, self.in_features = weight_fp8.shape
+        self.fast_accum = fast_accum
         # Buffers, not parameters: nothing trains them. See _apply for why .to(dtype) leaves the first two alone.
         self.register_buffer("weight_fp8", weight_fp8)  # [N, K] row-major: .t() is the column-major mat2
         self.register_buffer("weight_scale", weight_scale)  # [1, N] float32
@@ -124,7 +129,7 @@ class FP8Linear(nn.Module):
 
     @classmethod
     @torch.no_grad()
-    def from_linear(cls, linear: nn.Linear) -> "FP8Linear":
+    def from_linear(cls, linear: nn.Linear, *, fast_accum: bool = False) -> "FP8Linear":
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"FP8Linear.from_linear needs an nn.Linear, got {type(linear).__name__}")
         if not fits_fp8(linear):
@@ -138,7 +143,7 @@ class FP8Linear(nn.Module):
         # Per output channel = per row of the [N, K] weight: the same function as the activations' per-token scale.
         weight_fp8, scale = quantize_rows(weight)
         bias = None if linear.bias is None else linear.bias.detach().clone()
-        return cls(weight_fp8.contiguous(), scale.reshape(1, -1).contiguous(), bias)
+        return cls(weight_fp8.contiguous(), scale.reshape(1, -1).contiguous(), bias, fast_accum=fast_accum)
 
     def _apply(self, fn, recurse=True):
         """Device moves apply to every buffer; a dtype cast (``.to(bf16)``, ``.float()``) only to the bias.
@@ -195,11 +200,13 @@ class FP8Linear(nn.Module):
             scale_b=self.weight_scale,
             bias=self.bias,
             out_dtype=x.dtype,
+            use_fast_accum=self.fast_accum,
         )
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, fp8=e4m3fn"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"fp8=e4m3fn, fast_accum={self.fast_accum}")
 
 
 @dataclass
@@ -217,8 +224,10 @@ def _parent_and_name(root: nn.Module, path: str) -> tuple[nn.Module, str]:
 
 
 @torch.no_grad()
-def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, ...] = BLOCK_LINEARS) -> FP8Conversion:
-    """Replace, in every Wan transformer block, the linears at ``names`` by :class:`FP8Linear`, in place.
+def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, ...] = BLOCK_LINEARS, *,
+                     fast_accum: bool = False) -> FP8Conversion:
+    """Replace, in every Wan transformer block, the linears at ``names`` by :class:`FP8Linear`, in place
+    (``fast_accum``: theirs, see the module docstring).
 
     The bf16 weights are released (the blocks hold the fp8 ones only), so
     memory measured after this sees the smaller model. A layer whose shape
@@ -238,7 +247,7 @@ def quantize_linears(transformer_blocks: Iterable[nn.Module], names: tuple[str, 
             if not fits_fp8(linear):
                 result.kept.append(f"blocks.{index}.{path} ({linear.in_features}->{linear.out_features})")
                 continue
-            fp8 = FP8Linear.from_linear(linear)
+            fp8 = FP8Linear.from_linear(linear, fast_accum=fast_accum)
             result.bytes_saved += linear.weight.nbytes - fp8.weight_bytes
             result.converted += 1
             # ModuleList children are named "0", "1", ...: setattr replaces them as it does attributes.

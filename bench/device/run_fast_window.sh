@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Issue 31, part 2 (thirty-eighth session): the fast window's block (~236 ms of DiT on an H100; three paced
+# viewers need ~227 with realtime admission's margin), in ONE device call:
+#
+#     run(command="bash bench/device/run_fast_window.sh 590", carry=[".site.tar.xz"], timeout_s=600)
+#
+# 1. bench/fp8_fast_accum_gpu.py: the 1.3B's eight FP8 products with fast accumulation off / on (ms, error), and
+#    the GPU tests of tests/test_fp8_linear.py (the fast product's bound among them).
+# 2. bench/fp8_linear_probe.py, CUDA graphs on, window 6: the DiT block with `--fp8 all`, fast accumulation off
+#    and on (MODES, default "all,all/fast"), one process.
+# 3. bench/history_fp8_gpu.py: the history's direct load against the gather.
+# 4. The fast service (three paced viewers, a fresh server) with fast accumulation, and the direct load where (3)
+#    found it faster (history_fp8.DIRECT_LOAD set in THIS COPY only). SERVE_FAST=0 skips it.
+# 5. BATCHES (e.g. 1,2,3), if time is left: bench/batch_probe.py.
+# Files in $OUT: fast_accum.json, gpu_tests.txt, probe.json, history.json, service_*.json, batch_probe.json, logs/.
+set -u -o pipefail
+# shellcheck source=bench/device/common.sh
+. bench/device/common.sh
+start_run "${1:-590}"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+last_line() { tail -n 1 "$OUT/$1.stdout" > "$OUT/$1.json"; tail -n 2 "$OUT/$1.stderr"; cut -c1-"${2:-2500}" "$OUT/$1.json"; }
+part fast_accum 60 python3 bench/fp8_fast_accum_gpu.py
+last_line fast_accum
+gpu_tests 90 tests/test_fp8_linear.py
+part probe "${PROBE_S:-150}" python3 bench/fp8_linear_probe.py --device cuda --dtype bfloat16 --preset wan2.1-1.3b \
+  --modes "${MODES:-all,all/fast}" --window-frames 6 --cuda-graphs --top 12
+last_line probe 4000
+part history 70 python3 bench/history_fp8_gpu.py
+last_line history
+if [ "${SERVE_FAST:-1}" = 1 ]; then
+  direct=False
+  if python3 -c 'import json,sys; w=json.load(open(sys.argv[1]))["windows"]["fast"]; sys.exit(w["direct_ms"] >= w["gather_ms"])' \
+      "$OUT/history.json" 2>/dev/null; then direct=True; fi
+  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $direct/" engine/models/history_fp8.py
+  echo "fast service: fast accumulation, history_fp8.DIRECT_LOAD = $direct"
+  ARSTREAM_ENGINE__FP8_FAST_ACCUM=true fp8_service fast "fast_accum_direct_$direct"
+  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = False/" engine/models/history_fp8.py
+fi
+if [ -n "${BATCHES:-}" ] && [ "$(left)" -gt 100 ]; then
+  part batch_probe "$(( $(left) - 10 ))" python3 bench/batch_probe.py --device cuda --dtype bfloat16 \
+    --preset wan2.1-1.3b --batches "$BATCHES"
+  last_line batch_probe 3000
+fi
+echo "== done, $(left)s left"
