@@ -148,11 +148,11 @@ def _quantize_dit(transformer: WanTransformer3DModel, config: EngineConfig) -> F
     (``attention`` converts no weights: its kernel is switched on in the :class:`CausalWanTransformer`.)"""
     if config.fp8 not in FP8_LINEAR:
         return None
-    conversion = quantize_linears(transformer.blocks, fast_accum=config.fp8_fast_accum)
+    conversion = quantize_linears(transformer.blocks, fast_accum=config.resolved_fp8_fast_accum)
     log.info(
         "fp8 linears",
         extra={"layers_converted": conversion.converted, "weight_bytes_saved": conversion.bytes_saved,
-               "kept_bf16": conversion.kept, "fast_accum": config.fp8_fast_accum},
+               "kept_bf16": conversion.kept, "fast_accum": config.resolved_fp8_fast_accum},
     )
     return conversion
 

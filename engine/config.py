@@ -100,10 +100,11 @@ class EngineConfig(BaseModel):
         "Triton FP8 kernel (Q, K, V and P in e4m3; Hopper GPUs); all: both. Quality vs bf16: bench/fp8_quality.py "
         "(docs/FP8.md)",
     )
-    fp8_fast_accum: bool = Field(
-        default=False,
+    fp8_fast_accum: bool | None = Field(
+        default=None,
         description="with fp8=linear | all on CUDA: the FP8 products accumulate in the tensor cores' own precision, "
-        "without promoting partial sums to float32 (cuBLAS's fast accumulation). Error and speed: docs/FP8.md",
+        "without promoting partial sums to float32 (cuBLAS's fast accumulation; unset: on with the FP8 linears). "
+        "Error and speed: docs/FP8.md",
     )
     height: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048, description="pixels; preset default if unset")
     width: int | None = Field(default=None, ge=PIXEL_ALIGNMENT, le=2048)
@@ -338,7 +339,7 @@ class EngineConfig(BaseModel):
                 f"fp8={self.fp8} needs dtype=bfloat16 (FP8 quantizes a bf16 model's matrix products); "
                 f"got dtype={self.dtype}"
             )
-        if self.fp8_fast_accum and self.fp8 not in FP8_LINEAR:
+        if self.fp8_fast_accum is not None and self.fp8 not in FP8_LINEAR:
             raise ValueError(f"fp8_fast_accum is an option of the FP8 linears (fp8=linear | all); fp8={self.fp8}")
         capability = None
         if self.fp8 != "off" and self.device.startswith("cuda"):
@@ -408,6 +409,11 @@ class EngineConfig(BaseModel):
         return auto_decode_convs(self.resolved_video_decoder, self.device, self.dtype, self.compile_decoder,
                                  torch.cuda.get_device_capability(self.device) if cuda else None,
                                  importlib.util.find_spec("triton") is not None)
+
+    @property
+    def resolved_fp8_fast_accum(self) -> bool:
+        """Fast accumulation in the FP8 linears: as set, else on wherever there are FP8 linears."""
+        return self.fp8 in FP8_LINEAR if self.fp8_fast_accum is None else self.fp8_fast_accum
 
     @property
     def resolved_video_decoder(self) -> str:

@@ -196,8 +196,13 @@ def test_fast_accumulation_reaches_every_converted_layer_and_needs_fp8_linears(m
         assert len(layers) == bundle.fp8.converted > 0
         assert {layer.fast_accum for layer in layers} == {fast}
         assert f"fast_accum={fast}" in repr(layers[0])
-    with pytest.raises(ValidationError, match="fp8_fast_accum is an option of the FP8 linears .* fp8=off"):
-        EngineConfig(dtype="bfloat16", fp8_fast_accum=True)
+    # Unset: on wherever there are FP8 linears (the default since it was measured), off elsewhere.
+    assert EngineConfig(dtype="bfloat16", fp8="linear").resolved_fp8_fast_accum is True
+    assert EngineConfig(dtype="bfloat16", fp8="linear", fp8_fast_accum=False).resolved_fp8_fast_accum is False
+    assert EngineConfig(dtype="bfloat16").resolved_fp8_fast_accum is False
+    for fast in (True, False):
+        with pytest.raises(ValidationError, match="fp8_fast_accum is an option of the FP8 linears .* fp8=off"):
+            EngineConfig(dtype="bfloat16", fp8_fast_accum=fast)
 
 
 def test_config_refuses_fp8_without_bf16(monkeypatch):

@@ -27,11 +27,12 @@ try:
 except ImportError:  # CPU-only installs: the engine then takes the gather path
     triton = None
 
-# Off by default: measured on an H100 (docs/BENCHMARKS.md, thirty-sixth session), one load took 21.4 ms this way
-# against 14.8 through the gather path at the standard window (15.0 against 7.5 at the fast one), the mirrors
-# byte for byte equal. Off, ContextKV gathers into the bf16 buffer and quantizes that. On: this module's two
-# passes (bench/history_fp8_gpu.py times both; the tests set it on for their checks).
-DIRECT_LOAD = False
+# On by default since its passes move 16-byte vectors: measured on an H100 (docs/BENCHMARKS.md, thirty-eighth
+# session), one load takes 5.7 ms this way against 14.8 through the gather path at the standard window (7.3 against
+# 7.5 at the fast one), the mirrors byte for byte equal (in the thirty-sixth session, with one pair of channels an
+# instruction, it took 21.4). Off, ContextKV gathers into the bf16 buffer and quantizes that
+# (bench/history_fp8_gpu.py times both).
+DIRECT_LOAD = True
 
 _BLOCK_S = 32  # history rows a tile
 _MAX_PARTS = 128  # programs per (layer, head) in a pass: a head's partial maxima fit one load of the cast pass
