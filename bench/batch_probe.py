@@ -25,21 +25,13 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from engine.bundle import build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.models.attention import DenseContext
 from engine.models.latents import BlockLatents
-from kernel_sums import cuda_kernel_sums
-
-KINDS = (  # (kind, substrings of a kernel's name), first match wins
-    ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "scaled_mm", "f8f8", "sm90")),
-    ("compiled", ("triton",)),
-)
-
+from kernel_sums import DIT_KINDS, cuda_kernel_sums, profiled
 
 def _timed(fn, reps: int, cuda: bool) -> float:
     """Median ms of ``fn`` over ``reps`` runs (CUDA events on a GPU, the host clock elsewhere)."""
@@ -79,13 +71,7 @@ def forward_per_session(args, pipeline, cross_kv, batch: int, cuda: bool) -> dic
     for _ in range(args.warmup):
         forward()
     ms = _timed(forward, args.reps, cuda)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as trace:
-        for _ in range(2):
-            forward()
-        if cuda:
-            torch.cuda.synchronize()
-    by_kind, named = cuda_kernel_sums(trace, KINDS, 90)
+    by_kind, named = cuda_kernel_sums(profiled(forward, 2, cuda), DIT_KINDS, 90)
     per = 2 * batch * 1000  # µs over two forwards -> ms a session
     return {
         "forward_ms_per_session": round(ms / batch, 2),

@@ -23,30 +23,25 @@ import statistics
 import time
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from engine.bundle import build_models
 from engine.config import EngineConfig
 from engine.kv_cache import KVCacheManager
 from engine.models import history_fp8, kernels
-from kernel_sums import cuda_kernel_sums
-
-KINDS = (  # (kind, substrings of a kernel's name), first match wins
-    ("attention", ("flash", "fmha", "attn", "attention")),
-    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "scaled_mm", "f8f8", "sm90")),
-    ("compiled", ("triton",)),
-)
-
+from kernel_sums import DIT_KINDS, cuda_kernel_sums, profiled
 
 def run(args, mode: str) -> dict:
-    """``mode``: an ``fp8`` setting (``none`` for off); ``/fast`` after it: with ``fp8_fast_accum``; ``/apart``: the path before the
+    """``mode``: an ``fp8`` setting (``none`` for off); ``/fast`` or ``/exact`` after it: ``fp8_fast_accum`` on or
+    off (else the default: on with FP8 linears); ``/apart``: the path before the
     thirty-fifth session (the FP8 modes' norms and q / k writing bf16 rows for their quantizers,
     ``kernels.QUANTIZED_NORMS`` off; the FP8 mirror's history through the bf16 buffer, ``history_fp8.DIRECT_LOAD``
     off: read at every load, so off for the whole run)."""
     precision, _, variant = mode.partition("/")
     apart = variant == "apart"
     settings = dict(preset=args.preset, device=args.device, dtype=args.dtype, random_weights=True,
-                    cuda_graphs=args.cuda_graphs, fp8_fast_accum=variant == "fast")
+                    cuda_graphs=args.cuda_graphs)
+    if variant in ("fast", "exact"):
+        settings["fp8_fast_accum"] = variant == "fast"
     if args.window_frames is not None:
         settings["window_frames"] = args.window_frames
     if precision != "none":
@@ -81,13 +76,8 @@ def _probe(args, mode: str, bundle) -> dict:
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - start) * 1000)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    with profile(activities=activities) as trace:
-        for _ in range(2):
-            block()
-        if cuda:
-            torch.cuda.synchronize()
-    by_kind, named = cuda_kernel_sums(trace, KINDS, 90)
+    trace = profiled(block, 2, cuda)
+    by_kind, named = cuda_kernel_sums(trace, DIT_KINDS, 90)
     result = {
         "mode": mode,
         "block_ms_median": round(statistics.median(times), 1),
@@ -117,7 +107,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default="attention,all",
-                        help="comma-separated: none, linear, attention, all; linear/apart, all/apart, linear/fast, all/fast "
+                        help="comma-separated: none, linear, attention, all; linear/apart, all/apart, linear/fast, all/exact, ... "
                              "(see run)")
     parser.add_argument("--blocks", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=8)

@@ -46,6 +46,7 @@ from engine.bundle import ModelBundle, build_models  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 
 FP8_VARIANTS = tuple(v for v in typing.get_args(EngineConfig.model_fields["fp8"].annotation) if v != "off")
+FAST_ACCUM = {"": None, "fast": True, "exact": False}  # a variant's suffix -> fp8_fast_accum (None: the default)
 PEAK_TO_PEAK = 2.0  # decoded frames lie in [-1, 1]
 
 
@@ -98,12 +99,14 @@ def run_variant(config: EngineConfig, blocks: int, seed: int) -> tuple[ModelBund
 
 
 def parse_variants(value: str) -> list[str]:
-    """fp8 values, each optionally with ``/fast`` (``fp8_fast_accum``) after it: ``all,all/fast``."""
+    """fp8 values, each optionally with ``/fast`` or ``/exact`` after it (``fp8_fast_accum`` on or off; else its
+    default): ``all/exact,all/fast``."""
     variants = [v.strip() for v in value.split(",") if v.strip()]
-    unknown = [v for v in variants if v.removesuffix("/fast") not in FP8_VARIANTS]
+    unknown = [v for v in variants if v.partition("/")[0] not in FP8_VARIANTS or v.partition("/")[2] not in
+               ("", "fast", "exact")]
     if not variants or unknown:
         raise argparse.ArgumentTypeError(f"{value!r}: give a comma-separated list of {', '.join(FP8_VARIANTS)} "
-                                         "(each may end in /fast: fast accumulation)")
+                                         "(each may end in /fast or /exact: fast accumulation on or off)")
     return list(dict.fromkeys(variants))
 
 
@@ -138,7 +141,7 @@ def main() -> int:
             variant: EngineConfig(
                 preset=args.preset, model_dir=args.model, causal_weights=args.causal_weights,
                 device=args.device, dtype=args.dtype, random_weights=args.random_weights,
-                fp8=variant.removesuffix("/fast"), fp8_fast_accum=variant.endswith("/fast"), sink_frames=args.sink_frames, window_frames=args.window_frames, height=args.height,
+                fp8=variant.partition("/")[0], fp8_fast_accum=FAST_ACCUM[variant.partition("/")[2]], sink_frames=args.sink_frames, window_frames=args.window_frames, height=args.height,
                 width=args.width, seed=args.seed, audio=False, compile_decoder=False, warmup_blocks=0,
             )
             for variant in ["off", *args.variants]

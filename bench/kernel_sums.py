@@ -5,7 +5,27 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch.profiler import ProfilerActivity, profile
+
+DIT_KINDS = (  # a DiT forward's kernels: (kind, substrings of a kernel's name), first match wins
+    ("attention", ("flash", "fmha", "attn", "attention", "sdpa")),
+    ("matmul", ("gemm", "cutlass", "nvjet", "xmma", "scaled_mm", "f8f8", "sm90")),
+    ("compiled", ("triton",)),
+)
+
+
+def profiled(fn: Callable[[], None], runs: int, cuda: bool):
+    """A ``torch.profiler`` trace of ``runs`` calls of ``fn`` (the device's kernels too on CUDA, all finished)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as trace:
+        for _ in range(runs):
+            fn()
+        if cuda:
+            torch.cuda.synchronize()
+    return trace
 
 
 def kind_of(name: str, kinds) -> str:

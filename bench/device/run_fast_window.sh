@@ -7,7 +7,7 @@
 # 1. bench/fp8_fast_accum_gpu.py: the 1.3B's eight FP8 products with fast accumulation off / on (ms, error), and
 #    the GPU tests of tests/test_fp8_linear.py (the fast product's bound among them).
 # 2. bench/fp8_linear_probe.py, CUDA graphs on, window 6: the DiT block with `--fp8 all`, fast accumulation off
-#    and on (MODES, default "all,all/fast"), one process.
+#    and on (MODES, default "all/exact,all/fast"), one process.
 # 3. bench/history_fp8_gpu.py: the history's direct load against the gather.
 # 4. The fast service (three paced viewers, a fresh server) with fast accumulation, and the direct load where (3)
 #    found it faster (history_fp8.DIRECT_LOAD set in THIS COPY only). SERVE_FAST=0 skips it.
@@ -23,7 +23,7 @@ part fast_accum 60 python3 bench/fp8_fast_accum_gpu.py
 last_line fast_accum
 gpu_tests 90 tests/test_fp8_linear.py
 part probe "${PROBE_S:-150}" python3 bench/fp8_linear_probe.py --device cuda --dtype bfloat16 --preset wan2.1-1.3b \
-  --modes "${MODES:-all,all/fast}" --window-frames 6 --cuda-graphs --top 12
+  --modes "${MODES:-all/exact,all/fast}" --window-frames 6 --cuda-graphs --top 12
 last_line probe 4000
 part history 70 python3 bench/history_fp8_gpu.py
 last_line history
