@@ -24,7 +24,8 @@
 #    (input_sweep.json) and DECODE=1 (default) the compiled e4m3 decode on the fused inputs, both ways
 #    (conv_*.json).
 #    WHICH (default "after before"): which trees the kernel benches run on.
-# 3. SERVE: services "what:after|before|direct" (direct: after, with history_fp8.DIRECT_LOAD on in THIS COPY),
+# 3. SERVE: services "what:after|before|direct" (after and before with history_fp8.DIRECT_LOAD off, as main had
+#    it until the thirty-eighth session; direct: after, with it on in THIS COPY),
 #    `--fp8 all`, a fresh `arstream serve` each (bench/device/common.sh fp8_service). Files: service_*.json, logs/.
 #    DIRECT_IF_FASTER=1: a direct entry runs only if the history bench (this run's) found the direct load faster.
 set -u -o pipefail

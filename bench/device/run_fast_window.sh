@@ -9,8 +9,9 @@
 # 2. bench/fp8_linear_probe.py, CUDA graphs on, window 6: the DiT block with `--fp8 all`, fast accumulation off
 #    and on (MODES, default "all/exact,all/fast"), one process.
 # 3. bench/history_fp8_gpu.py: the history's direct load against the gather.
-# 4. The fast service (three paced viewers, a fresh server) with fast accumulation, and the direct load where (3)
-#    found it faster (history_fp8.DIRECT_LOAD set in THIS COPY only). SERVE_FAST=0 skips it.
+# 4. The fast service (three paced viewers, a fresh server) with the tree's defaults: fast accumulation and the
+#    history's direct load, both on since this session measured them (in its call the script switched the direct
+#    load on where (3) found it faster). SERVE_FAST=0 skips it.
 # 5. BATCHES (e.g. 1,2,3), if time is left: bench/batch_probe.py.
 # Files in $OUT: fast_accum.json, gpu_tests.txt, probe.json, history.json, service_*.json, batch_probe.json, logs/.
 set -u -o pipefail
@@ -28,13 +29,7 @@ last_line probe 4000
 part history 70 python3 bench/history_fp8_gpu.py
 last_line history
 if [ "${SERVE_FAST:-1}" = 1 ]; then
-  direct=False
-  if python3 -c 'import json,sys; w=json.load(open(sys.argv[1]))["windows"]["fast"]; sys.exit(w["direct_ms"] >= w["gather_ms"])' \
-      "$OUT/history.json" 2>/dev/null; then direct=True; fi
-  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = $direct/" engine/models/history_fp8.py
-  echo "fast service: fast accumulation, history_fp8.DIRECT_LOAD = $direct"
-  ARSTREAM_ENGINE__FP8_FAST_ACCUM=true fp8_service fast "fast_accum_direct_$direct"
-  sed -i "s/^DIRECT_LOAD = .*/DIRECT_LOAD = False/" engine/models/history_fp8.py
+  fp8_service fast fast_defaults
 fi
 if [ -n "${BATCHES:-}" ] && [ "$(left)" -gt 100 ]; then
   part batch_probe "$(( $(left) - 10 ))" python3 bench/batch_probe.py --device cuda --dtype bfloat16 \
