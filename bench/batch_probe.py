@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import torch
@@ -32,24 +31,7 @@ from engine.kv_cache import KVCacheManager
 from engine.models.attention import DenseContext
 from engine.models.latents import BlockLatents
 from kernel_sums import DIT_KINDS, cuda_kernel_sums, profiled
-
-def _timed(fn, reps: int, cuda: bool) -> float:
-    """Median ms of ``fn`` over ``reps`` runs (CUDA events on a GPU, the host clock elsewhere)."""
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1000)
-    return statistics.median(times)
-
+from shifted_rows_conv_gpu import timed_ms
 
 def forward_per_session(args, pipeline, cross_kv, batch: int, cuda: bool) -> dict:
     transformer = pipeline.transformer
@@ -70,7 +52,7 @@ def forward_per_session(args, pipeline, cross_kv, batch: int, cuda: bool) -> dic
 
     for _ in range(args.warmup):
         forward()
-    ms = _timed(forward, args.reps, cuda)
+    ms = timed_ms(forward, transformer.device, args.reps)
     by_kind, named = cuda_kernel_sums(profiled(forward, 2, cuda), DIT_KINDS, 90)
     per = 2 * batch * 1000  # µs over two forwards -> ms a session
     return {
@@ -103,9 +85,7 @@ def attention_per_session(args, transformer, batch: int, cuda: bool) -> dict | N
         fp8_attention.fp8_attention_segments(q_fp8, q_scale, k_fp8, (k_scale, k_scale), v_fp8, (v_scale, v_scale),
                                              args.keys - queries)
 
-    for _ in range(3):
-        attend()
-    ms = _timed(attend, 20, cuda)
+    ms = timed_ms(attend, transformer.device, 20)
     flops = 4 * batch * heads * queries * args.keys * head_dim
     return {"ms_per_session": round(ms / batch, 4), "tflops": round(flops / ms / 1e9, 1)}
 

@@ -4,7 +4,7 @@ A Wan 1.3B block runs eight FP8 products a forward (``engine.models.fp8_linear.B
 1,536 (self-attention q, k, v, out; cross-attention q, out), the FFN's 1,536 -> 8,960 and 8,960 -> 1,536, each
 on a block's 4,680 tokens (``--rows``). For each shape, :class:`FP8Linear` (``torch._scaled_mm``, rowwise scales,
 bias in the epilogue) with ``fast_accum`` off (partial sums promoted to float32) and on (the tensor cores'
-accumulator only): ms a call (CUDA events, median of ``--reps``), and the error of each against the float32
+accumulator only): ms a call (CUDA events, median of ``--reps`` after two warm-ups), and the error of each against the float32
 product of the same dequantized operands (relative Frobenius, largest difference over the output's largest
 value). Then the sum over a forward and over a fast block (5 forwards x 30 layers). Prints ONE JSON line.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 
 import torch
@@ -23,22 +22,10 @@ import torch
 sys.path.insert(0, ".")
 
 from engine.models.fp8_linear import FP8Linear  # noqa: E402
+from shifted_rows_conv_gpu import timed_ms  # noqa: E402 - bench/, the script's own folder
 
 SHAPES = {"1536x1536": (1536, 1536, 6), "1536x8960": (1536, 8960, 1), "8960x1536": (8960, 1536, 1)}  # K, N, per layer
 LAYER_FORWARDS_PER_FAST_BLOCK = 30 * 5
-
-
-def _ms(fn, reps: int) -> float:
-    times = []
-    for rep in range(reps + 5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        if rep >= 5:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -61,7 +48,7 @@ def main() -> None:
         entry = {}
         for fast, layer in layers.items():
             out = layer.forward_quantized(x, quantized, scale).float()
-            ms = _ms(lambda: layer.forward_quantized(x, quantized, scale), args.reps)
+            ms = timed_ms(lambda: layer.forward_quantized(x, quantized, scale), x.device, args.reps)
             per_forward[fast] += per_layer * ms
             entry["fast" if fast else "exact"] = {
                 "ms": round(ms, 4),

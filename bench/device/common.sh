@@ -6,6 +6,8 @@
 #                            .site.tar.xz when carried (bench/device/pack_site.sh: the wheels unpacked and
 #                            xz-packed, 36 MB where the wheels with aiortc's take 55), else from the wheels in .whl/
 #   part NAME LIMIT_S CMD..  CMD under `timeout`, its stdout / stderr in $PART_DIR (default $OUT) as NAME.std*
+#   last_line NAME [CHARS]   a part's JSON line (its stdout's last) into $OUT/NAME.json, printed (CHARS, default
+#                            2500) after the last two lines of its stderr
 #   gpu_tests LIMIT_S FILES..   the GPU-marked tests of FILES under `timeout`, the log in $OUT/gpu_tests.txt
 #   service NAME BUDGET_S ARGS...   bench/bench_service_gpu.py (ARGS: its own, then -- and `arstream serve`'s),
 #                            JSON in $OUT/service_NAME.json, logs in $OUT/logs; needs TOTAL (start_run)
@@ -41,6 +43,10 @@ part() {
   echo "== $SECONDS s: $name (limit ${limit}s)"
   timeout -k 5 "$limit" "$@" > "$dir/$name.stdout" 2> "$dir/$name.stderr"
   echo "$name exit $?"
+}
+
+last_line() {
+  tail -n 1 "$OUT/$1.stdout" > "$OUT/$1.json"; tail -n 2 "$OUT/$1.stderr"; cut -c1-"${2:-2500}" "$OUT/$1.json"
 }
 
 gpu_tests() {

@@ -14,13 +14,11 @@ for graphs in ${GRAPHS:-off on}; do
   [ "$graphs" = on ] && flag=(--cuda-graphs)
   part "fast_probe_graphs_$graphs" "${PROBE_S:-110}" python3 bench/fp8_linear_probe.py --device cuda \
     --dtype bfloat16 --preset wan2.1-1.3b --modes "${MODES:-all}" --window-frames "${WINDOW:-6}" --top 25 "${flag[@]}"
-  tail -n 1 "$OUT/fast_probe_graphs_$graphs.stdout" > "$OUT/fast_probe_graphs_$graphs.json"
-  tail -n 2 "$OUT/fast_probe_graphs_$graphs.stderr"; cut -c1-3000 "$OUT/fast_probe_graphs_$graphs.json"
+  last_line "fast_probe_graphs_$graphs" 3000
 done
 if [ -n "${BATCHES:-}" ]; then  # bench/batch_probe.py: B sessions' blocks in one forward, per session
   part batch_probe "${BATCH_S:-120}" python3 bench/batch_probe.py --device cuda --dtype bfloat16 \
     --preset wan2.1-1.3b --batches "$BATCHES"
-  tail -n 1 "$OUT/batch_probe.stdout" > "$OUT/batch_probe.json"; tail -n 2 "$OUT/batch_probe.stderr"
-  cut -c1-3000 "$OUT/batch_probe.json"
+  last_line batch_probe 3000
 fi
 echo "== done, $(left)s left"

@@ -19,7 +19,6 @@ set -u -o pipefail
 . bench/device/common.sh
 start_run "${1:-590}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-last_line() { tail -n 1 "$OUT/$1.stdout" > "$OUT/$1.json"; tail -n 2 "$OUT/$1.stderr"; cut -c1-"${2:-2500}" "$OUT/$1.json"; }
 part fast_accum 60 python3 bench/fp8_fast_accum_gpu.py
 last_line fast_accum
 gpu_tests 90 tests/test_fp8_linear.py
