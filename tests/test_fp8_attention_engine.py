@@ -14,6 +14,8 @@ per block, flat over blocks. Above 1e-4: the FP8 kernel really ran (off and atte
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import sys
 
@@ -34,6 +36,9 @@ BACKGROUND_JOBS = (interpreter_job(__file__),)  # started with the session (test
 FP8_ATTENTION_BOUND = 0.07
 BLOCKS = 3
 PROMPT = "a kite over dunes"
+# Batched products sum their rows' terms in another order than one session's (the same scales, the same e4m3
+# operands): bf16 noise, far below FP8_ATTENTION_BOUND's quantization error.
+BATCHED_BOUND = 1e-2
 GEOMETRY = {"sink_frames": 1, "window_frames": 2}  # the window evicts at block 2: history 3 frames from there
 
 
@@ -135,7 +140,39 @@ def _interpreter_checks() -> dict:
         "errors": [_relative(a.video, b.video) for a, b in zip(all_blocks, reference)],
         "finite": all(bool(torch.isfinite(block.video).all()) for block in all_blocks),
     }
+    # The fused q / k kernel's per-session launches are checked on the GPU (tests/test_batched_blocks.py): under
+    # the interpreter, with the quantized norms they need, they take minutes.
+    results["batched"] = _batched_against_serial(False)
     return results
+
+
+def _batched_against_serial(fused_qk: bool, blocks: int = 3) -> dict:
+    """Two sessions' blocks through one batched forward a step (``run_blocks``: the fused q / k pass per session,
+    V's quantizer and the attention over the batch) against the same sessions one at a time, ``fp8 all``, past
+    the window's first eviction. ``fused_qk``: q and k through :mod:`engine.models.qk_quantize` (the GPU's path;
+    the CPU's kernel set otherwise quantizes them with the per-head quantizer)."""
+    from tests.engine_helpers import build_small, small_dit_tiny_preset
+
+    with small_dit_tiny_preset():
+        _, bundle = build_small(dtype="bfloat16", fp8="all", **GEOMETRY)
+    serial = bundle.pipeline
+    transformer = serial.transformer
+    transformer.kernels = dataclasses.replace(transformer.kernels, quantized_norms=fused_qk)
+    batched = serial.variant(gather_history_once=True, batch_slots=2)
+
+    def sessions(pipeline):
+        manager = KVCacheManager(pipeline.kv_spec(), 2, "cpu")
+        return [(manager.open_session(f"s{i}"), pipeline.new_progress(seed=3 + i, prompt=f"{PROMPT} {i}"))
+                for i in range(2)]
+
+    one, two = sessions(serial), sessions(batched)
+    errors = []
+    for _ in range(blocks):
+        alone = [serial.run_block(kv, progress) for kv, progress in one]
+        together = batched.run_blocks(two)
+        errors.append(max(_relative(a.video, b.video) for a, b in zip(together, alone)))
+    return {"errors": errors, "history_frames": [kv.num_resident_blocks("cond") for kv, _ in two],
+            "fused": batched.transformer.kernels.quantized_norms}
 
 
 # --- the tests --------------------------------------------------------------------------------------------
@@ -177,6 +214,14 @@ def test_fp8_all_is_linears_and_attention(interpreted):
     assert result["fp8_attention"] is True and result["linears_converted"] > 0 and result["finite"]
     # Two error sources, each bounded as for one (FP8 linears: 5.1 %, attention: 7 %).
     assert all(1e-4 < error < 0.051 + FP8_ATTENTION_BOUND for error in result["errors"]), result
+
+
+def test_batched_sessions_match_one_at_a_time_through_the_fp8_kernels(interpreted):
+    """The batched forward's FP8 path (per-session q / k quantization into the mirror's slots, V's per (session,
+    head) scales, one attention over the batch) makes each session's blocks as it makes them alone."""
+    batched = interpreted["batched"]
+    assert not batched["fused"] and batched["history_frames"] == [3, 3], batched
+    assert max(batched["errors"]) <= BATCHED_BOUND, batched
 
 
 def test_fp8_attention_refuses_the_per_forward_path(interpreted):

@@ -38,9 +38,10 @@ class KVCacheManager:
         # One spare slot per name makes atomic publishing possible (see CrossAttentionCache).
         self.cross_cache = CrossAttentionCache(spec, max_sessions * len(spec.branch_names) + 1, device)
         # The current block's K/V per branch, written by a commit forward and copied
-        # into blocks only once that forward has succeeded.
-        self.staging = torch.empty(
+        # into blocks only once that forward has succeeded; a slot for each session of a batched forward.
+        self.staging_slots = torch.empty(
             (
+                spec.staging_slots,
                 len(spec.branch_names),
                 spec.num_layers,
                 2,
@@ -51,6 +52,7 @@ class KVCacheManager:
             dtype=spec.dtype,
             device=device,
         )
+        self.staging = self.staging_slots[0]  # [branches, layers, 2, tokens, heads, head_dim]: one session's
         self._sessions: dict[str, SessionKVState] = {}
         self._reserved: set[str] = set()
 
@@ -84,7 +86,7 @@ class KVCacheManager:
 
     @property
     def nbytes(self) -> int:
-        return self.block_pool.nbytes + self.cross_cache.nbytes + self.staging.numel() * self.staging.element_size()
+        return self.block_pool.nbytes + self.cross_cache.nbytes + self.staging_slots.numel() * self.staging_slots.element_size()
 
     def open_session(self, session_id: str) -> SessionKVState | None:
         """A fresh state for ``session_id``, or ``None`` when every reservation is taken."""
@@ -98,7 +100,7 @@ class KVCacheManager:
             spec=self.spec,
             block_pool=self.block_pool,
             cross_cache=self.cross_cache,
-            staging=self.staging,
+            staging=self.staging_slots,
             on_close=self._forget,
         )
         self._sessions[session_id] = state

@@ -34,11 +34,15 @@ class KVSpec:
     # Window frames a branch may hold after evicting them, for blocks that can still be taken back (supersede:
     # ``undo_blocks`` blocks' worth); 0 when nothing is ever taken back.
     held_frames: int = 0
+    # Sessions one forward may batch: each stages its commit in a slot of its own (engine/models/pipeline.py).
+    staging_slots: int = 1
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "tokens_per_frame", "frames_per_block", "window_frames"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVSpec.{name} must be positive, got {getattr(self, name)}")
+        if self.staging_slots < 1:
+            raise ValueError("KVSpec.staging_slots must be >= 1")
         if self.sink_frames < 0:
             raise ValueError("KVSpec.sink_frames must be >= 0")
         if not self.branch_names or len(set(self.branch_names)) != len(self.branch_names):

@@ -45,7 +45,7 @@ class SessionKVState:
         self.spec = spec
         self._block_pool = block_pool
         self._cross_cache = cross_cache
-        self._staging = staging  # [branches, layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]
+        self._staging = staging  # [slots, branches, layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]
         self._on_close = on_close
         self.closed = False
         # While a journal is open, commits record what they did (and keep the frames they evict) so that
@@ -87,16 +87,25 @@ class SessionKVState:
     def committed_frames(self, branch: str) -> int:
         return self.table(branch).committed_frames
 
-    def staging(self, branch: str) -> torch.Tensor:
-        """``[layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]`` written by a commit forward."""
+    def staging(self, branch: str, slot: int = 0) -> torch.Tensor:
+        """``[layers, 2, frames_per_block * tokens_per_frame, heads, head_dim]`` written by a commit forward (in a
+        batched one, the session's slot)."""
         self.table(branch)
-        return self._staging_for(branch)
+        return self._staging_for(branch, slot)
 
-    def _staging_for(self, branch: str) -> torch.Tensor:
-        return self._staging[self.spec.branch_names.index(branch)]
+    def staging_batch(self, branch: str, batch: int) -> torch.Tensor:
+        """Slots ``[0, batch)`` of the branch's staging, ``[batch, layers, 2, tokens, heads, head_dim]``: a batched
+        commit forward's, session ``b`` in slot ``b`` (the slots are shared by every session of the manager)."""
+        self.table(branch)
+        if not 0 < batch <= self._staging.shape[0]:
+            raise ValueError(f"a batch of {batch} sessions; the staging has {self._staging.shape[0]} slots")
+        return self._staging[:batch, self.spec.branch_names.index(branch)]
 
-    def commit(self, branch: str, num_frames: int) -> None:
-        """Move ``num_frames`` staged frames into blocks (evicting old window frames)."""
+    def _staging_for(self, branch: str, slot: int = 0) -> torch.Tensor:
+        return self._staging[slot, self.spec.branch_names.index(branch)]
+
+    def commit(self, branch: str, num_frames: int, slot: int = 0) -> None:
+        """Move ``num_frames`` staged frames (of staging slot ``slot``) into blocks (evicting old window frames)."""
         table = self.table(branch)
         if not 0 < num_frames <= self.spec.frames_per_block:
             raise ValueError(f"commit of {num_frames} frames; a block has {self.spec.frames_per_block}")
@@ -108,7 +117,7 @@ class SessionKVState:
                 self._journal.append((branch, block, evicted))
                 if evicted is not None:
                     self._held.add(evicted)
-        self._write_blocks(branch, block_ids)
+        self._write_blocks(branch, block_ids, slot)
 
     # --- taking commits back --------------------------------------------
     def begin_journal(self) -> None:
@@ -144,9 +153,9 @@ class SessionKVState:
             raise ValueError("overwrite targets blocks this branch does not hold")
         self._write_blocks(branch, block_ids)
 
-    def _write_blocks(self, branch: str, block_ids: list[int]) -> None:
+    def _write_blocks(self, branch: str, block_ids: list[int], slot: int = 0) -> None:
         spec = self.spec
-        staged = self._staging_for(branch)[:, :, : len(block_ids) * spec.tokens_per_frame]
+        staged = self._staging_for(branch, slot)[:, :, : len(block_ids) * spec.tokens_per_frame]
         staged = staged.unflatten(2, (len(block_ids), spec.tokens_per_frame))
         storage = self._block_pool.storage
         # One copy per block with host-side ids: an index tensor built on the host would make the

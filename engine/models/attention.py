@@ -61,16 +61,35 @@ class GatheredContext:
     each layer writes its current K/V after it in ``context_kv`` and attends over the prefix. The engine's
     path, and the only one CUDA graphs and FP8 attention run on.
 
+    One session's forward (``context_kv [layers, 2, S_max, heads, head_dim]``, ``stage [layers, 2, S_q, heads,
+    head_dim]``) or a batch's (``[B, layers, ...]`` for both: row ``b`` of the forward's batch attends to slot
+    ``b``'s history and stages into slot ``b``; every slot holds ``history_tokens`` rows of history).
+
     ``fp8``: with FP8 attention, the branch's e4m3 mirror of ``context_kv``
-    (:class:`~engine.models.context_kv.FP8ContextKV`, its history quantized by the same load).
+    (:class:`~engine.models.context_kv.FP8ContextKV`, its history quantized by the same load; batch row ``b`` in
+    its slot ``b``).
     """
 
     cos: torch.Tensor
     sin: torch.Tensor
-    context_kv: torch.Tensor  # [layers, 2, S_max, heads, head_dim]
+    context_kv: torch.Tensor  # [layers, 2, S_max, heads, head_dim] or [B, layers, 2, S_max, heads, head_dim]
     history_tokens: int  # rows of context_kv that hold the (rotated) history
     stage: torch.Tensor | None = None
     fp8: FP8ContextKV | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.context_kv.shape[0] if self.context_kv.ndim == 6 else 1
+
+    def batched_kv(self) -> torch.Tensor:
+        """``context_kv`` as ``[B, layers, 2, S_max, heads, head_dim]``."""
+        return self.context_kv if self.context_kv.ndim == 6 else self.context_kv.unsqueeze(0)
+
+    def batched_stage(self) -> torch.Tensor | None:
+        """``stage`` as ``[B, layers, 2, S_q, heads, head_dim]`` (None without one)."""
+        if self.stage is None:
+            return None
+        return self.stage if self.stage.ndim == 6 else self.stage.unsqueeze(0)
 
 
 class PerForwardContext(Protocol):
@@ -160,9 +179,11 @@ class PagedSelfAttentionProcessor:
         return _attend(attn, query, key, value, context.attn_mask)
 
     def _attend_gathered(self, attn, hidden_states, context: GatheredContext, kernels: Kernels) -> torch.Tensor:
-        """The history is already in ``context_kv``, rotated: write this block's K/V after it and attend."""
-        if hidden_states.shape[0] != 1:
-            raise ValueError("the gathered-history path runs one session (batch 1) per forward")
+        """The history is already in ``context_kv``, rotated: write this block's K/V after it and attend. A batch's
+        rows each attend to their own slot's history (one kernel over the batch)."""
+        batch = hidden_states.shape[0]
+        if batch != context.batch:
+            raise ValueError(f"a forward of {batch} sessions over a gathered context of {context.batch}")
         layer = self.layer_index
         start = context.history_tokens
         end = start + hidden_states.shape[1]
@@ -175,56 +196,62 @@ class PagedSelfAttentionProcessor:
         query = kernels.rms_norm_rotate(query, attn.norm_q.weight, attn.norm_q.eps, attn.heads, cos, sin)
         key = _heads(attn, kernels.rms_norm(key, attn.norm_k.weight, attn.norm_k.eps))
         value = _heads(attn, value)
-        if context.stage is not None:
-            context.stage[layer, 0, : end - start].copy_(key[0])  # unrotated, as stored
-            context.stage[layer, 1, : end - start].copy_(value[0])
+        stage = context.batched_stage()
+        if stage is not None:
+            stage[:, layer, 0, : end - start].copy_(key)  # unrotated, as stored
+            stage[:, layer, 1, : end - start].copy_(value)
         if self.fp8_attention:
-            return self._attend_fp8(attn, query, kernels.rotate_pairs(key[0], cos, sin), value[0], context)
-        buffer = context.context_kv[layer]  # [2, S_max, H, D]
-        buffer[0, start:end].copy_(kernels.rotate_pairs(key[0], cos, sin))
-        buffer[1, start:end].copy_(value[0])
-        return _attend(attn, query, buffer[0, :end].unsqueeze(0), buffer[1, :end].unsqueeze(0))
+            return self._attend_fp8(attn, query, kernels.rotate_pairs(key, cos, sin), value, context)
+        buffer = context.batched_kv()[:, layer]  # [B, 2, S_max, H, D]
+        buffer[:, 0, start:end].copy_(kernels.rotate_pairs(key, cos, sin))
+        buffer[:, 1, start:end].copy_(value)
+        return _attend(attn, query, buffer[:, 0, :end], buffer[:, 1, :end])
 
     def _attend_fp8(self, attn, query, key, value, context: GatheredContext) -> torch.Tensor:
-        """FP8: this block's rotated K and its V into the mirror after the history (current-segment scales),
-        q quantized per head, the kernel over both segments. The bf16 buffer's current rows are not needed."""
+        """FP8: this block's rotated K and its V ``[B, S, H, D]`` into the mirror after the history (current-segment
+        scales), q quantized per head, the kernel over both segments. The bf16 buffer's current rows are not
+        needed."""
         mirror = context.fp8
         if mirror is None:
             raise ValueError("FP8 attention needs the context's FP8 mirror (a ContextKV built with fp8_attention)")
         layer, start = self.layer_index, context.history_tokens
-        end = start + key.shape[0]
+        end = start + key.shape[1]
         mirror.quantize(layer, CURRENT, start, key, value)
         q_fp8 = torch.empty(query.shape, dtype=FP8_DTYPE, device=query.device)
         q_scale = torch.empty(query.shape[0], query.shape[2], dtype=torch.float32, device=query.device)
         quantize_per_head_into(query, q_fp8, q_scale)
-        out = mirror.attend(layer, q_fp8, q_scale, start, end)  # bf16 [1, S_q, H, D]
+        out = mirror.attend(layer, q_fp8, q_scale, start, end)  # bf16 [B, S_q, H, D]
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
     def _attend_fp8_fused(self, attn, query, key, value, context: GatheredContext, cos, sin) -> torch.Tensor:
         """:meth:`_attend_fp8` with q and k normalized, rotated and cast in one pass each
         (:mod:`engine.models.qk_quantize`: their scales bound by the norms' weights, no amax pass), k straight
-        into the mirror's current rows (and, in a commit pass, its normalized rows into the stage); v as before."""
+        into the mirror's current rows (and, in a commit pass, its normalized rows into the stage); v as before.
+        The q / k pass runs per session of a batch (one launch each); v's quantizer and the attention run once."""
         mirror = context.fp8
         if mirror is None:
             raise ValueError("FP8 attention needs the context's FP8 mirror (a ContextKV built with fp8_attention)")
-        if query.shape[0] != 1:
-            raise ValueError("the gathered-history path runs one session (batch 1) per forward")
         layer, start, heads = self.layer_index, context.history_tokens, attn.heads
-        tokens = query.shape[1]
+        batch, tokens = query.shape[0], query.shape[1]
         end = start + tokens
         q_scale, q_inverse = self._static_scales(attn.norm_q.weight, heads, "q")
         k_scale, k_inverse = self._static_scales(attn.norm_k.weight, heads, "k")
-        q_fp8 = torch.empty((1, tokens, heads, query.shape[2] // heads), dtype=FP8_DTYPE, device=query.device)
-        qk_quantize.rms_rotate_quantize(query, attn.norm_q.weight, attn.norm_q.eps, heads, cos, sin, q_inverse, q_fp8)
-        stage = context.stage
-        qk_quantize.rms_rotate_quantize(key, attn.norm_k.weight, attn.norm_k.eps, heads, cos, sin, k_inverse,
-                                        mirror.keys(layer, start, end), None if stage is None else stage[layer, 0, :tokens])
-        mirror.set_key_scale(layer, CURRENT, k_scale)
-        value = _heads(attn, value)[0]
+        q_fp8 = torch.empty((batch, tokens, heads, query.shape[2] // heads), dtype=FP8_DTYPE, device=query.device)
+        stage = context.batched_stage()
+        keys = mirror.keys(layer, start, end, batch)
+        for row in range(batch):
+            qk_quantize.rms_rotate_quantize(query[row : row + 1], attn.norm_q.weight, attn.norm_q.eps, heads, cos, sin,
+                                            q_inverse, q_fp8[row : row + 1])
+            qk_quantize.rms_rotate_quantize(key[row : row + 1], attn.norm_k.weight, attn.norm_k.eps, heads, cos, sin,
+                                            k_inverse, keys[row : row + 1],
+                                            None if stage is None else stage[row, layer, 0, :tokens])
+        mirror.set_key_scale(layer, CURRENT, k_scale, batch)
+        value = _heads(attn, value)
         if stage is not None:
-            stage[layer, 1, :tokens].copy_(value)
+            stage[:, layer, 1, :tokens].copy_(value)
         mirror.quantize_values(layer, CURRENT, start, value)
-        out = mirror.attend(layer, q_fp8, q_scale.view(1, heads), start, end)  # bf16 [1, S_q, H, D]
+        q_scales = q_scale.view(1, heads) if batch == 1 else q_scale.view(1, heads).expand(batch, heads)
+        out = mirror.attend(layer, q_fp8, q_scales, start, end)  # bf16 [B, S_q, H, D]
         return attn.to_out[1](attn.to_out[0](out.flatten(2, 3).type_as(query)))
 
     def _static_scales(self, weight: torch.Tensor, heads: int, name: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,7 @@ reference path).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -74,31 +75,36 @@ class GraphedForwards:
         return len(self.graphs)
 
     def __call__(
-        self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: AttentionContext, cross_kv: torch.Tensor
+        self, latents: BlockLatents, frame_timesteps: torch.Tensor, context: AttentionContext,
+        cross_kv: torch.Tensor | Sequence[torch.Tensor],
     ) -> BlockLatents:
+        """``cross_kv``: one tensor, or a batch's text K/V one session at a time (copied into the graph's input
+        buffer row by row, never stacked first)."""
         if self.transformer.kernels is not self.kernels:
             self.graphs.clear()
             self.kernels = self.transformer.kernels
-        key = self._key(latents, frame_timesteps, context, cross_kv)
+        rows = tuple(cross_kv) if isinstance(cross_kv, (tuple, list)) else None
+        cross_shape = (len(rows), *rows[0].shape) if rows is not None else tuple(cross_kv.shape)
+        key = self._key(latents, frame_timesteps, context, cross_shape)
         entry = None
         if key is not None:
             entry = self.graphs.get(key) or self.graphs.capture(
-                key, lambda pool: self._capture(latents, frame_timesteps, context, cross_kv, pool)
+                key, lambda pool: self._capture(latents, frame_timesteps, context, cross_kv, cross_shape, pool)
             )
         if entry is None:
-            return self.transformer(latents, frame_timesteps, context, cross_kv)
+            return self.transformer(latents, frame_timesteps, context, torch.stack(rows) if rows else cross_kv)
         entry.latents.video.copy_(latents.video)
         if latents.audio is not None:
             entry.latents.audio.copy_(latents.audio)
         entry.timesteps.copy_(frame_timesteps)
-        entry.cross_kv.copy_(cross_kv)
+        _fill(entry.cross_kv, cross_kv)
         entry.graph.replay()
         self.replays += 1
         return BlockLatents(
             entry.output.video.clone(), None if entry.output.audio is None else entry.output.audio.clone()
         )
 
-    def _key(self, latents, frame_timesteps, context: AttentionContext, cross_kv) -> tuple | None:
+    def _key(self, latents, frame_timesteps, context: AttentionContext, cross_shape: tuple) -> tuple | None:
         """The graph for this call, or ``None`` where a graph cannot serve it (eager then): only a forward over
         the gathered history has every input at a fixed address."""
         if not self.enabled or not isinstance(context, GatheredContext) or torch.cuda.is_current_stream_capturing():
@@ -108,30 +114,41 @@ class GraphedForwards:
             tuple(latents.video.shape),
             None if latents.audio is None else tuple(latents.audio.shape),
             tuple(frame_timesteps.shape),
-            tuple(cross_kv.shape),
+            cross_shape,
             context.history_tokens,
             context.context_kv.data_ptr(),
+            context.context_kv.ndim,  # one session's context or a batch's (the same address for slot 0)
             None if context.fp8 is None else context.fp8.k.data_ptr(),  # the FP8 mirror, fixed like context_kv
             None if stage is None else stage.data_ptr(),
             context.cos.data_ptr(),
             context.sin.data_ptr(),
         )
 
-    def _cross_buffer(self, cross_kv: torch.Tensor) -> torch.Tensor:
-        key = (tuple(cross_kv.shape), cross_kv.dtype, cross_kv.device)
+    def _cross_buffer(self, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        key = (shape, like.dtype, like.device)
         if key not in self._cross_buffers:
-            self._cross_buffers[key] = _buffer_like(cross_kv)
+            self._cross_buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return self._cross_buffers[key]
 
-    def _capture(self, latents, frame_timesteps, context, cross_kv, pool) -> _ForwardGraph:
+    def _capture(self, latents, frame_timesteps, context, cross_kv, cross_shape, pool) -> _ForwardGraph:
         static_latents = BlockLatents(_buffer_like(latents.video), _buffer_like(latents.audio))
         static_latents.video.copy_(latents.video)
         if latents.audio is not None:
             static_latents.audio.copy_(latents.audio)
         static_timesteps = frame_timesteps.clone()
-        static_cross = self._cross_buffer(cross_kv)
-        static_cross.copy_(cross_kv)
+        like = cross_kv[0] if isinstance(cross_kv, (tuple, list)) else cross_kv
+        static_cross = self._cross_buffer(cross_shape, like)
+        _fill(static_cross, cross_kv)
         graph, output = capture(
             lambda: self.transformer(static_latents, static_timesteps, context, static_cross), pool=pool
         )
         return _ForwardGraph(graph, static_latents, static_timesteps, static_cross, output)
+
+
+def _fill(buffer: torch.Tensor, cross_kv: torch.Tensor | Sequence[torch.Tensor]) -> None:
+    """The graph's text K/V input from one tensor or from a batch's rows."""
+    if isinstance(cross_kv, (tuple, list)):
+        for row, part in enumerate(cross_kv):
+            buffer[row].copy_(part)
+    else:
+        buffer.copy_(cross_kv)

@@ -54,6 +54,18 @@ class BlockLatents:
         return BlockLatents(video, audio)
 
     @staticmethod
+    def stack(parts: list["BlockLatents"]) -> "BlockLatents":
+        """Sessions' latents (each of batch 1) as one batch, in order (a batched forward's input)."""
+        video = torch.cat([p.video for p in parts], dim=0)
+        audio = None if parts[0].audio is None else torch.cat([p.audio for p in parts], dim=0)
+        return BlockLatents(video, audio)
+
+    def row(self, index: int) -> "BlockLatents":
+        """One session's latents of a batch (batch 1, a view)."""
+        return BlockLatents(self.video[index : index + 1],
+                            None if self.audio is None else self.audio[index : index + 1])
+
+    @staticmethod
     def cat_groups(latents: "BlockLatents", size: int) -> list["BlockLatents"]:
         """``latents`` in consecutive groups of ``size`` latent frames (the last one may be shorter)."""
         frames = latents.split_frames()

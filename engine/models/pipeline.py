@@ -108,12 +108,18 @@ class CausalWanPipeline:
         gather_history_once: bool = True,
         cuda_graphs: bool = False,
         text_encode_in_background: bool = False,
+        batch_slots: int = 1,
     ) -> None:
         """``gather_history_once``: gather (and rotate) a block's history once for its forwards
         (:class:`ContextKV`); ``False`` gathers it in every forward, the reference path. ``cuda_graphs``:
         replay each forward shape as a CUDA graph (needs the gathered history; :class:`GraphedForwards`).
         ``text_encode_in_background``: new prompts are encoded on their own thread once requested
-        (:class:`PromptEmbeddings`; for a slow encoder, e.g. on the CPU beside a GPU)."""
+        (:class:`PromptEmbeddings`; for a slow encoder, e.g. on the CPU beside a GPU). ``batch_slots``: the most
+        sessions :meth:`run_blocks` runs in one forward (each needs its own gathered context and staging slot)."""
+        if batch_slots < 1:
+            raise ValueError("batch_slots must be >= 1")
+        if batch_slots > 1 and not gather_history_once:
+            raise ValueError("batched forwards need gather_history_once=True (a gathered context slot per session)")
         if not sigmas or sigmas[0] != 1.0:
             raise ValueError("the first σ must be 1 (a block starts from pure noise)")
         if transformer.fp8_attention and not gather_history_once:
@@ -128,6 +134,7 @@ class CausalWanPipeline:
         self.sink_frames = sink_frames
         self.window_frames = window_frames
         self.guidance_scale = guidance_scale
+        self.batch_slots = batch_slots
         self.branch_names: tuple[str, ...] = ("cond", "uncond") if guidance_scale > 1.0 else ("cond",)
         config = transformer.transformer.config
         p_t, p_h, p_w = config.patch_size
@@ -158,11 +165,12 @@ class CausalWanPipeline:
                     device=transformer.device,
                     fp8_attention=transformer.fp8_attention,
                     cuda_graphs=cuda_graphs,
+                    slots=batch_slots,
                 )
                 for branch in self.branch_names
             }
 
-    def variant(self, *, gather_history_once: bool, cuda_graphs: bool = False) -> "CausalWanPipeline":
+    def variant(self, *, gather_history_once: bool, cuda_graphs: bool = False, batch_slots: int = 1) -> "CausalWanPipeline":
         """The same model, schedule and windows on other execution paths (the reference for equivalence checks)."""
         return CausalWanPipeline(
             self.transformer,
@@ -174,6 +182,7 @@ class CausalWanPipeline:
             guidance_scale=self.guidance_scale,
             gather_history_once=gather_history_once,
             cuda_graphs=cuda_graphs,
+            batch_slots=batch_slots,
         )
 
     # --- what the runner needs to build pools ---------------------------
@@ -203,6 +212,7 @@ class CausalWanPipeline:
             cross_attention_lengths={TEXT_CACHE: self.text_encoder.text_len},
             model_state_bytes=model_state,
             dtype=t.dtype,
+            staging_slots=self.batch_slots,
         )
 
     # --- conditioning -----------------------------------------------------
@@ -419,6 +429,110 @@ class CausalWanPipeline:
         if progress.clean is None or progress.step_index < self.num_steps:
             raise RuntimeError("the block is not denoised yet")
         return self.step(kv, progress)
+
+    # --- several sessions' blocks in one forward ---------------------------
+    def can_batch(self, progress: SessionProgress) -> bool:
+        """Whether the session's next block may join a batch (:meth:`run_blocks`): a plain block from noise,
+        not begun, on the gathered-history path."""
+        return (bool(self.context_kv) and progress.latents is None and progress.clean is None
+                and progress.block_input is None)
+
+    def batch_key(self, kv: SessionKVState) -> tuple[int, ...]:
+        """Sessions batch only with equal keys: a batch's forwards share one history length (its rotary
+        positions, its kernels' shapes), so the same count of resident frames in every branch."""
+        return tuple(kv.num_resident_blocks(branch) for branch in self.branch_names)
+
+    def run_blocks(self, members: list[tuple[SessionKVState, SessionProgress]]) -> list[BlockLatents]:
+        """The next block of every member (denoising and commit), each step one forward for all of them: the
+        clean latents of each, in order. Each session's block is the one :meth:`run_block` makes of it (its own
+        noise, history and prompt), within the batched kernels' rounding (tests/test_batched_blocks.py); one
+        member runs :meth:`run_block` itself."""
+        self.denoise_blocks(members)
+        return self.commit_blocks(members)
+
+    def denoise_blocks(self, members: list[tuple[SessionKVState, SessionProgress]]) -> list[BlockLatents]:
+        """:meth:`run_blocks`' denoising forwards alone (as :meth:`denoise_block`); their clean latents."""
+        self._check_batch(members)
+        if len(members) == 1:
+            return [self.denoise_block(*members[0])]
+        for _, progress in members:
+            self._begin_block(progress)  # each session's noise from its own generator, in run_block's order
+        for index in range(self.num_steps):
+            sigma = self.sigmas[index]
+            latents = BlockLatents.stack([progress.latents for _, progress in members])
+            flow = self._flow_batch(members, latents, 1000.0 * sigma)
+            for row, (_, progress) in enumerate(members):
+                progress.clean = progress.latents.combine(flow.row(row), 1.0, -sigma)
+                if index + 1 < self.num_steps:
+                    next_sigma = self.sigmas[index + 1]
+                    progress.latents = progress.clean.combine(self._noise(progress), 1.0 - next_sigma, next_sigma)
+                progress.step_index += 1
+        return [progress.clean for _, progress in members]
+
+    def commit_blocks(self, members: list[tuple[SessionKVState, SessionProgress]]) -> list[BlockLatents]:
+        """The commit pass of denoised blocks (:meth:`denoise_blocks`) in one forward per branch, each session's
+        K/V staged in its own slot and committed only once every forward has succeeded."""
+        if len(members) == 1:
+            return [self.commit_block(*members[0])]
+        for _, progress in members:
+            if progress.clean is None or progress.step_index < self.num_steps:
+                raise RuntimeError("a member's block is not denoised yet")
+        cleans = [progress.clean for _, progress in members]
+        batch = BlockLatents.stack(cleans)
+        for branch in self.branch_names:
+            self._forward_batch(members, branch, batch, 0.0, stage=True)
+        self._pool_writes += 1
+        for slot, ((kv, progress), clean) in enumerate(zip(members, cleans)):
+            for branch in self.branch_names:
+                kv.commit(branch, clean.frames, slot=slot)
+            self._remember_clean(progress, clean)
+            progress.block_index += 1
+            progress.step_index = 0
+            progress.latents = progress.clean = progress.block_input = None
+            progress.first_step = 0
+        return cleans
+
+    def _check_batch(self, members: list[tuple[SessionKVState, SessionProgress]]) -> None:
+        if not 1 <= len(members) <= self.batch_slots:
+            raise ValueError(f"a batch of {len(members)} sessions; this pipeline batches 1 to {self.batch_slots}")
+        if len({id(kv) for kv, _ in members}) != len(members):
+            raise ValueError("a session appears twice in one batch")
+        if len(members) == 1:
+            return
+        first = members[0][0]
+        for kv, progress in members:
+            if not self.can_batch(progress):
+                raise ValueError("only plain blocks from noise, not begun, batch (no input, no step taken)")
+            if self.batch_key(kv) != self.batch_key(first):
+                raise ValueError("a batch's sessions must hold the same number of history frames")
+            if kv.pool.data_ptr() != first.pool.data_ptr() or \
+                    kv.staging(self.branch_names[0]).data_ptr() != first.staging(self.branch_names[0]).data_ptr():
+                raise ValueError("a batch's sessions must share one KV manager (its pool and staging slots)")
+
+    def _flow_batch(self, members, latents: BlockLatents, timestep: float) -> BlockLatents:
+        cond = self._forward_batch(members, "cond", latents, timestep, stage=False).float()
+        if "uncond" not in self.branch_names:
+            return cond
+        uncond = self._forward_batch(members, "uncond", latents, timestep, stage=False).float()
+        return uncond.combine(cond, 1.0 - self.guidance_scale, self.guidance_scale)
+
+    def _forward_batch(self, members, branch: str, latents: BlockLatents, timestep: float, *, stage: bool) -> BlockLatents:
+        """:meth:`forward_branch` for a batch: session ``b``'s history loaded into context slot ``b`` (each slot
+        keeps its own load while its owner is unchanged), its commit staged in staging slot ``b``."""
+        batch, frames = len(members), latents.frames
+        history = [kv.resident_block_ids(branch) for kv, _ in members]
+        cos, sin = self.transformer.rotary(len(history[0]) + frames)
+        workspace = self.context_kv[branch]
+        tokens = 0
+        for slot, ((kv, _), ids) in enumerate(zip(members, history)):
+            owner = (weakref.ref(kv), branch, tuple(ids), self._pool_writes)
+            tokens = workspace.load(owner, kv.pool, ids, cos, sin, self.transformer.kernels.rotate_pairs, slot)
+        staging = members[0][0].staging_batch(branch, batch) if stage else None
+        context = GatheredContext(cos=cos, sin=sin, stage=staging, context_kv=workspace.buffers[:batch],
+                                  history_tokens=tokens, fp8=workspace.fp8)
+        frame_timesteps = torch.full((batch, frames), float(timestep), device=self.transformer.device)
+        cross_kv = tuple(self._cross_kv(kv, progress, branch) for kv, progress in members)
+        return self.forwards(latents.to(self.transformer.device), frame_timesteps, context, cross_kv)
 
     def history_changed(self) -> None:
         """A session's KV history was changed outside a commit (blocks taken back): no gathered history is
