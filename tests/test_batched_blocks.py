@@ -118,8 +118,11 @@ def test_cuda_batched_fp8_blocks_replay_graphs_and_match_one_at_a_time():
     """The tiny engine with ``fp8 all`` on the GPU, CUDA graphs on: the fused q / k pass per session into the
     mirror's slots, V's quantizer and the attention over the batch, one graph per batch size; each session's
     blocks as it makes them alone."""
-    _, bundle = build_small(dtype="bfloat16", fp8="all", device="cuda", cuda_graphs=True, sink_frames=3,
-                            window_frames=6)
+    from tests.engine_helpers import small_dit_tiny_preset
+
+    with small_dit_tiny_preset():
+        _, bundle = build_small(dtype="bfloat16", fp8="all", device="cuda", cuda_graphs=True, sink_frames=3,
+                                window_frames=6)
     serial = bundle.pipeline
     assert serial.transformer.kernels.quantized_norms
     batched = serial.variant(gather_history_once=True, cuda_graphs=True, batch_slots=3)
