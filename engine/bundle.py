@@ -125,6 +125,7 @@ def build_models(config: EngineConfig) -> ModelBundle:
         gather_history_once=config.resolved_gather_history_once,
         cuda_graphs=config.cuda_graphs,
         text_encode_in_background=config.resolved_text_encode_in_background,
+        batch_slots=config.batch_sessions,
     )
     if causal.fp8_attention:
         mirror_bytes = sum(workspace.fp8.nbytes for workspace in pipeline.context_kv.values())

@@ -211,6 +211,14 @@ class EngineConfig(BaseModel):
         "forwards replay as CUDA graphs) instead of in every forward; None: on, except under gpu_memory_gib "
         "without FP8 attention (a small card keeps that memory for sessions); FP8 attention needs it",
     )
+    batch_sessions: int = Field(
+        default=1, ge=1, le=8,
+        description="the most sessions whose plain blocks (no control, no live input, the same history length) run "
+        "as one batch, one forward a step for all of them, each session's cost its share of the batch's; 1: each "
+        "block alone. Each slot holds a gathered context and a commit staging slot (the fast 1.3B window: ~5.2 GiB "
+        "a slot with FP8 attention). Paced sessions due within a block join a tick that runs another's block; a "
+        "batched block cannot be stopped for a restart (docs/ENGINE.md)",
+    )
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"
     )
@@ -333,6 +341,12 @@ class EngineConfig(BaseModel):
         if self.gather_history_once is False and self.fp8 in FP8_ATTENTION:
             raise ValueError(
                 f"fp8={self.fp8} attends through the gathered history's FP8 mirror: it needs gather_history_once"
+            )
+        if self.batch_sessions > 1 and (self.step_mode != "grouped" or not self.resolved_gather_history_once):
+            raise ValueError(
+                f"batch_sessions={self.batch_sessions} batches whole blocks over gathered contexts: it needs "
+                f"step_mode=grouped and gather_history_once (got {self.step_mode}, "
+                f"{self.resolved_gather_history_once})"
             )
         if self.fp8 != "off" and self.dtype != "bfloat16":
             raise ValueError(

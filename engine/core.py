@@ -119,6 +119,7 @@ class EngineCore:
             ticks_per_block=built.ticks_per_block,
             blocks_in_flight=config.resolved_blocks_in_flight,
             overlap=config.overlap_encode,
+            batch_sessions=config.batch_sessions,
         )
         self.policy = RealtimePolicy(
             block_seconds=self.geometry.block_seconds,

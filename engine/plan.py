@@ -91,6 +91,12 @@ class SessionWork:
             ran.add("reset")
         return tuple(kind for kind in CONTROL_KINDS if kind in ran)
 
+    @property
+    def plain_block(self) -> bool:
+        """A block and nothing else (no control, no rewind, no live input): the work sessions may share one
+        batched forward for (``batch_sessions``, engine/runner.py)."""
+        return self.run and not self.control_kinds and self.rewind is None and self.live is None
+
 
 @dataclass(frozen=True)
 class FinishedSession:

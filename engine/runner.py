@@ -157,6 +157,15 @@ class _QueuedOutput:
 
 
 @dataclass
+class _BatchedBlock:
+    """A session's block made in a batch (:meth:`Runner._run_batch`), waiting for its work's turn."""
+
+    timer: "_WorkTimer"
+    undo: BlockUndo | None
+    clean: BlockLatents | None
+
+
+@dataclass
 class PendingWork:
     """One piece of a work item's output (or the whole work, when it made none) whose device work is queued.
     :meth:`wait` blocks until the device is done with it and returns its output (if any) and its cost, both
@@ -246,6 +255,7 @@ class Runner:
         encoder=None,
         undo_blocks: int = 0,
         stoppable: bool = False,
+        batch_sessions: int = 1,
     ) -> None:
         """``split_first_block``: a session's first block goes out as two outputs, its opening frame as soon
         as the block is denoised (before its commit pass and the rest of its decode), to shorten the time to
@@ -255,7 +265,12 @@ class Runner:
         ``encoder``: the streaming video encoder of pictures and live input (``decoders``), None when the
         codec cannot encode. ``undo_blocks``: how many of a session's last blocks can be taken back and made again
         (supersede, ``engine/undo.py``; 0: none, nothing is recorded). ``stoppable``: a block's denoising forwards
-        are queued one ahead of the device at most, and a restart may stop them (:meth:`stop_block`)."""
+        are queued one ahead of the device at most, and a restart may stop them (:meth:`stop_block`).
+        ``batch_sessions``: the most sessions whose plain blocks of one plan share one forward a step
+        (:meth:`_run_batch`; the pipeline needs as many ``batch_slots``); 1: every block alone."""
+        if not 1 <= batch_sessions <= pipeline.batch_slots or (batch_sessions > 1 and stepwise):
+            raise ValueError(f"batch_sessions={batch_sessions} needs grouped steps and a pipeline of as many batch "
+                             f"slots (it has {pipeline.batch_slots})")
         if (audio_decoder is None) != (pipeline.audio_shape is None):
             raise ValueError("an audio decoder is needed exactly when the model emits audio latents")
         self.pipeline = pipeline
@@ -269,6 +284,8 @@ class Runner:
         self.split_first_block = split_first_block and pipeline.frames_per_block > 1
         self.undo_blocks = 0 if stepwise else undo_blocks  # a stepwise block spans ticks: nothing to take back
         self.stoppable = stoppable and not stepwise
+        self.batch_sessions = batch_sessions
+        self.batches = 0  # batched forwards' blocks run (a batch of n counts once)
         self.device_sessions: dict[str, DeviceSession] = {}
         # The plan being dispatched: a stop asked for (from the engine's loop) reaches only its blocks.
         self._stop_lock = threading.Lock()
@@ -413,10 +430,30 @@ class Runner:
                 self.release(finished.session_id, finished.reason)
             except Exception as error:
                 dispatch.failures.append(SessionFailure(finished.session_id, f"release failed: {error}"))
+        batches = self._batches(plan.work)
+        made: dict[str, _BatchedBlock] = {}  # the blocks of a batch run ahead of their works' turn
+        failed: set[str] = set()
         for work in plan.work:
-            timer = _WorkTimer.start(self.pipeline.transformer.device)
+            if work.session_id in failed:
+                continue
             try:
-                self._do(work, plan.planned_at, timer, emit)
+                if work.session_id in batches:  # the first member of a batch: it runs for all of them now
+                    members = batches[work.session_id]
+                    for member in members:
+                        del batches[member.session_id]
+                    try:
+                        made.update(self._run_batch(members, plan.planned_at))
+                    except Exception as error:  # one forward made every member's block: its failure is theirs
+                        others = [member.session_id for member in members if member is not work]
+                        failed.update(others)
+                        if any(self._failed(session_id, error, dispatch.failures) for session_id in others):
+                            dispatch.fatal = str(error)
+                            return
+                        raise
+                if work.session_id in made:
+                    self._emit_batched(work, made.pop(work.session_id), plan.planned_at, emit)
+                else:
+                    self._do(work, plan.planned_at, _WorkTimer.start(self.pipeline.transformer.device), emit)
             except Exception as error:
                 if self._failed(work.session_id, error, dispatch.failures):
                     dispatch.fatal = str(error)
@@ -463,6 +500,76 @@ class Runner:
             self.close_all("failed")
             return True
         return False
+
+    # --- sessions batched into one forward ------------------------------------------------
+    def _batches(self, works: list[SessionWork]) -> dict[str, list[SessionWork]]:
+        """The plan's works that share batched forwards: plain blocks (:attr:`SessionWork.plain_block`) of
+        sessions past their first block, not begun, with nothing to make again, grouped by the pipeline's batch
+        key (the same history length) in plan order, ``batch_sessions`` at most a group; groups of one run alone.
+        Maps each member's session to its group."""
+        if self.batch_sessions < 2:
+            return {}
+        groups: dict[tuple, list[SessionWork]] = {}
+        for work in works:
+            device_session = self.device_sessions.get(work.session_id)
+            if (not work.plain_block or device_session is None or device_session.redo is not None
+                    or device_session.progress.block_index < 1 or not self.pipeline.can_batch(device_session.progress)):
+                continue
+            groups.setdefault(self.pipeline.batch_key(device_session.kv), []).append(work)
+        batches = {}
+        for members in groups.values():
+            for start in range(0, len(members), self.batch_sessions):
+                chunk = members[start : start + self.batch_sessions]
+                if len(chunk) > 1:
+                    batches.update((work.session_id, chunk) for work in chunk)
+        return batches
+
+    def _run_batch(self, works: list[SessionWork], planned_at: float) -> dict[str, "_BatchedBlock"]:
+        """The members' blocks, denoising and commit, through batched forwards (``pipeline.run_blocks``); each
+        member's pieces are decoded and emitted at its own turn (:meth:`_emit_batched`). A member's device time is
+        its share of the batch's (``_WorkTimer.share``) and its own decode."""
+        device = self.pipeline.transformer.device
+        members, blocks = [], {}
+        for work in works:
+            device_session = self.device_sessions[work.session_id]
+            if work.settled_before is not None:
+                self._settle(device_session, work.settled_before)
+            timer = _WorkTimer.start(device)
+            timer.controls_done()
+            if device_session.block_started_at is None:
+                device_session.block_started_at = now_ms()
+                device_session.denoise_parts = []
+                device_session.queued_ms = max(0.0, device_session.block_started_at - planned_at)
+            blocks[work.session_id] = _BatchedBlock(timer, self._undo_record(device_session), None)
+            members.append((device_session.kv, device_session.progress))
+        span = _WorkTimer.start(device)
+        cleans = self.pipeline.run_blocks(members)
+        span.end()
+        self.batches += 1
+        for work, clean in zip(works, cleans):
+            block = blocks[work.session_id]
+            block.timer.share(span, len(works))
+            block.clean = clean
+        return blocks
+
+    def _emit_batched(self, work: SessionWork, block: "_BatchedBlock", planned_at: float,
+                      emit: Callable[[PendingWork], None]) -> None:
+        """A batched member's turn: its block is made and committed; its pieces are decoded and emitted."""
+        report = PendingWork(work.session_id, work.control_kinds, work.run, block.timer)
+        with self.bound(work.session_id) as device_session:
+            self._advance(device_session, planned_at, report, emit, made=block)
+
+    def _undo_record(self, device_session: DeviceSession) -> BlockUndo | None:
+        """The session as it is before its next block, where blocks can be taken back (room made for it: the
+        pools hold ``undo_blocks`` blocks' frames)."""
+        progress = device_session.progress
+        if not (self.undo_blocks and progress.block_index >= 1 and progress.latents is None and progress.clean is None):
+            return None
+        while len(device_session.undo) >= self.undo_blocks:
+            device_session.kv.settle(device_session.undo.popleft().kv_journal)
+        return before_block(progress, device_session.kv, device_session.decode_state, device_session.audio_state,
+                            audio_samples_to_trim=device_session.audio_samples_to_trim,
+                            audio_carry=device_session.audio_carry)
 
     def _do(self, work: SessionWork, planned_at: float, timer: "_WorkTimer", emit: Callable[[PendingWork], None]) -> None:
         """Run one work item's controls and block; ``emit`` each piece of its output as it is queued (the first
@@ -598,10 +705,10 @@ class Runner:
             device_session.open_request = OpenSession(request.seed, update.prompt, update.negative_prompt)
 
     def _advance(self, device_session: DeviceSession, planned_at: float, report: PendingWork,
-                 emit: Callable[[PendingWork], None]) -> None:
+                 emit: Callable[[PendingWork], None], made: "_BatchedBlock | None" = None) -> None:
         """Run the session's block (or, stepwise, one forward of it) and emit its output piece by piece: each
         latent frame is decoded on its own, its frames' copy to host memory queued, and its piece emitted before
-        the next latent frame is decoded."""
+        the next latent frame is decoded. ``made``: the block was made (and committed) in a batch already."""
         progress = device_session.progress
         timer = report.timer
         if device_session.block_started_at is None:
@@ -611,15 +718,11 @@ class Runner:
         device_session.denoise_parts.append(timer)
         opening = (self.split_first_block and progress.block_index == 0 and not device_session.opening_frame_sent
                    and device_session.context is None)  # after a context, its frame was the opening one
-        undo = None
-        if self.undo_blocks and progress.block_index >= 1 and progress.latents is None and progress.clean is None:
-            while len(device_session.undo) >= self.undo_blocks:  # room for this block's record: the pools hold
-                device_session.kv.settle(device_session.undo.popleft().kv_journal)  # undo_blocks blocks' frames
-            undo = before_block(progress, device_session.kv, device_session.decode_state, device_session.audio_state,
-                                audio_samples_to_trim=device_session.audio_samples_to_trim,
-                                audio_carry=device_session.audio_carry)
+        undo = made.undo if made is not None else self._undo_record(device_session)
         commit_pending = False  # the block's commit pass is still to be queued (after its first piece's decode)
-        if opening:
+        if made is not None:
+            clean = made.clean
+        elif opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
                 clean = self.pipeline.denoise_step(device_session.kv, progress)
@@ -854,13 +957,42 @@ class Runner:
                                     rewind=Rewind(records[-1].block_index, 1)))
                 if self.encoder is not None:
                     self._warm_inputs(first, run)
+                for session_id in (first, second):  # their slots for the batches' sessions
+                    self.release(session_id, "warmup_complete")
+                batched = self._warm_batches(plain_blocks, run)
+                if batched:
+                    seconds = batched
         finally:
-            for session_id in (first, second):
+            for session_id in (first, second, *self._warm_batch_ids()):
                 self.release(session_id, "warmup_complete")
         free_after = self.kv_manager.block_pool.num_free_blocks
         if free_after != free_before:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
         return seconds
+
+    def _warm_batch_ids(self) -> list[str]:
+        return [f"__warmup_batch_{index}__" for index in range(self.batch_sessions)]
+
+    def _warm_batches(self, plain_blocks: int, run) -> list[float]:
+        """With ``batch_sessions``: every batch size from 2 meets every history length (its graphs captured here,
+        not in a viewer's stream). Returns each session's share of the largest batch's last blocks (their
+        seconds over the members): the engine's cost estimate then is a batched session's, which is what
+        admitting the batch's members needs. Empty without batching (or with too few session slots)."""
+        largest = min(self.batch_sessions, self.kv_manager.max_sessions)
+        shares: list[float] = []
+        opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")
+        for size in range(2, largest + 1):
+            members = self._warm_batch_ids()[:size]
+            batches_before = self.batches
+            for index in range(plain_blocks + STEADY_WARMUP_BLOCKS):
+                started = time.perf_counter()
+                run(*(SessionWork(member, open=opening if index == 0 else None, run=True) for member in members))
+                shares.append((time.perf_counter() - started) / size)
+            if self.batches == batches_before:
+                raise RuntimeError(f"warm-up: {size} sessions' blocks were never batched")
+            for member in members:
+                self.release(member, "warmup_complete")
+        return shares[-STEADY_WARMUP_BLOCKS:] if shares else []
 
     def _warm_inputs(self, session_id: str, run) -> None:
         """An image start (the one-frame commit pass, the encoder's opening group) and two live blocks (its
@@ -876,7 +1008,7 @@ class Runner:
 
 def runner_for(
     bundle, kv_manager: KVCacheManager, *, stepwise: bool = False, split_first_block: bool = False,
-    undo_blocks: int = 0, stoppable: bool = False,
+    undo_blocks: int = 0, stoppable: bool = False, batch_sessions: int = 1,
 ) -> Runner:
     """A runner over a built :class:`~engine.bundle.ModelBundle` (audio wired when the model has it)."""
     timing = bundle.audio_timing
@@ -892,6 +1024,7 @@ def runner_for(
         encoder=bundle.encoder,
         undo_blocks=undo_blocks,
         stoppable=stoppable,
+        batch_sessions=batch_sessions,
     )
 
 
@@ -907,6 +1040,7 @@ class _WorkTimer:
         self._cuda = cuda
         self.device = device
         self._marks: dict[str, "torch.cuda.Event | float"] = {}
+        self._shared: tuple["_WorkTimer", int] | None = None  # (the batch's span, its members): see share()
         self._mark("start")
 
     @classmethod
@@ -942,16 +1076,25 @@ class _WorkTimer:
             return a.elapsed_time(b) / 1000.0
         return b - a
 
+    def share(self, span: "_WorkTimer", members: int) -> None:
+        """This work's block was made in a batch of ``members`` sessions timed by ``span`` (its start and end): its
+        denoising is its share of the batch, whatever else ran before its own marks."""
+        self._shared = (span, members)
+
     def denoise_seconds(self) -> float:
         """The block's part before its decode (all of it when the work made no output), after :meth:`wait`."""
+        if self._shared is not None:
+            span, members = self._shared
+            return span._between("start", "end") / members
         return self._between("controls", "denoised" if "denoised" in self._marks else "end")
 
     def seconds(self) -> tuple[float, float, float]:
         """(controls, block, decode) seconds, after :meth:`wait`; block = denoise + decode."""
         controls = self._between("start", "controls")
-        block = self._between("controls", "end")
         decode = self._between("denoised", "end") if "denoised" in self._marks else 0.0
-        return controls, block, decode
+        if self._shared is not None:
+            return controls, self.denoise_seconds() + decode, decode
+        return controls, self._between("controls", "end"), decode
 
 
 def _joined(pieces: list[BlockOutput]) -> BlockOutput:

@@ -60,7 +60,7 @@ RECHECK_S = 0.005  # the soonest an idle loop looks again at a session that may 
 class Scheduler:
     def __init__(
         self, *, fps: int, frames_per_chunk: int, lead_chunks: int, ticks_per_block: int = 1, blocks_in_flight: int = 1,
-        overlap: bool = True,
+        overlap: bool = True, batch_sessions: int = 1,
     ) -> None:
         self.fps = fps
         self.frames_per_chunk = frames_per_chunk
@@ -69,6 +69,7 @@ class Scheduler:
         self.ticks_per_block = ticks_per_block  # stepwise mode: a block takes several ticks
         self.blocks_in_flight = blocks_in_flight
         self.overlap = overlap  # False: a block only once the previous one's media is on the wire
+        self.batch_sessions = batch_sessions  # > 1: live sessions due within a block join a tick's batch
         self._cursor = 0
 
     def pacing_allows(self, session: SessionRecord, now: float, lead_s: float) -> bool:
@@ -145,11 +146,43 @@ class Scheduler:
                 )
                 if can_wait and self._fits(members[:-1], waiting_live, start, block_cost):
                     members.pop()
+        if self.batch_sessions > 1:
+            self._fill_batch(members, sessions, now, conditioning_ready, lead_s, cut, settled_before, waiting_live,
+                             start, block_cost)
         for candidate in best_effort:
             members.append(candidate)
             if not self._fits(members, waiting_live, start, block_cost):
                 members.pop()
         return StepPlan(finished=list(finished), work=[c.work for c in members], planned_at=now_ms())
+
+    def _fill_batch(self, members: list[_Candidate], sessions: Sequence[SessionRecord], now: float,
+                    conditioning_ready, lead_s, cut, settled_before, waiting_live, start: float, block_cost) -> None:
+        """Batching on: a tick that runs a live session's plain block takes other live sessions whose next block
+        would be due within one more block's playback, up to ``batch_sessions`` plain blocks, if every live
+        session still makes its deadline: the runner makes their blocks in one forward a step, each at its
+        share of the batch's cost, where apart they would take turns. Without this, live sessions' deadlines
+        drift apart and their blocks seldom meet in one tick. A joining session's lead grows by one block at most
+        (and stays within ``lead_chunks``)."""
+        plain = sum(1 for c in members if c.record.pace and c.work.plain_block)
+        if not plain or plain >= self.batch_sessions:
+            return
+        taken = {c.record.session_id for c in members}
+        block_s = self.frames_per_chunk / self.fps
+        for session in sessions:
+            if plain >= self.batch_sessions:
+                return
+            if session.session_id in taken or not session.pace or session.state is not SessionState.ACTIVE:
+                continue
+            work = self._work_for(session, now, conditioning_ready, lead_s(session) + block_s, cut(session),
+                                  settled_before(session))
+            if work is None or not work.plain_block:
+                continue
+            members.append(_Candidate(session, work, block_cost(session) / self.ticks_per_block, 0.0,
+                                      session.next_deadline()))
+            if self._fits(members, waiting_live, start, block_cost):
+                plain += 1
+            else:
+                members.pop()
 
     @staticmethod
     def _length(members: list[_Candidate]) -> float:

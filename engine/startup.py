@@ -142,7 +142,8 @@ def build_engine(config: EngineConfig, bundle: ModelBundle | None = None) -> Bui
     manager = KVCacheManager(spec, int(capacity), config.device)
     stepwise = config.step_mode == "stepwise"
     runner = runner_for(bundle, manager, stepwise=stepwise, split_first_block=config.splits_first_block,
-                        undo_blocks=undo_blocks, stoppable=config.stop_block_on_restart and config.cut_on_reset)
+                        undo_blocks=undo_blocks, stoppable=config.stop_block_on_restart and config.cut_on_reset,
+                        batch_sessions=config.batch_sessions)
     if bundle.audio_decoder is not None and bundle.audio_decoder.graphs is not None:
         bundle.audio_decoder.graphs.warmup(config.device)
     with refused_when_out_of_memory(config, lambda: activation_peak):
@@ -195,14 +196,15 @@ def _cuda_budget(config: EngineConfig, bundle: ModelBundle, spec: KVSpec) -> tup
     probe = runner_for(bundle, KVCacheManager(spec, 1, device))
     resident = torch.cuda.memory_allocated(device)
     probe.warmup(1, transitions=False)  # one session slot: the real warm-up covers the transitions
-    activation_peak = torch.cuda.max_memory_allocated(device) - resident
+    # One session's forward; a batch of batch_sessions holds each member's activations at once.
+    activation_peak = (torch.cuda.max_memory_allocated(device) - resident) * config.batch_sessions
     del probe
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info(device)
     limit = allocator_limit_bytes(config)
     if limit is not None:
         free = min(free, limit - torch.cuda.memory_reserved(device))
-    staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names)
+    staging = spec.frames_per_block * spec.block_bytes * len(spec.branch_names) * spec.staging_slots
     budget = int(free - ACTIVATION_MARGIN * activation_peak - staging - DEVICE_RESERVE_BYTES)
     # What the build and the probe hold before any session: tensors (allocated) and the allocator's reserve
     # beyond them (CUDA graph pools stay reserved after empty_cache). Allocated after the probe should be the

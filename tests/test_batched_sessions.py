@@ -1,0 +1,147 @@
+"""Sessions batched by the engine (``batch_sessions``): the runner runs a plan's plain blocks in one forward a
+step, the scheduler lets live sessions due within a block join a tick's batch, the warm-up meets the batched
+shapes and seeds the cost a batched session has.
+
+The frames must be those the sessions get one at a time; a batch's device time is shared, not counted once per
+member; a control runs its session alone; a failed batch fails its members and no one else.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from pydantic import ValidationError
+
+from engine.config import EngineConfig
+from engine.kv_cache import KVCacheManager
+from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
+from engine.runner import runner_for
+from engine.scheduler import Scheduler
+from engine.session import now_ms
+from engine.startup import build_engine
+from tests.engine_helpers import build_small, small_config
+from tests.test_realtime_scheduling import BLOCK_S, FPS, _running
+
+pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
+
+SESSIONS = ("a", "b", "c")
+
+
+def _runner(batch: int):
+    _, bundle = build_small(max_sessions=4, batch_sessions=batch)
+    return runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 4, "cpu"), batch_sessions=batch)
+
+
+def _open(index: int) -> OpenSession:
+    return OpenSession(seed=5 + index, prompt=f"a kite over dunes {index}", negative_prompt="")
+
+
+def _stream(runner, blocks: int, works=None) -> tuple[dict[str, list[np.ndarray]], list]:
+    """Every session's frames over ``blocks`` plans of one plain block each (``works(block)``: another plan's
+    works), and each plan's (costs, seconds the plan took)."""
+    frames = {session: [] for session in SESSIONS}
+    ticks = []
+    for block in range(blocks):
+        plan = works(block) if works else [
+            SessionWork(session, open=_open(index) if block == 0 else None, run=True)
+            for index, session in enumerate(SESSIONS)]
+        started = time.perf_counter()
+        result = runner.execute(StepPlan(work=plan, planned_at=now_ms()))
+        ticks.append((result.costs, time.perf_counter() - started))
+        assert not result.failures and result.fatal is None, result.failures
+        for output in result.outputs:
+            frames[output.session_id].append(output.frames)
+    return frames, ticks
+
+
+def _max_frame_diff(ours, theirs) -> int:
+    diffs = []
+    for session in SESSIONS:
+        a, b = np.concatenate(ours[session]), np.concatenate(theirs[session])
+        assert a.shape == b.shape
+        diffs.append(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()))
+    return max(diffs)
+
+
+def test_batched_sessions_get_their_own_frames_and_share_the_batchs_device_time():
+    alone, _ = _stream(_runner(1), 5)
+    runner = _runner(3)
+    together, ticks = _stream(runner, 5)
+    # Block 0 runs alone (a first block may split and opens the content); each later plan is one batch of three.
+    assert runner.batches == 4
+    # float32 noise of the batched products can move a pixel by one step of uint8 (seen: at most 1)
+    assert _max_frame_diff(together, alone) <= 1
+    for costs, seconds in ticks[1:]:
+        # Each member's block (its pieces' costs) is its share of the batch and its own decode: disjoint parts of
+        # the plan's time (counted whole for each member, the three would add up to more).
+        assert {cost.session_id for cost in costs} == set(SESSIONS)
+        assert sum(cost.block_s for cost in costs) <= seconds
+
+
+def test_a_control_runs_its_session_alone_and_the_others_still_batch():
+    def works(block):
+        plan = [SessionWork(session, open=_open(index) if block == 0 else None, run=True)
+                for index, session in enumerate(SESSIONS)]
+        if block == 3:
+            plan[1] = SessionWork("b", prompt=PromptUpdate("a boat on a lake", "", "recache"), run=True)
+        return plan
+
+    alone, _ = _stream(_runner(1), 5, works)
+    runner = _runner(3)
+    together, _ = _stream(runner, 5, works)
+    assert runner.batches == 4  # blocks 1, 2 and 4 of three; block 3 of a and c
+    assert _max_frame_diff(together, alone) <= 1
+
+
+def test_a_failed_batch_fails_its_members_and_no_one_else():
+    runner = _runner(2)
+    _stream(runner, 2)  # a and b batched once, c alone
+    def fail(members):
+        raise RuntimeError("injected batch failure")
+    runner.pipeline.run_blocks = fail
+    result = runner.execute(StepPlan(work=[SessionWork(s, run=True) for s in SESSIONS], planned_at=now_ms()))
+    assert sorted(failure.session_id for failure in result.failures) == ["a", "b"]
+    assert all("injected batch failure" in failure.message for failure in result.failures)
+    assert [output.session_id for output in result.outputs] == ["c"] and result.fatal is None
+    assert set(runner.device_sessions) == {"c"}
+
+
+def test_live_sessions_due_within_a_block_join_a_tick_that_runs_a_live_block():
+    now = time.monotonic()
+    records = [_running("due", pace=True, now=now, deadline_in_s=0.3),
+               _running("soon", pace=True, now=now, deadline_in_s=0.9),
+               _running("later", pace=True, now=now, deadline_in_s=1.3),
+               _running("best", pace=False, now=now)]
+
+    def plan(batch: int) -> list[str]:
+        scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, overlap=False, batch_sessions=batch)
+        made = scheduler.plan(records, [], now, block_cost=lambda r: BLOCK_S, control_cost=lambda w: 0.0,
+                              lead_s=lambda r: 0.4)
+        return [work.session_id for work in made.work]
+
+    assert plan(1) == ["due", "best"]
+    # A block's playback is 0.75 s: "soon" (0.9 s ahead) would be due within it, "later" (1.3 s) not.
+    assert plan(3) == ["due", "soon", "best"]
+    assert plan(2) == ["due", "soon", "best"]
+    records[0].pending_prompt = PromptUpdate("new", "", "soft")  # the due block carries a control: no batch
+    assert plan(3) == ["due", "best"]
+
+
+def test_the_warm_up_meets_batched_shapes_and_seeds_a_batched_sessions_cost():
+    built = build_engine(small_config(max_sessions=3, batch_sessions=3, warmup_blocks=2))
+    runner = built.runner
+    assert runner.batches > 0 and not runner.device_sessions
+    assert runner.kv_manager.block_pool.num_free_blocks == runner.kv_manager.block_pool.num_blocks
+    assert built.seed_block_cost_s is not None and built.seed_block_cost_s > 0
+
+
+def test_batching_needs_grouped_steps_over_gathered_contexts():
+    with pytest.raises(ValidationError, match="batch_sessions=3 batches whole blocks"):
+        EngineConfig(**{**small_config().model_dump(), "batch_sessions": 3, "step_mode": "stepwise"})
+    with pytest.raises(ValidationError, match="batch_sessions=2 batches whole blocks"):
+        EngineConfig(**{**small_config().model_dump(), "batch_sessions": 2, "gather_history_once": False})
+    _, bundle = build_small(max_sessions=2)
+    with pytest.raises(ValueError, match="pipeline of as many batch slots"):
+        runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 2, "cpu"), batch_sessions=2)
