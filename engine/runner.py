@@ -957,11 +957,11 @@ class Runner:
                                     rewind=Rewind(records[-1].block_index, 1)))
                 if self.encoder is not None:
                     self._warm_inputs(first, run)
-                for session_id in (first, second):  # their slots for the batches' sessions
-                    self.release(session_id, "warmup_complete")
-                batched = self._warm_batches(plain_blocks, run)
-                if batched:
-                    seconds = batched
+            for session_id in (first, second):  # their slots for the batches' sessions
+                self.release(session_id, "warmup_complete")
+            batched = self._warm_batches(run)
+            if batched:
+                seconds = batched
         finally:
             for session_id in (first, second, *self._warm_batch_ids()):
                 self.release(session_id, "warmup_complete")
@@ -973,11 +973,14 @@ class Runner:
     def _warm_batch_ids(self) -> list[str]:
         return [f"__warmup_batch_{index}__" for index in range(self.batch_sessions)]
 
-    def _warm_batches(self, plain_blocks: int, run) -> list[float]:
+    def _warm_batches(self, run) -> list[float]:
         """With ``batch_sessions``: every batch size from 2 meets every history length (its graphs captured here,
         not in a viewer's stream). Returns each session's share of the largest batch's last blocks (their
         seconds over the members): the engine's cost estimate then is a batched session's, which is what
-        admitting the batch's members needs. Empty without batching (or with too few session slots)."""
+        admitting the batch's members needs. Empty without batching (or with too few session slots: the
+        activation probe's one)."""
+        spec = self.kv_manager.spec
+        plain_blocks = -(-spec.resident_frames // spec.frames_per_block) + 1  # fill the window, evict
         largest = min(self.batch_sessions, self.kv_manager.max_sessions)
         shares: list[float] = []
         opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")

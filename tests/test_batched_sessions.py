@@ -19,8 +19,8 @@ from engine.kv_cache import KVCacheManager
 from engine.plan import OpenSession, PromptUpdate, SessionWork, StepPlan
 from engine.runner import runner_for
 from engine.scheduler import Scheduler
-from engine.session import now_ms
 from engine.startup import build_engine
+from engine.session import now_ms
 from tests.engine_helpers import build_small, small_config
 from tests.test_realtime_scheduling import BLOCK_S, FPS, _running
 
@@ -130,11 +130,20 @@ def test_live_sessions_due_within_a_block_join_a_tick_that_runs_a_live_block():
 
 
 def test_the_warm_up_meets_batched_shapes_and_seeds_a_batched_sessions_cost():
-    built = build_engine(small_config(max_sessions=2, batch_sessions=2, warmup_blocks=2))
-    runner = built.runner
-    assert runner.batches > 0 and not runner.device_sessions
-    assert runner.kv_manager.block_pool.num_free_blocks == runner.kv_manager.block_pool.num_blocks
-    assert built.seed_block_cost_s is not None and built.seed_block_cost_s > 0
+    _, bundle = build_small(max_sessions=2, batch_sessions=2, sink_frames=1, window_frames=2)
+    manager = KVCacheManager(bundle.pipeline.kv_spec(), 2, "cpu")
+    runner = runner_for(bundle, manager, batch_sessions=2)
+    free = manager.block_pool.num_free_blocks
+    loads = bundle.pipeline.context_kv["cond"].loads
+    shares = runner.warmup(1, transitions=False)
+    # Two sessions from their first block past the window's eviction (1 + 2 frames, 3 a block): blocks 1 to 3
+    # batched, every history length met in slot 1 too; the last two blocks' shares seed the cost.
+    assert runner.batches == 3 and not runner.device_sessions and manager.block_pool.num_free_blocks == free
+    assert bundle.pipeline.context_kv["cond"].loads - loads >= 2 * 3
+    assert len(shares) == 2 and all(share > 0 for share in shares)
+    # The activation probe's runner (one session slot) has nothing to batch: its warm-up is one session's.
+    probe = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 1, "cpu"), batch_sessions=2)
+    assert len(probe.warmup(1, transitions=False)) == 1 and probe.batches == 0
 
 
 def test_batching_needs_grouped_steps_over_gathered_contexts():
@@ -142,6 +151,9 @@ def test_batching_needs_grouped_steps_over_gathered_contexts():
         EngineConfig(**{**small_config().model_dump(), "batch_sessions": 3, "step_mode": "stepwise"})
     with pytest.raises(ValidationError, match="batch_sessions=2 batches whole blocks"):
         EngineConfig(**{**small_config().model_dump(), "batch_sessions": 2, "gather_history_once": False})
+    built = build_engine(small_config(max_sessions=2, batch_sessions=2, warmup_blocks=0))
+    assert built.runner.batch_sessions == 2 and built.runner.pipeline.batch_slots == 2
+    assert built.runner.kv_manager.staging_slots.shape[0] == 2
     _, bundle = build_small(max_sessions=2)
     with pytest.raises(ValueError, match="pipeline of as many batch slots"):
         runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 2, "cpu"), batch_sessions=2)

@@ -390,3 +390,13 @@ def test_mirror_views_keep_every_non_unit_stride_a_multiple_of_16():
         assert mirror.values(1, start, end).stride(1) == 1  # keys contiguous: PV's K-major operand
         assert mirror.keys(1, start, end).data_ptr() == mirror.k[1, start].data_ptr()
         assert mirror.values(1, start, end).data_ptr() == mirror.v[1, 0, 0, start].data_ptr()
+    # A batched forward's views over slots [0, batch): the batch stride is a whole slot's.
+    slotted = FP8ContextKV(num_layers=2, max_tokens=1560 * 7, num_heads=2, head_dim=32, device=torch.device("cpu"),
+                           slots=3)
+    for batch in (2, 3):
+        for start, end in ((0, 4680), (3120, 3120 + 1560 * 3)):
+            for view in (slotted.keys(1, start, end, batch), slotted.values(1, start, end, batch)):
+                assert view.shape == (batch, end - start, 2, 32)
+                assert all(stride % 16 == 0 for stride in view.stride() if stride != 1), (batch, view.stride())
+            assert slotted.keys(1, start, end, batch)[batch - 1].data_ptr() == \
+                slotted.slot(batch - 1).k[1, start].data_ptr()
