@@ -30,7 +30,9 @@ scheduler plans as if the tick's blocks were delivered together at its end
 * so does a live session's expensive control (a ``recache`` prompt change, a
   reset, counted in its cost), unless waiting would make its own session miss.
 
-Best-effort sessions rotate so none is always served last.
+Best-effort sessions rotate so none is always served last. With ``batch_sessions`` > 1 a tick that runs a live
+session's plain block also takes live sessions due within one more block (``_fill_batch``), so their blocks
+share one batched forward (engine/runner.py).
 """
 
 from __future__ import annotations
