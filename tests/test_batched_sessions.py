@@ -22,7 +22,12 @@ from engine.scheduler import Scheduler
 from engine.startup import build_engine
 from engine.session import now_ms
 from tests.engine_helpers import build_small, small_config
-from tests.test_realtime_scheduling import BLOCK_S, FPS, _running
+from engine.controls import SessionState
+from engine.playout import Piece
+from engine.realtime import RealtimePolicy
+from engine.session import ChunkTimings
+from tests.test_realtime_scheduling import (BLOCK_S, DEADLINE_TOLERANCE_S, FPS, HEADROOM, MARGIN_S, PLAYBACK_S,
+                                            _record, _running)
 
 pytestmark = pytest.mark.background  # computes only: runs on the idle core (tests/background_pytest.py)
 
@@ -127,6 +132,75 @@ def test_live_sessions_due_within_a_block_join_a_tick_that_runs_a_live_block():
     assert plan(2) == ["due", "soon", "best"]
     records[0].pending_prompt = PromptUpdate("new", "", "soft")  # the due block carries a control: no batch
     assert plan(3) == ["due", "best"]
+
+
+# A device where one session's block alone takes longer than three live sessions can share (3 x 0.26 s > 0.75 s
+# of playback), and a batch of three takes 0.22 s a session (the fast window's proportions on an H100: ~235 ms
+# alone, ~215 batched, where 227 is the most three live viewers may cost with admission's margin).
+BATCHED_S = {1: 0.28, 2: 0.26, 3: 0.22}  # seconds a session, in a batch of n
+ALONE_S = BATCHED_S[1]
+
+
+def _simulated_batches(scheduler_batch: int, device_batch: int = 3, chunks: int = 40,
+                       joins_s=(0.0, 0.3, 0.55)) -> list:
+    """Three live sessions joining at ``joins_s`` on a virtual device that makes a plan's blocks in batches of up
+    to ``device_batch`` (as the runner does: a batch of n costs n times its share), paced just in time by the
+    scheduler; virtual time only."""
+    scheduler = Scheduler(fps=FPS, frames_per_chunk=12, lead_chunks=2, batch_sessions=scheduler_batch)
+    records = []
+    for index in range(3):
+        record = _record(f"s{index}", pace=True)
+        record.prompt, record.state, record.opened_on_device = "p", SessionState.PAUSED, True
+        records.append(record)
+    by_id = {record.session_id: record for record in records}
+    cost = BATCHED_S[3]  # each session's estimate: its share in a batch of three
+    lead_s = 3 * cost + MARGIN_S  # its own block, the other live sessions' and the margin (EngineCore.lead_target)
+
+    def release(now: float) -> None:
+        for record in records:
+            while record.playout.due(now, paced=True):
+                record.playout.release(now, paced=True)
+
+    now, batch_sizes = 0.0, []
+    while min(record.playout.chunks_released for record in records) < chunks:
+        for record, join in zip(records, joins_s):
+            if now >= join:
+                record.state = SessionState.ACTIVE
+        release(now)
+        plan = scheduler.plan(records, [], now, block_cost=lambda record: cost, control_cost=lambda work: 0.0,
+                              lead_s=lambda record: lead_s)
+        if plan.empty:
+            waits = [r.playout.next_release_in(now, paced=True) for r in records]
+            waits += [join - now for join in joins_s if join > now]
+            now += min([scheduler.next_wakeup(records, now, lambda record: lead_s)]
+                       + [max(wait, 1e-3) for wait in waits if wait is not None])
+            continue
+        for start in range(0, len(plan.work), device_batch):
+            batch = plan.work[start : start + device_batch]
+            batch_sizes.append(len(batch))
+            now += len(batch) * BATCHED_S[len(batch)]
+            for work in batch:
+                frames = np.zeros((12, 1, 1, 3), np.uint8)
+                by_id[work.session_id].made(Piece(frames, 0, ChunkTimings(0, 0, 0, 0), now), now,
+                                            tolerance_s=DEADLINE_TOLERANCE_S)
+            release(now)
+    return records, batch_sizes
+
+
+def test_three_live_sessions_admitted_at_a_batched_cost_keep_real_time_in_batches():
+    """Admission counts a batched session's cost (the warm-up's seed), where a block alone costs more than a third
+    of the playback: three live sessions that join at different times stay in real time only because their blocks
+    are batched; the scheduler batches them from their first blocks on (sessions that fall behind also end up
+    due together, but only after running apart)."""
+    assert RealtimePolicy(PLAYBACK_S, HEADROOM, enabled=True).live_capacity([], BATCHED_S[3]) == 3
+    assert 3 * ALONE_S > PLAYBACK_S
+    batched, sizes = _simulated_batches(3)
+    assert [record.deadline_misses for record in batched] == [0, 0, 0], sizes
+    assert sizes.count(3) >= 0.9 * len(sizes), sizes
+    _, unpulled = _simulated_batches(1)  # the device batches a plan's blocks, the scheduler takes only those due
+    assert unpulled.count(3) < 0.5 * len(unpulled), unpulled
+    apart, _ = _simulated_batches(1, device_batch=1)  # nothing batched: the device's time runs out
+    assert sum(record.deadline_misses for record in apart) > 0
 
 
 def test_the_warm_up_meets_batched_shapes_and_seeds_a_batched_sessions_cost():
