@@ -7,7 +7,7 @@
 #
 # 1. The GPU tests of the batched path and of what it changed (the FP8 mirror's slots, the history's load into a
 #    slot, the graphs' keys): tests/test_batched_blocks.py, tests/test_fp8_attention_engine.py,
-#    tests/test_history_fp8.py, tests/test_qk_quantize.py.
+#    tests/test_history_fp8.py, tests/test_qk_quantize.py, tests/test_fast_paths.py, tests/test_stop_for_restart.py.
 # 2. bench/batch_blocks.py at the fast window (1.3B random bf16, `--fp8 all`, CUDA graphs): SESSIONS (default 3)
 #    sessions one at a time against one batch, ms per session and block, each session's latents compared.
 # 3. SESSIONS2 (e.g. 2), if time is left: the same for that many sessions.
@@ -20,8 +20,8 @@ set -u -o pipefail
 . bench/device/common.sh
 start_run "${1:-560}"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-gpu_tests "${TESTS_S:-150}" tests/test_batched_blocks.py tests/test_fp8_attention_engine.py tests/test_history_fp8.py \
-  tests/test_qk_quantize.py
+gpu_tests "${TESTS_S:-180}" tests/test_batched_blocks.py tests/test_fp8_attention_engine.py tests/test_history_fp8.py \
+  tests/test_qk_quantize.py tests/test_fast_paths.py tests/test_stop_for_restart.py
 tail -n 15 "$OUT/gpu_tests.txt" | grep -E "passed|failed|Error|assert" | head -8
 fast=(--device cuda --dtype bfloat16 --preset wan2.1-1.3b --fp8 all --window-frames 6 --cuda-graphs)
 part batch_blocks "${BATCH_S:-200}" python3 bench/batch_blocks.py "${fast[@]}" --sessions "${SESSIONS:-3}"
