@@ -58,15 +58,21 @@ def _stream(runner, blocks: int, works=None) -> tuple[dict[str, list[np.ndarray]
         assert not result.failures and result.fatal is None, result.failures
         for output in result.outputs:
             frames[output.session_id].append(output.frames)
+            if output.audio is not None:
+                frames[output.session_id + ":audio"] = frames.get(output.session_id + ":audio", []) + [output.audio]
     return frames, ticks
 
 
 def _max_frame_diff(ours, theirs) -> int:
+    """The largest difference of any session's frames (uint8 steps); their audio (float32, the tiny preset's) must
+    agree within float noise."""
     diffs = []
     for session in SESSIONS:
         a, b = np.concatenate(ours[session]), np.concatenate(theirs[session])
         assert a.shape == b.shape
         diffs.append(int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max()))
+        audio_a, audio_b = (np.concatenate(made[session + ":audio"], axis=-1) for made in (ours, theirs))
+        assert audio_a.shape == audio_b.shape and np.abs(audio_a - audio_b).max() <= 1e-4
     return max(diffs)
 
 
