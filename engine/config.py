@@ -217,7 +217,7 @@ class EngineConfig(BaseModel):
         "as one batch, one forward a step for all of them, each session's cost its share of the batch's; 1: each "
         "block alone. Each slot holds a gathered context and a commit staging slot (the fast 1.3B window: ~5.2 GiB "
         "a slot with FP8 attention). Paced sessions due within a block join a tick that runs another's block; a "
-        "batched block cannot be stopped for a restart (docs/ENGINE.md)",
+        "restart stops its session's block between two of the batch's steps (docs/ENGINE.md)",
     )
     compile_decoder: bool = Field(
         default=True, description="on CUDA, compile the video decoder's steady state (the warm-up compiles it)"

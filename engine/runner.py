@@ -183,6 +183,7 @@ class PendingWork:
     first: bool = True  # the work's first piece (it carries the work's controls and reports)
     last: bool = True  # the work's last piece: once it is done, so is the work
     stopped: bool = False  # its block was stopped before its frames (Runner.stop_block): no block was made
+    device_idle: bool = False  # stopped, and the host waited until the device had done all queued before it
 
     @property
     def frames(self) -> int:
@@ -413,7 +414,7 @@ class Runner:
                 for work in plan.work:
                     if (device_session := self.device_sessions.get(work.session_id)) is not None:
                         device_session.stop_requested = False
-        dispatch.device_idle = bool(dispatch.pending) and dispatch.pending[-1].stopped
+        dispatch.device_idle = bool(dispatch.pending) and dispatch.pending[-1].device_idle
         return dispatch
 
     def stop_block(self, session_id: str, plan: StepPlan) -> None:
@@ -543,7 +544,10 @@ class Runner:
             blocks[work.session_id] = _BatchedBlock(timer, self._undo_record(device_session), None)
             members.append((device_session.kv, device_session.progress))
         span = _WorkTimer.start(device)
-        cleans = self.pipeline.run_blocks(members)
+        cleans = self.pipeline.denoise_blocks(members, self._batch_stops(works) if self.stoppable else None)
+        going = [member for member, clean in zip(members, cleans) if clean is not None]
+        if going:
+            self.pipeline.commit_blocks(going)
         span.end()
         self.batches += 1
         for work, clean in zip(works, cleans):
@@ -551,6 +555,25 @@ class Runner:
             block.timer.share(span, len(works))
             block.clean = clean
         return blocks
+
+    def _batch_stops(self, works: list[SessionWork]) -> Callable[[], list[int]]:
+        """Asked before each of a batch's steps: the members whose stop was asked for (:meth:`stop_block`); they
+        leave the batch, the others go on. As for one block (:meth:`_denoise_stoppable`), on a GPU the host queues
+        a step only when the one before the last is done, so a stop takes effect within about two steps."""
+        cuda = self.pipeline.transformer.device.type == "cuda"
+        queued: deque = deque()
+
+        def stopped() -> list[int]:
+            if cuda:
+                event = torch.cuda.Event()
+                event.record()
+                queued.append(event)
+                if len(queued) > 1:  # the step before the one just queued is done
+                    queued.popleft().synchronize()
+            return [position for position, work in enumerate(works)
+                    if self.device_sessions[work.session_id].stop_requested]
+
+        return stopped
 
     def _emit_batched(self, work: SessionWork, block: "_BatchedBlock", planned_at: float,
                       emit: Callable[[PendingWork], None]) -> None:
@@ -722,6 +745,9 @@ class Runner:
         commit_pending = False  # the block's commit pass is still to be queued (after its first piece's decode)
         if made is not None:
             clean = made.clean
+            if clean is None:  # stopped for a restart while its batch went on: no block
+                report.stopped = True
+                device_session.block_started_at = None
         elif opening:
             clean = self.pipeline.denoise_step(device_session.kv, progress)
             while clean is None and not self.stepwise:
@@ -731,7 +757,7 @@ class Runner:
         elif self.stoppable and not report.controls:
             clean = self._denoise_stoppable(device_session, progress)
             if clean is None:  # stopped for a restart: no block, the device free within about a forward
-                report.stopped = True
+                report.stopped = report.device_idle = True
                 device_session.block_started_at = None
             commit_pending = True
         else:

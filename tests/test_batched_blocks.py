@@ -77,6 +77,29 @@ def test_each_slot_loads_once_per_block_and_commits_into_its_own_session():
     assert not torch.equal(firsts[0], firsts[1]) and not torch.equal(firsts[1], firsts[2])
 
 
+def test_a_member_stopped_mid_batch_leaves_as_if_its_block_never_began_and_the_others_go_on():
+    serial, batched = _pipelines()
+    alone, together = _sessions(serial), _sessions(batched)
+    for _ in range(2):
+        expected = [serial.run_block(*member) for member in alone]
+        assert max(_diff(a, b) for a, b in zip(batched.run_blocks(together), expected)) <= FLOAT32_TOLERANCE
+    steps = []
+
+    def stopped():  # before each step: the second member stops before step 2, the first before step 3
+        steps.append(len(steps))
+        return {2: [1], 3: [0]}.get(len(steps) - 1, [])
+
+    before = together[1][1].generator.get_state()
+    cleans = batched.denoise_blocks(together, stopped)
+    assert steps == [0, 1, 2, 3] and cleans[0] is None and cleans[1] is None and cleans[2] is not None
+    assert torch.equal(together[1][1].generator.get_state(), before) and together[1][1].latents is None
+    made = batched.commit_blocks([together[2]])  # the one left: its block, committed alone
+    assert _diff(made[0], serial.run_block(*alone[2])) <= FLOAT32_TOLERANCE
+    # The stopped ones, begun again (together), make the blocks they make alone.
+    expected = [serial.run_block(*alone[i]) for i in (0, 1)]
+    assert max(_diff(a, b) for a, b in zip(batched.run_blocks(together[:2]), expected)) <= FLOAT32_TOLERANCE
+
+
 def test_what_cannot_batch_is_refused_before_anything_changes():
     _, batched = _pipelines(slots=2)
     sessions = _sessions(batched)

@@ -106,12 +106,49 @@ def test_a_control_runs_its_session_alone_and_the_others_still_batch():
     assert _max_frame_diff(together, alone) <= 1
 
 
+def test_a_restart_stops_its_member_of_a_batch_and_the_others_go_on():
+    """A stoppable runner (the engine's with ``stop_block_on_restart``): a stop asked for one member while its batch
+    is dispatched takes it out before the next step; it makes nothing, and its next block is the one it makes
+    alone; the others' blocks are theirs."""
+    alone, _ = _stream(_runner(1), 3)
+    _, bundle = build_small(max_sessions=4, batch_sessions=3)
+    runner = runner_for(bundle, KVCacheManager(bundle.pipeline.kv_spec(), 4, "cpu"), batch_sessions=3,
+                        stoppable=True)
+    together, _ = _stream(runner, 2)
+    plan = StepPlan(work=[SessionWork(session, run=True) for session in SESSIONS], planned_at=now_ms())
+    original, calls = runner.pipeline._forward_batch, []
+
+    def stop_b_after_a_step(*args, **kwargs):
+        calls.append(len(args[0]))
+        if len(calls) == 1:
+            runner.stop_block("b", plan)  # as the engine's loop does while the plan is dispatched
+        return original(*args, **kwargs)
+
+    runner.pipeline._forward_batch = stop_b_after_a_step
+    dispatch = runner.dispatch(plan)
+    assert calls == [3, 2, 2, 2, 2]  # a step of three, then three steps and the commit of two
+    stopped = [pending for pending in dispatch.pending if pending.session_id == "b"]
+    assert [(p.output, p.stopped) for p in stopped] == [(None, True)] and not dispatch.device_idle
+    outputs = {}
+    for pending in dispatch.pending:
+        output, _ = pending.wait()
+        if output is not None:
+            outputs.setdefault(pending.session_id, []).append(output.frames)
+    for session in ("a", "c"):
+        diff = np.abs(np.concatenate(outputs[session]).astype(np.int16) - alone[session][2].astype(np.int16))
+        assert diff.max() <= 1
+    runner.pipeline._forward_batch = original
+    again = runner.execute(StepPlan(work=[SessionWork("b", run=True)], planned_at=now_ms()))
+    diff = np.abs(np.concatenate([o.frames for o in again.outputs]).astype(np.int16) - alone["b"][2].astype(np.int16))
+    assert diff.max() <= 1
+
+
 def test_a_failed_batch_fails_its_members_and_no_one_else():
     runner = _runner(2)
     _stream(runner, 2)  # a and b batched once, c alone
-    def fail(members):
+    def fail(members, stopped=None):
         raise RuntimeError("injected batch failure")
-    runner.pipeline.run_blocks = fail
+    runner.pipeline.denoise_blocks = fail
     result = runner.execute(StepPlan(work=[SessionWork(s, run=True) for s in SESSIONS], planned_at=now_ms()))
     assert sorted(failure.session_id for failure in result.failures) == ["a", "b"]
     assert all("injected batch failure" in failure.message for failure in result.failures)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import weakref
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -450,24 +451,40 @@ class CausalWanPipeline:
         self.denoise_blocks(members)
         return self.commit_blocks(members)
 
-    def denoise_blocks(self, members: list[tuple[SessionKVState, SessionProgress]]) -> list[BlockLatents]:
-        """:meth:`run_blocks`' denoising forwards alone (as :meth:`denoise_block`); their clean latents."""
+    def denoise_blocks(self, members: list[tuple[SessionKVState, SessionProgress]],
+                       stopped: Callable[[], Iterable[int]] | None = None) -> list[BlockLatents | None]:
+        """:meth:`run_blocks`' denoising forwards alone (as :meth:`denoise_block`); their clean latents.
+
+        ``stopped``: asked before each step which members (positions in ``members``) stop there; a stopped
+        member leaves the batch as if its block had never begun (its noise generator too: begun again, it is the
+        block never stopped), its entry None, and the others go on (alone: the one-session path)."""
         self._check_batch(members)
-        if len(members) == 1:
+        if len(members) == 1 and stopped is None:
             return [self.denoise_block(*members[0])]
+        begun = [progress.generator.get_state() for _, progress in members]
         for _, progress in members:
             self._begin_block(progress)  # each session's noise from its own generator, in run_block's order
+        going = list(range(len(members)))
         for index in range(self.num_steps):
+            for position in set(stopped() if stopped is not None else ()) & set(going):
+                going.remove(position)
+                progress = members[position][1]
+                progress.latents = progress.clean = None
+                progress.step_index = 0
+                progress.generator.set_state(begun[position])
+            if not going:
+                break
+            batch = [members[position] for position in going]
             sigma = self.sigmas[index]
-            latents = BlockLatents.stack([progress.latents for _, progress in members])
-            flow = self._flow_batch(members, latents, 1000.0 * sigma)
-            for row, (_, progress) in enumerate(members):
+            latents = BlockLatents.stack([progress.latents for _, progress in batch])
+            flow = self._flow_batch(batch, latents, 1000.0 * sigma)
+            for row, (_, progress) in enumerate(batch):
                 progress.clean = progress.latents.combine(flow.row(row), 1.0, -sigma)
                 if index + 1 < self.num_steps:
                     next_sigma = self.sigmas[index + 1]
                     progress.latents = progress.clean.combine(self._noise(progress), 1.0 - next_sigma, next_sigma)
                 progress.step_index += 1
-        return [progress.clean for _, progress in members]
+        return [members[position][1].clean if position in going else None for position in range(len(members))]
 
     def commit_blocks(self, members: list[tuple[SessionKVState, SessionProgress]]) -> list[BlockLatents]:
         """The commit pass of denoised blocks (:meth:`denoise_blocks`) in one forward per branch, each session's
@@ -518,7 +535,11 @@ class CausalWanPipeline:
 
     def _forward_batch(self, members, branch: str, latents: BlockLatents, timestep: float, *, stage: bool) -> BlockLatents:
         """:meth:`forward_branch` for a batch: session ``b``'s history loaded into context slot ``b`` (each slot
-        keeps its own load while its owner is unchanged), its commit staged in staging slot ``b``."""
+        keeps its own load while its owner is unchanged), its commit staged in staging slot ``b``. A batch left
+        with one member (the others stopped) runs :meth:`forward_branch` itself: the one-session forward and its
+        graphs."""
+        if len(members) == 1:
+            return self.forward_branch(*members[0], branch, latents, timestep, stage=stage)
         batch, frames = len(members), latents.frames
         history = [kv.resident_block_ids(branch) for kv, _ in members]
         cos, sin = self.transformer.rotary(len(history[0]) + frames)
