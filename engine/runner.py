@@ -526,9 +526,10 @@ class Runner:
         return batches
 
     def _run_batch(self, works: list[SessionWork], planned_at: float) -> dict[str, "_BatchedBlock"]:
-        """The members' blocks, denoising and commit, through batched forwards (``pipeline.run_blocks``); each
-        member's pieces are decoded and emitted at its own turn (:meth:`_emit_batched`). A member's device time is
-        its share of the batch's (``_WorkTimer.share``) and its own decode."""
+        """The members' blocks, denoising and commit, through batched forwards (``pipeline.denoise_blocks`` and
+        ``commit_blocks``; a stoppable runner takes a member out whose stop was asked for); each member's pieces
+        are decoded and emitted at its own turn (:meth:`_emit_batched`). A member's device time is its share of
+        the batch's (``_WorkTimer.share``) and its own decode."""
         device = self.pipeline.transformer.device
         members, blocks = [], {}
         for work in works:
