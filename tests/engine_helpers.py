@@ -60,6 +60,35 @@ def small_runner(max_sessions: int = 4, stepwise: bool = False, **overrides) -> 
     return runner_for(bundle, manager, stepwise=stepwise)
 
 
+def fp8_batched_against_serial(*, fused_qk: bool, blocks: int, **overrides) -> dict:
+    """Two sessions' blocks through one batched forward a step (``CausalWanPipeline.run_blocks``) against the same
+    sessions one at a time: the tiny preset with the small DiT, bf16, ``fp8 all`` (``overrides``: the window, the
+    schedule). ``fused_qk``: q and k through :mod:`engine.models.qk_quantize` (the GPU's path: a launch per
+    session into its slot of the FP8 mirror and of the commit staging); else the CPU's per-head quantizer. Each
+    block's largest relative error over the two sessions, and their history frames at the end."""
+    with small_dit_tiny_preset():
+        _, bundle = build_small(dtype="bfloat16", fp8="all", **overrides)
+    serial = bundle.pipeline
+    serial.transformer.kernels = dataclasses.replace(serial.transformer.kernels, quantized_norms=fused_qk)
+    batched = serial.variant(gather_history_once=True, batch_slots=2)
+
+    def sessions(pipeline):
+        manager = KVCacheManager(pipeline.kv_spec(), 2, "cpu")
+        return [(manager.open_session(f"s{i}"), pipeline.new_progress(seed=3 + i, prompt=f"a kite over dunes {i}"))
+                for i in range(2)]
+
+    def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    one, two = sessions(serial), sessions(batched)
+    errors = []
+    for _ in range(blocks):
+        alone = [serial.run_block(kv, progress) for kv, progress in one]
+        errors.append(max(relative(a.video, b.video) for a, b in zip(batched.run_blocks(two), alone)))
+    return {"errors": errors, "history_frames": [kv.num_resident_blocks("cond") for kv, _ in two],
+            "fused": batched.transformer.kernels.quantized_norms}
+
+
 def assert_lively(frames) -> None:
     """Decoded output is finite, varied, and not a constant image."""
     tensor = torch.as_tensor(frames, dtype=torch.float32)

@@ -14,7 +14,6 @@ per block, flat over blocks. Above 1e-4: the FP8 kernel really ran (off and atte
 
 from __future__ import annotations
 
-import dataclasses
 
 import json
 import sys
@@ -140,39 +139,12 @@ def _interpreter_checks() -> dict:
         "errors": [_relative(a.video, b.video) for a, b in zip(all_blocks, reference)],
         "finite": all(bool(torch.isfinite(block.video).all()) for block in all_blocks),
     }
-    # The fused q / k kernel's per-session launches are checked on the GPU (tests/test_batched_blocks.py): under
-    # the interpreter, with the quantized norms they need, they take minutes.
-    results["batched"] = _batched_against_serial(False)
+    # The eager q / k path here; the fused kernel's per-session launches in tests/test_qk_quantize.py (whose
+    # interpreted norms run more rows a program) and on the GPU (tests/test_batched_blocks.py).
+    from tests.engine_helpers import fp8_batched_against_serial
+
+    results["batched"] = fp8_batched_against_serial(fused_qk=False, blocks=3, **GEOMETRY)
     return results
-
-
-def _batched_against_serial(fused_qk: bool, blocks: int = 3) -> dict:
-    """Two sessions' blocks through one batched forward a step (``run_blocks``: the fused q / k pass per session,
-    V's quantizer and the attention over the batch) against the same sessions one at a time, ``fp8 all``, past
-    the window's first eviction. ``fused_qk``: q and k through :mod:`engine.models.qk_quantize` (the GPU's path;
-    the CPU's kernel set otherwise quantizes them with the per-head quantizer)."""
-    from tests.engine_helpers import build_small, small_dit_tiny_preset
-
-    with small_dit_tiny_preset():
-        _, bundle = build_small(dtype="bfloat16", fp8="all", **GEOMETRY)
-    serial = bundle.pipeline
-    transformer = serial.transformer
-    transformer.kernels = dataclasses.replace(transformer.kernels, quantized_norms=fused_qk)
-    batched = serial.variant(gather_history_once=True, batch_slots=2)
-
-    def sessions(pipeline):
-        manager = KVCacheManager(pipeline.kv_spec(), 2, "cpu")
-        return [(manager.open_session(f"s{i}"), pipeline.new_progress(seed=3 + i, prompt=f"{PROMPT} {i}"))
-                for i in range(2)]
-
-    one, two = sessions(serial), sessions(batched)
-    errors = []
-    for _ in range(blocks):
-        alone = [serial.run_block(kv, progress) for kv, progress in one]
-        together = batched.run_blocks(two)
-        errors.append(max(_relative(a.video, b.video) for a, b in zip(together, alone)))
-    return {"errors": errors, "history_frames": [kv.num_resident_blocks("cond") for kv, _ in two],
-            "fused": batched.transformer.kernels.quantized_norms}
 
 
 # --- the tests --------------------------------------------------------------------------------------------

@@ -61,33 +61,6 @@ def _tiny_engine(fp8: str, quantized_norms: bool, blocks: int = 2):
     return [pipeline.run_block(kv, progress).video for _ in range(blocks)]
 
 
-def _batched_fused(blocks: int = 2) -> dict:
-    """Two sessions batched into one forward a step (``run_blocks``: the kernel once per session, each into its
-    slot of the FP8 mirror and, in the commit pass, its staging slot) against the same sessions one at a time,
-    ``fp8 all`` with the fused q / k path, past the window's first eviction."""
-    from engine.kv_cache import KVCacheManager
-    from tests.engine_helpers import build_small, small_dit_tiny_preset
-
-    with small_dit_tiny_preset():
-        # one denoising step: the commit pass and the history are what the batch changes; the steps repeat
-        _, bundle = build_small(dtype="bfloat16", fp8="all", sink_frames=1, window_frames=2, timesteps=[1000.0])
-    serial = bundle.pipeline
-    serial.transformer.kernels = dataclasses.replace(serial.transformer.kernels, quantized_norms=True)
-    batched = serial.variant(gather_history_once=True, batch_slots=2)
-
-    def sessions(pipeline):
-        manager = KVCacheManager(pipeline.kv_spec(), 2, "cpu")
-        return [(manager.open_session(f"s{i}"), pipeline.new_progress(seed=3 + i, prompt=f"a kite over dunes {i}"))
-                for i in range(2)]
-
-    one, two = sessions(serial), sessions(batched)
-    errors = []
-    for _ in range(blocks):
-        alone = [serial.run_block(kv, progress) for kv, progress in one]
-        errors.append(max(_relative(a.video, b.video) for a, b in zip(batched.run_blocks(two), alone)))
-    return {"errors": errors, "history_frames": [kv.num_resident_blocks("cond") for kv, _ in two]}
-
-
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
@@ -134,7 +107,11 @@ def _interpreter_checks() -> dict:
     interpreter_friendly()  # the norms' kernel with more rows a program: the same values, fewer interpreted programs
     fused = _tiny_engine("all", True)
     qq.rms_rotate_quantize = kernel
-    results["batched"] = _batched_fused()
+    from tests.engine_helpers import fp8_batched_against_serial
+
+    # one denoising step: the commit pass and the history are what the batch changes; the steps repeat
+    results["batched"] = fp8_batched_against_serial(fused_qk=True, blocks=2, sink_frames=1, window_frames=2,
+                                                    timesteps=[1000.0])
     amax = _tiny_engine("all", False)
     reference = _tiny_engine("off", False)
     results["engine"] = {
@@ -176,7 +153,7 @@ def test_batched_sessions_through_the_kernel_make_their_own_blocks(interpreted):
     """The kernel launched once per session of a batched forward, into the session's slot of the mirror and of
     the commit staging: each session's blocks as it makes them alone (the same kernels, the same scales)."""
     batched = interpreted["batched"]
-    assert batched["history_frames"] == [3, 3] and max(batched["errors"]) <= 1e-2, batched
+    assert batched["fused"] and batched["history_frames"] == [3, 3] and max(batched["errors"]) <= 1e-2, batched
 
 
 def test_static_scales_bound_each_heads_normalized_rotated_values():
