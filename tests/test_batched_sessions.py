@@ -263,6 +263,32 @@ def test_the_warm_up_meets_batched_shapes_and_seeds_a_batched_sessions_cost():
     assert len(probe.warmup(1, transitions=False)) == 1 and probe.batches == 0
 
 
+def test_the_engine_streams_batched_sessions_their_own_frames():
+    """Through the engine (core, scheduler, runner, delivery): three best-effort sessions' chunks with batching
+    on are those they get with it off."""
+    from engine.api import Engine
+    from tests.engine_helpers import run_async, take_chunks
+
+    async def stream(batch: int):
+        engine = Engine(small_config(batch_sessions=batch, max_sessions=3, warmup_blocks=1))
+        await engine.start()
+        try:
+            ids = [engine.create_session(seed=5 + i, prompt=f"a kite over dunes {i}", pace=False).session_id
+                   for i in range(3)]
+            chunks = [await take_chunks(engine, session_id, 4) for session_id in ids]
+            return chunks, engine._core.runner.batches
+        finally:
+            await engine.shutdown()
+
+    alone, _ = run_async(stream(1))
+    together, batches = run_async(stream(3))
+    assert batches > 0
+    for ours, theirs in zip(together, alone):
+        assert [chunk.block_index for chunk in ours] == [chunk.block_index for chunk in theirs]
+        assert max(int(np.abs(a.frames.astype(np.int16) - b.frames.astype(np.int16)).max())
+                   for a, b in zip(ours, theirs)) <= 1
+
+
 def test_batching_needs_grouped_steps_over_gathered_contexts():
     with pytest.raises(ValidationError, match="batch_sessions=3 batches whole blocks"):
         EngineConfig(**{**small_config().model_dump(), "batch_sessions": 3, "step_mode": "stepwise"})
