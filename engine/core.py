@@ -430,6 +430,7 @@ class EngineCore:
         dropped = record.in_flight.drop_from(at)
         record.epoch += 1  # work planned before now and dispatched after it (no piece of it queued yet) is dropped too
         if at <= record.playout.frames_made:
+            marks.requeue_cut(record, at)
             record.playout.cut(at, block_start=block_start)
             record.deferred_cut = None
         else:
@@ -448,8 +449,11 @@ class EngineCore:
             if not record.is_open:
                 return
             if cut.block_start is None:
-                playout.cut(min(max(cut.at, playout.lead_start), playout.frames_made))
+                at = min(max(cut.at, playout.lead_start), playout.frames_made)
+                marks.requeue_cut(record, at)
+                playout.cut(at)
             elif playout.lead_start <= cut.at <= playout.frames_made:  # (a piece it falls inside keeps its start)
+                marks.requeue_cut(record, cut.at)
                 playout.cut(cut.at, block_start=cut.block_start)
 
     def _control_cost_of(self, kind: str) -> float:

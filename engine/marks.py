@@ -19,6 +19,8 @@ from engine.playout import Piece
 from engine.session import ControlMark
 from engine.session_record import MAX_MARKS, SessionRecord, WaitingMark
 
+CARRIED = -1  # a waiting mark's tick once its control is on its way whatever plan comes next (before every tick)
+
 
 def wait_for(record: SessionRecord, mark: ControlMark | None, carrier: str) -> None:
     """``mark`` waits until a plan carries its control (``prompt``, ``reset`` or ``live``)."""
@@ -34,6 +36,19 @@ def restart_carries_prompts(record: SessionRecord) -> None:
     for waiting in record.marks:
         if waiting.tick is None and waiting.carrier == "prompt":
             waiting.carrier = "reset"
+
+
+def requeue_cut(record: SessionRecord, at: int) -> None:
+    """The lead is about to be cut at frame ``at``: the marks of the pieces it drops whole never reached the screen
+    with them, so they wait again, before every mark still waiting (they arrived first), for the first frames
+    shown after the cut: the next piece that shows controls, whatever its tick (what is in flight past the cut is
+    dropped, so that piece is the first made again, or the new content's). Without this a change superseded
+    before its frames played lost its mark, and its client never heard that it was shown."""
+    dropped = [mark for piece in record.playout.pieces if piece.pts >= at for mark in piece.marks]
+    if not dropped:
+        return
+    record.marks[:0] = [WaitingMark(mark, "cut", CARRIED) for mark in dropped]
+    del record.marks[:max(0, len(record.marks) - MAX_MARKS)]  # the oldest are no longer worth timing
 
 
 def planned(record: SessionRecord, work: SessionWork, tick: int) -> None:

@@ -215,3 +215,26 @@ def test_supersede_is_on_by_default_where_the_kept_decoder_states_are_small_or_f
     assert supersede_blocks(cuda, wan_state, 24 * gib) == 0  # the 24 GiB mode: 7.2 GiB of kept states is too much
     assert supersede_blocks(small_config(blocks_in_flight=2, supersede=False), 3 * 2**20, 141 * gib) == 0
     assert supersede_blocks(small_config(blocks_in_flight=2, supersede=True), wan_state, 24 * gib) == 3
+
+
+def test_marks_of_pieces_a_cut_drops_wait_for_the_first_frames_after_it():
+    """A change superseded before its frames played: the cut that drops its piece gives its mark back, and the
+    first piece shown after the cut carries it, before the marks of later changes (the supersede test above hung
+    on this when two changes came a piece apart: the first one's mark went with the dropped piece)."""
+    from engine import marks
+    from engine.session import ChunkTimings, ControlMark
+    from engine.playout import Piece
+    from tests.test_realtime_scheduling import _record
+
+    record = _record("s", pace=True)
+    frames = np.zeros((4, 1, 1, 3), np.uint8)
+    first, superseded, later = (ControlMark(name, "prompt", 0.0) for name in ("p0", "p1", "p2"))
+    for index, shown in enumerate(((first,), (superseded,), ())):
+        record.made(Piece(frames, 1, ChunkTimings(0, 0, 0, 0), 0.0, marks=shown, first_of_block=index == 0), 0.0,
+                    tolerance_s=0.05)
+    marks.wait_for(record, later, "prompt")  # the change that cuts: its mark waits for its plan
+    marks.requeue_cut(record, 4)  # the pieces from frame 4 on are dropped: p1's with them
+    record.playout.cut(4, block_start=0)
+    assert [piece.marks for piece in record.playout.pieces] == [(first,)]
+    marks.planned(record, SessionWork("s", prompt=PromptUpdate("x", "", "soft"), run=True), tick=7)
+    assert marks.shown(record, 7) == (superseded, later) and not record.marks
