@@ -430,8 +430,7 @@ class EngineCore:
         dropped = record.in_flight.drop_from(at)
         record.epoch += 1  # work planned before now and dispatched after it (no piece of it queued yet) is dropped too
         if at <= record.playout.frames_made:
-            marks.requeue_cut(record, at)
-            record.playout.cut(at, block_start=block_start)
+            _cut_lead(record, at, block_start)
             record.deferred_cut = None
         else:
             record.deferred_cut = DeferredCut(at, block_start)
@@ -449,12 +448,9 @@ class EngineCore:
             if not record.is_open:
                 return
             if cut.block_start is None:
-                at = min(max(cut.at, playout.lead_start), playout.frames_made)
-                marks.requeue_cut(record, at)
-                playout.cut(at)
+                _cut_lead(record, min(max(cut.at, playout.lead_start), playout.frames_made), None)
             elif playout.lead_start <= cut.at <= playout.frames_made:  # (a piece it falls inside keeps its start)
-                marks.requeue_cut(record, cut.at)
-                playout.cut(cut.at, block_start=cut.block_start)
+                _cut_lead(record, cut.at, cut.block_start)
 
     def _control_cost_of(self, kind: str) -> float:
         learned = self.control_costs.get(kind)
@@ -1041,3 +1037,10 @@ class EngineCore:
             return {}
         return {"device_memory_peak_bytes": torch.cuda.max_memory_reserved(device),
                 "device_memory_limit_bytes": allocator_limit_bytes(self.config)}
+
+
+def _cut_lead(record: SessionRecord, at: int, block_start: int | None) -> None:
+    """The session's lead cut at ``at`` (``Playout.cut``); the marks of the pieces it drops wait again
+    (``marks.requeue_cut``)."""
+    marks.requeue_cut(record, at)
+    record.playout.cut(at, block_start=block_start)

@@ -561,16 +561,10 @@ class Runner:
         """Asked before each of a batch's steps: the members whose stop was asked for (:meth:`stop_block`); they
         leave the batch, the others go on. As for one block (:meth:`_denoise_stoppable`), on a GPU the host queues
         a step only when the one before the last is done, so a stop takes effect within about two steps."""
-        cuda = self.pipeline.transformer.device.type == "cuda"
-        queued: deque = deque()
+        ahead = _OneAhead(self.pipeline.transformer.device)
 
         def stopped() -> list[int]:
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
-                queued.append(event)
-                if len(queued) > 1:  # the step before the one just queued is done
-                    queued.popleft().synchronize()
+            ahead.queued()  # (asked before each step: the one before it is the one just queued)
             return [position for position, work in enumerate(works)
                     if self.device_sessions[work.session_id].stop_requested]
 
@@ -856,8 +850,7 @@ class Runner:
         never waits for the host, and a stop leaves at most two forwards to finish, not the rest of the block; the
         host then waits for them, so the device is free when the dispatch returns. A stopped block leaves the
         session as if it had not begun (its noise generator too): begun again, it is the block never stopped."""
-        cuda = self.pipeline.transformer.device.type == "cuda"
-        queued: deque = deque()
+        ahead = _OneAhead(self.pipeline.transformer.device)
         begun = progress.latents is None and progress.clean is None  # its noise is drawn from here
         start = progress.generator.get_state() if begun else None
         while True:
@@ -866,14 +859,8 @@ class Runner:
             if device_session.stop_requested:
                 break
             self.pipeline.denoise_step(device_session.kv, progress)
-            if cuda:
-                event = torch.cuda.Event()
-                event.record()
-                queued.append(event)
-                if len(queued) > 1:
-                    queued.popleft().synchronize()
-        for event in queued:
-            event.synchronize()
+            ahead.queued()
+        ahead.drain()
         progress.latents = progress.clean = None
         progress.step_index = 0
         if start is not None:  # begun again, it draws the noise it drew: as if it had never begun
@@ -954,7 +941,7 @@ class Runner:
         """
         first, second = "__warmup__", "__warmup_2__"
         spec = self.kv_manager.spec
-        plain_blocks = max(blocks, -(-spec.resident_frames // spec.frames_per_block) + 1) if transitions else blocks
+        plain_blocks = max(blocks, self._blocks_past_eviction()) if transitions else blocks
         free_before = self.kv_manager.block_pool.num_free_blocks
         opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")
         seconds = []
@@ -997,6 +984,11 @@ class Runner:
             raise RuntimeError(f"warmup did not restore the KV pool (free {free_before} -> {free_after})")
         return seconds
 
+    def _blocks_past_eviction(self) -> int:
+        """Blocks that fill a session's window and evict from it: every history length met."""
+        spec = self.kv_manager.spec
+        return -(-spec.resident_frames // spec.frames_per_block) + 1
+
     def _warm_batch_ids(self) -> list[str]:
         return [f"__warmup_batch_{index}__" for index in range(self.batch_sessions)]
 
@@ -1006,8 +998,7 @@ class Runner:
         seconds over the members): the engine's cost estimate then is a batched session's, which is what
         admitting the batch's members needs. Empty without batching (or with too few session slots: the
         activation probe's one)."""
-        spec = self.kv_manager.spec
-        plain_blocks = -(-spec.resident_frames // spec.frames_per_block) + 1  # fill the window, evict
+        plain_blocks = self._blocks_past_eviction()
         largest = min(self.batch_sessions, self.kv_manager.max_sessions)
         shares: list[float] = []
         opening = OpenSession(seed=0, prompt="warmup", negative_prompt="")
@@ -1056,6 +1047,29 @@ def runner_for(
         stoppable=stoppable,
         batch_sessions=batch_sessions,
     )
+
+
+class _OneAhead:
+    """The host queues device work at most one step ahead of the device: after each step is queued,
+    :meth:`queued` waits until the step before it is done (on a GPU; the CPU runs each step as it is queued).
+    So a stop asked for between steps leaves at most two to finish."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._cuda = device.type == "cuda"
+        self._events: deque = deque()
+
+    def queued(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event()
+            event.record()
+            self._events.append(event)
+            if len(self._events) > 1:
+                self._events.popleft().synchronize()
+
+    def drain(self) -> None:
+        """Wait until the device has done every step queued."""
+        while self._events:
+            self._events.popleft().synchronize()
 
 
 class _WorkTimer:

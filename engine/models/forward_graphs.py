@@ -84,12 +84,13 @@ class GraphedForwards:
             self.graphs.clear()
             self.kernels = self.transformer.kernels
         rows = tuple(cross_kv) if isinstance(cross_kv, (tuple, list)) else None
-        cross_shape = (len(rows), *rows[0].shape) if rows is not None else tuple(cross_kv.shape)
+        like = rows[0] if rows is not None else cross_kv  # one session's text K/V
+        cross_shape = (len(rows), *like.shape) if rows is not None else tuple(like.shape)
         key = self._key(latents, frame_timesteps, context, cross_shape)
         entry = None
         if key is not None:
             entry = self.graphs.get(key) or self.graphs.capture(
-                key, lambda pool: self._capture(latents, frame_timesteps, context, cross_kv, cross_shape, pool)
+                key, lambda pool: self._capture(latents, frame_timesteps, context, cross_kv, cross_shape, like, pool)
             )
         if entry is None:
             return self.transformer(latents, frame_timesteps, context, torch.stack(rows) if rows else cross_kv)
@@ -130,13 +131,12 @@ class GraphedForwards:
             self._cross_buffers[key] = torch.empty(shape, dtype=like.dtype, device=like.device)
         return self._cross_buffers[key]
 
-    def _capture(self, latents, frame_timesteps, context, cross_kv, cross_shape, pool) -> _ForwardGraph:
+    def _capture(self, latents, frame_timesteps, context, cross_kv, cross_shape, like, pool) -> _ForwardGraph:
         static_latents = BlockLatents(_buffer_like(latents.video), _buffer_like(latents.audio))
         static_latents.video.copy_(latents.video)
         if latents.audio is not None:
             static_latents.audio.copy_(latents.audio)
         static_timesteps = frame_timesteps.clone()
-        like = cross_kv[0] if isinstance(cross_kv, (tuple, list)) else cross_kv
         static_cross = self._cross_buffer(cross_shape, like)
         _fill(static_cross, cross_kv)
         graph, output = capture(
